@@ -1,0 +1,1 @@
+"""IR -> code: Triton kernels for fused groups, comm kernels, the per-graph wrapper module."""

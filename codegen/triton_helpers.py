@@ -1,0 +1,169 @@
+"""Triton device functions the generated kernels call.
+
+Only core `tl` operations are used (no libdevice), so the same code runs compiled on
+a GPU and under Triton's interpreter on a CPU.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def max_nan(a, b):
+    return tl.where((a > b) | (a != a), a, b)
+
+
+@triton.jit
+def min_nan(a, b):
+    return tl.where((a < b) | (a != a), a, b)
+
+
+@triton.jit
+def prod_combine(a, b):
+    return a * b
+
+
+@triton.jit
+def argmax_combine(va, ia, vb, ib):
+    take_a = (va > vb) | ((va != va) & (vb == vb)) | ((va == vb) & (ia < ib)) | ((va != va) & (vb != vb) & (ia < ib))
+    return tl.where(take_a, va, vb), tl.where(take_a, ia, ib)
+
+
+@triton.jit
+def argmin_combine(va, ia, vb, ib):
+    take_a = (va < vb) | ((va != va) & (vb == vb)) | ((va == vb) & (ia < ib)) | ((va != va) & (vb != vb) & (ia < ib))
+    return tl.where(take_a, va, vb), tl.where(take_a, ia, ib)
+
+
+@triton.jit
+def div_floor(a, b):
+    """Python floor division of integers (Triton's `//` truncates)."""
+    q = a // b
+    return tl.where((q * b != a) & ((a < 0) != (b < 0)), q - 1, q)
+
+
+@triton.jit
+def remainder_int(a, b):
+    r = a % b
+    return tl.where((r != 0) & ((r < 0) != (b < 0)), r + b, r)
+
+
+@triton.jit
+def trunc(x):
+    return tl.where(x < 0, tl.ceil(x), tl.floor(x))
+
+
+@triton.jit
+def round_half_even(x):
+    r = tl.floor(x + 0.5)
+    half = (r - x) == 0.5
+    odd = (r - 2.0 * tl.floor(r * 0.5)) != 0
+    return tl.where(half & odd, r - 1.0, r)
+
+
+@triton.jit
+def tanh(x):
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    small = x - x * x * x / 3.0
+    t = tl.where(tl.abs(x) < 1e-3, tl.abs(small), t)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def expm1(x):
+    return tl.where(tl.abs(x) < 1e-4, x + 0.5 * x * x + x * x * x / 6.0, tl.exp(x) - 1.0)
+
+
+@triton.jit
+def log1p(x):
+    u = 1.0 + x
+    # log(u) * x / (u - 1) corrects the rounding of 1 + x (Goldberg)
+    return tl.where(u == 1.0, x, tl.log(u) * (x / (u - 1.0)))
+
+
+@triton.jit
+def atan(x):
+    # Cephes-style: reduce to [0, tan(pi/8)] then a polynomial
+    a = tl.abs(x)
+    big = a > 2.414213562373095
+    mid = (a > 0.4142135623730950) & (~big)
+    y0 = tl.where(big, 1.5707963267948966, tl.where(mid, 0.7853981633974483, 0.0))
+    z = tl.where(big, -1.0 / tl.where(big, a, 1.0), tl.where(mid, (a - 1.0) / (a + 1.0), a))
+    zz = z * z
+    p = (((8.05374449538e-2 * zz - 1.38776856032e-1) * zz + 1.99777106478e-1) * zz
+         - 3.33329491539e-1) * zz * z + z
+    r = y0 + p
+    return tl.where(x < 0, -r, r)
+
+
+@triton.jit
+def atan2(y, x):
+    pi = 3.141592653589793
+    base = atan(y / tl.where(x == 0, 1.0, x))
+    r = tl.where(x > 0, base, tl.where(y >= 0, base + pi, base - pi))
+    r = tl.where(x == 0, tl.where(y > 0, pi / 2, tl.where(y < 0, -pi / 2, 0.0)), r)
+    return tl.where((x == 0) & (y == 0), tl.where(x.to(tl.int32, bitcast=True) < 0, tl.where(y.to(tl.int32, bitcast=True) < 0, -pi, pi), y), r)
+
+
+@triton.jit
+def asin(x):
+    return atan2(x, tl.sqrt((1.0 - x) * (1.0 + x)))
+
+
+@triton.jit
+def acos(x):
+    return atan2(tl.sqrt((1.0 - x) * (1.0 + x)), x)
+
+
+@triton.jit
+def sinh(x):
+    return tl.where(tl.abs(x) < 1e-4, x + x * x * x / 6.0, 0.5 * (tl.exp(x) - tl.exp(-x)))
+
+
+@triton.jit
+def cosh(x):
+    return 0.5 * (tl.exp(x) + tl.exp(-x))
+
+
+@triton.jit
+def asinh(x):
+    a = tl.abs(x)
+    r = tl.log(a + tl.sqrt(a * a + 1.0))
+    r = tl.where(a < 1e-4, a, r)
+    return tl.where(x < 0, -r, r)
+
+
+@triton.jit
+def acosh(x):
+    return tl.log(x + tl.sqrt(x * x - 1.0))
+
+
+@triton.jit
+def atanh(x):
+    return tl.where(tl.abs(x) < 1e-4, x + x * x * x / 3.0, 0.5 * tl.log((1.0 + x) / (1.0 - x)))
+
+
+@triton.jit
+def erfc(x):
+    return 1.0 - tl.erf(x)
+
+
+@triton.jit
+def signbit32(x):
+    return x.to(tl.int32, bitcast=True) < 0
+
+
+@triton.jit
+def signbit64(x):
+    return x.to(tl.int64, bitcast=True) < 0
+
+
+@triton.jit
+def pow_float(a, b):
+    """a ** b with torch's special cases: negative bases with integral exponents, zeros, ones."""
+    mag = tl.exp2(b * tl.log2(tl.abs(a)))
+    b_int = tl.floor(b) == b
+    odd = b_int & ((b - 2.0 * tl.floor(b * 0.5)) != 0)
+    r = tl.where(a < 0, tl.where(b_int, tl.where(odd, -mag, mag), float("nan")), mag)
+    r = tl.where(b == 0, 1.0, r)
+    return tl.where(a == 1, 1.0, r)

@@ -1,0 +1,254 @@
+"""The per-graph Python module: kernels, then `call(args)` that binds sizes, allocates,
+launches kernels and extern ops in schedule order, frees and reuses buffers."""
+from __future__ import annotations
+
+import collections
+
+import sympy
+import torch
+
+from commfuse import choices, ir, sizevars
+from commfuse.scheduler import Scheduler
+
+from .common import IndentedBuffer, pexpr
+from .triton import TritonKernel
+
+HEADER = """\
+# commfuse generated code: graph {graph_id}
+import torch
+import triton
+import triton.language as tl
+from codegen import triton_helpers
+from commfuse.runtime.support import empty_strided, reinterpret_tensor, cdiv
+aten = torch.ops.aten
+prims = torch.ops.prims
+constants = {{}}  # filled by the loader: tensor constants and non-tensor objects
+"""
+
+
+class WrapperCodegen:
+    def __init__(self, graph, scheduler: Scheduler):
+        self.graph, self.sched = graph, scheduler
+        self.kernels = IndentedBuffer()
+        self.body = IndentedBuffer(1)
+        self.kernel_info: list[dict] = []   # for the summary
+        self.extern_calls: list[str] = []
+        self.allocations: list[dict] = []
+        self.constants: dict[str, object] = dict(graph.constants)
+        self.bound: set = set()
+        self.names: dict[str, str] = {}     # buffer -> variable holding it (after reuse)
+
+    # ------------------------------------------------------------------ helpers
+    def expr(self, e) -> str:
+        return pexpr(sympy.sympify(e))
+
+    def shape(self, values) -> str:
+        inner = ", ".join(self.expr(v) for v in values)
+        return f"({inner}{',' if len(values) == 1 else ''})"
+
+    def ref(self, name: str) -> str:
+        return self.names.get(name, name)
+
+    def value(self, x) -> str:
+        """Python source for an extern-call argument."""
+        if isinstance(x, ir.ReinterpretView):
+            lay = x.layout
+            return (f"reinterpret_tensor({self.ref(x.base.name)}, {self.shape(lay.size)}, "
+                    f"{self.shape(lay.stride)}, {self.expr(lay.offset)})")
+        if isinstance(x, ir.Buffer):
+            return self.ref(x.name)
+        if isinstance(x, ir.TensorBox):
+            return self.value(x.data)
+        if isinstance(x, sympy.Expr):
+            return self.expr(x)
+        if isinstance(x, (list, tuple)):
+            inner = ", ".join(self.value(v) for v in x)
+            return f"[{inner}]" if isinstance(x, list) else f"({inner}{',' if len(x) == 1 else ''})"
+        if isinstance(x, torch.dtype):
+            return str(x)
+        if isinstance(x, torch.device):
+            return f"torch.device({x.type!r}, {x.index})" if x.index is not None else f"torch.device({x.type!r})"
+        if isinstance(x, (torch.layout, torch.memory_format)):
+            return str(x)
+        if isinstance(x, float) and (x != x or x in (float("inf"), float("-inf"))):
+            return f"float({str(x)!r})"
+        if x is None or isinstance(x, (bool, int, float, str)):
+            return repr(x)
+        name = f"obj{len(self.constants)}"
+        self.constants[name] = x
+        return f"constants[{name!r}]"
+
+    # ------------------------------------------------------------------ generation
+    def generate(self) -> str:
+        g = self.graph
+        self.body.writeline(f"{', '.join(g.placeholder_names)}{',' if len(g.placeholder_names) == 1 else ''} = args"
+                            if g.placeholder_names else "pass")
+        self.body.writeline("args.clear()")
+        for name in g.constants:
+            self.body.writeline(f"{name} = constants[{name!r}]")
+        self.bind_sizes()
+        last_use = self.last_uses()
+        pool = collections.defaultdict(list)
+        no_reuse = {n for grp in self.sched.groups for nd in grp.nodes
+                    if nd.is_extern() and nd.buf.aliases for n in nd.read_names}
+        for step, grp in enumerate(self.sched.groups):
+            if grp.is_extern():
+                self.extern(grp.nodes[0], pool)
+            else:
+                self.kernel(grp, step, pool)
+            for name in last_use.get(step, []):
+                if name in self.sched.output_names or name not in g.name_to_buffer:
+                    continue
+                buf = g.name_to_buffer[name]
+                if name in no_reuse or isinstance(buf, ir.MultiOutput) or isinstance(buf, ir.ExternKernel) and not buf.out_variant:
+                    self.body.writeline(f"del {self.ref(name)}")
+                else:
+                    pool[self.alloc_key(buf)].append(self.ref(name))
+        for names in pool.values():
+            for n in names:
+                self.body.writeline(f"del {n}")
+        outs = [self.output(o) for o in g.graph_outputs]
+        self.body.writeline(f"return ({', '.join(outs)}{',' if len(outs) == 1 else ''})")
+        code = IndentedBuffer()
+        code.writelines(HEADER.format(graph_id=g.graph_id).splitlines())
+        code.writeline()
+        code.splice(self.kernels)
+        code.writeline()
+        devices = {b.get_device() for b in g.buffers} | {b.get_device() for b in g.graph_inputs.values()
+                                                          if isinstance(b, ir.Buffer)}
+        cuda = sorted({d.index or 0 for d in devices if d.type == "cuda"})
+        code.writeline("def call(args):")
+        if len(cuda) == 1:
+            with code.indent():
+                code.writeline(f"with torch.cuda.device({cuda[0]}):")
+                with code.indent():
+                    code.writeline("return _call(args)")
+            code.writeline()
+            code.writeline("def _call(args):")
+        code.splice(self.body)
+        return code.getvalue()
+
+    def bind_sizes(self):
+        g = self.graph
+        for name in g.placeholder_names:
+            v = g.graph_inputs[name]
+            if isinstance(v, sympy.Symbol) and v not in self.bound:
+                self.body.writeline(f"{v} = {name}")
+                self.bound.add(v)
+            elif isinstance(v, ir.InputBuffer):
+                for what, values in (("size", v.layout.size), ("stride", v.layout.stride)):
+                    for i, e in enumerate(values):
+                        if isinstance(e, sympy.Symbol) and e not in self.bound:
+                            self.body.writeline(f"{e} = {name}.{what}({i})")
+                            self.bound.add(e)
+
+    def last_uses(self) -> dict:
+        last = {}
+        for step, grp in enumerate(self.sched.groups):
+            for name in grp.read_names | grp.write_names:
+                last[name] = step
+        out = collections.defaultdict(list)
+        for name, step in last.items():
+            out[step].append(name)
+        return out
+
+    @staticmethod
+    def alloc_key(buf):
+        lay = buf.layout
+        return (str(lay.device), lay.dtype, tuple(map(str, lay.size)), tuple(map(str, lay.stride)))
+
+    def allocate(self, buf: ir.Buffer, pool):
+        lay = buf.layout
+        key = self.alloc_key(buf)
+        nbytes = sizevars.hint(lay.storage_numel()) * lay.dtype.itemsize
+        if pool.get(key):
+            old = pool[key].pop()
+            self.body.writeline(f"{buf.name} = {old}; del {old}  # reuse")
+            self.allocations.append({"name": buf.name, "bytes": nbytes, "reuses": old})
+            return
+        size = list(lay.size)
+        self.body.writeline(f"{buf.name} = empty_strided({self.shape(size)}, {self.shape(lay.stride)}, "
+                            f"device={self.value(lay.device)}, dtype={lay.dtype})")
+        self.allocations.append({"name": buf.name, "bytes": nbytes})
+
+    def kernel(self, grp, step, pool):
+        kind = "red" if grp.is_reduction() else "poi"
+        ops_names = "_".join(sorted({_short(n) for n in grp.nodes}))[:40]
+        name = f"cf_{kind}_{ops_names}_{step}"
+        k = TritonKernel(grp, self.sched, name)
+        src, meta = k.render()
+        self.kernels.splice(_lines(src))
+        self.kernels.writeline()
+        for n in grp.nodes:
+            if n.name not in self.sched.internal:
+                self.allocate(n.buf, pool)
+        X, R = grp.X, grp.R
+        if meta["reduction"]:
+            rn = sizevars.hint(R)
+            blocks = choices.reduction_blocks(sizevars.hint(X), rn, meta["persistent"])
+        else:
+            blocks = choices.pointwise_block(sizevars.hint(X))
+        args = [self.ref(a) for a in k.args] + [self.expr(s) for s in meta["size_symbols"]]
+        args += [self.expr(X)] + ([self.expr(R)] if meta["reduction"] else [])
+        consts = [f"XBLOCK={blocks['XBLOCK']}"] + ([f"RBLOCK={blocks['RBLOCK']}"] if meta["reduction"] else [])
+        grid = f"(cdiv({self.expr(X)}, {blocks['XBLOCK']}),)"
+        launch = f"{name}[{grid}]({', '.join(args + consts)}, num_warps={blocks['num_warps']})"
+        if sizevars.is_static(X) and int(X) == 0:
+            self.body.writeline(f"# {name} skipped: empty")
+        elif sizevars.is_static(X):
+            self.body.writeline(launch)
+        else:
+            self.body.writeline(f"if {self.expr(X)} > 0:")
+            with self.body.indent():
+                self.body.writeline(launch)
+        writes = [n.name for n in grp.nodes if n.name not in self.sched.internal]
+        reads = sorted(n for n in k.args if n not in writes)
+        self.kernel_info.append({"name": name, "reads": reads, "writes": writes,
+                                 "nodes": grp.names, "reduction": meta["reduction"],
+                                 "persistent": meta["persistent"]})
+
+    def extern(self, node, pool):
+        buf = node.buf
+        if isinstance(buf, ir.MultiOutput):
+            self.body.writeline(f"{buf.name} = {self.ref(buf.parent.name)}[{buf.index}]")
+            return
+        op = buf.op
+        call = _op_path(op)
+        args = ", ".join([self.value(a) for a in buf.args] +
+                         [f"{k}={self.value(v)}" for k, v in buf.kwargs.items()])
+        self.extern_calls.append(str(op))
+        if buf.out_variant:
+            self.allocate(buf, pool)
+            self.body.writeline(f"{call}({args}{', ' if args else ''}out={buf.name})")
+        elif buf.side_effect:
+            self.body.writeline(f"{call}({args})")
+        else:
+            self.body.writeline(f"{buf.name} = {call}({args})")
+
+    def output(self, o) -> str:
+        if isinstance(o, (ir.Buffer, ir.ReinterpretView)):
+            return self.value(o)
+        if isinstance(o, ir.TensorBox):
+            return self.value(o.data)
+        return self.value(o)
+
+
+def _short(node) -> str:
+    buf = node.buf
+    if isinstance(buf, ir.ComputedBuffer) and isinstance(buf.data, ir.Reduction):
+        return buf.data.reduction_type
+    return "pw"
+
+
+def _lines(src: str) -> IndentedBuffer:
+    b = IndentedBuffer()
+    b.lines = src.rstrip("\n").split("\n")
+    return b
+
+
+def _op_path(op) -> str:
+    if isinstance(op, torch._ops.OpOverload):
+        ns = op.namespace
+        base = "aten" if ns == "aten" else "prims" if ns == "prims" else f"torch.ops.{ns}"
+        return f"{base}.{op._opname}.{op._overloadname}"
+    return f"{op.__module__}.{op.__qualname__}"

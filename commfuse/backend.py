@@ -1,0 +1,129 @@
+"""The `commfuse` torch.compile backend.
+
+Dynamo hands us a torch-level FX graph; AOTAutograd traces it to aten forward (and
+backward) graphs with our decomposition table; each aten graph is compiled by
+`compile_graph`: lower -> schedule/fuse -> generate Triton + wrapper -> load.
+"""
+from __future__ import annotations
+
+import hashlib
+import itertools
+import logging
+import time
+
+import torch
+from torch._functorch.aot_autograd import aot_module_simplified
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+from . import config, dump
+from .decompositions import decomposition_table
+
+log = logging.getLogger("commfuse")
+_graph_counter = itertools.count()
+
+
+def commfuse_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None = None,
+                     mode: str | None = None):
+    """Entry point registered as `backend="commfuse"`."""
+    options = dict(options or {})
+    if mode not in (None, "default"):
+        log.warning("commfuse: mode=%r is not supported yet; compiling with defaults", mode)
+    settings = {**config.snapshot(), **_check_options(options)}
+
+    def compiler(kind):
+        def compile_fn(graph_module, inputs):
+            with config.patch(settings):
+                return compile_graph(graph_module, inputs, kind)
+        return compile_fn
+
+    return aot_module_simplified(
+        gm, example_inputs,
+        fw_compiler=compiler("forward"), bw_compiler=compiler("backward"),
+        inference_compiler=compiler("inference"),
+        decompositions=decomposition_table(),
+        partition_fn=min_cut_rematerialization_partition,
+        keep_inference_input_mutations=True,
+    )
+
+
+def _check_options(options: dict) -> dict:
+    known = config.snapshot()
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise ValueError(f"unknown commfuse option(s) {unknown}; see docs/config.md. Known: {sorted(known)}")
+    return options
+
+
+def graph_id_for(gm: torch.fx.GraphModule, kind: str) -> str:
+    """Stable across ranks running the same program: a counter plus the graph's code."""
+    digest = hashlib.sha256(gm.code.encode()).hexdigest()[:8]
+    return f"g{next(_graph_counter):03d}_{kind}_{digest}"
+
+
+class CompiledGraph:
+    """The boxed callable AOTAutograd calls: `compiled(args_list)`."""
+    _boxed_call = True
+
+    def __init__(self, module, graph_id, path, summary):
+        self.module, self.graph_id, self.path, self.summary = module, graph_id, path, summary
+        self.call = module.call
+
+    def __call__(self, args):
+        return self.call(args)
+
+
+def compile_graph(gm: torch.fx.GraphModule, example_inputs, kind: str = "inference"):
+    graph_id = graph_id_for(gm, kind)
+    try:
+        return _compile(gm, example_inputs, graph_id)
+    except Exception as e:
+        if not config.fallback_on_error:
+            raise
+        log.warning("commfuse: graph %s failed to compile (%s: %s); running it through aten",
+                    graph_id, type(e).__name__, e)
+        return _aten_fallback(gm)
+
+
+def _aten_fallback(gm):
+    def run(args):
+        out = torch.fx.Interpreter(gm).boxed_run(args)
+        return out
+    run._boxed_call = True
+    return run
+
+
+def _compile(gm, example_inputs, graph_id):
+    from codegen.wrapper import WrapperCodegen
+    from .graph import GraphLowering
+    from .runtime.loader import check_triton_mode, load_module
+    from .scheduler import Scheduler
+    from .virtualized import V
+
+    t0 = time.time()
+    graph = GraphLowering(gm, example_inputs, graph_id).run()
+    with V.set_graph(graph):
+        pre_fusion = "\n".join(str(b) for b in graph.buffers)
+        sched = Scheduler(graph)
+        wrapper = WrapperCodegen(graph, sched)
+        source = wrapper.generate()
+    check_triton_mode(graph.device_types)
+    module, path = load_module(source, wrapper.constants)
+    summary = {
+        "graph_id": graph_id,
+        "kernels": wrapper.kernel_info,
+        "extern_calls": wrapper.extern_calls,
+        "fallback_ops": graph.fallback_ops,
+        "buffers": wrapper.allocations,
+        "comm_buffers": [],
+        "peak_memory_estimate": None,
+        "compile_seconds": round(time.time() - t0, 3),
+    }
+    post_fusion = "\n".join(f"{g!r}\n" + "\n".join(f"    {n.buf}" for n in g.nodes) for g in sched.groups)
+    dump.write(graph_id, {"fx_graph.txt": gm.print_readable(print_output=False),
+                          "ir_pre_fusion.txt": pre_fusion + "\n",
+                          "ir_post_fusion.txt": post_fusion + "\n",
+                          "output_code.py": source}, summary)
+    if config.debug:
+        log.warning("commfuse: %s: %d kernels, %d extern calls -> %s", graph_id,
+                    len(summary["kernels"]), len(summary["extern_calls"]), path)
+    return CompiledGraph(module, graph_id, path, summary)

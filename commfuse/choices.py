@@ -1,0 +1,58 @@
+"""Every heuristic in one place: what fuses, in which order, and how kernels are shaped."""
+from __future__ import annotations
+
+from . import config
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+# ----------------------------------------------------------------------------- fusion
+def can_fuse(a, b) -> tuple[bool, str]:
+    """Policy half of the fusion decision; the scheduler checks legality (shapes, indices, cycles)."""
+    if a.is_extern() or b.is_extern():
+        return False, "extern kernels do not fuse"
+    if len(a.nodes) + len(b.nodes) > config.max_fusion_size:
+        return False, f"group would exceed max_fusion_size={config.max_fusion_size}"
+    if a.device != b.device:
+        return False, "different devices"
+    return True, ""
+
+
+def score_fusion(a, b, shared_bytes: int, vertical: bool) -> tuple:
+    """Higher first: vertical fusions (a pass over memory saved) before horizontal ones,
+    then by bytes saved, then nodes that were close in program order."""
+    return (vertical, shared_bytes, -abs(a.order - b.order))
+
+
+# ----------------------------------------------------------------------------- kernel shape
+def reduction_split(xnumel: int, rnumel: int) -> int:
+    """Split a long reduction over few rows across programs (two kernels)."""
+    if rnumel < config.split_reduction_min or xnumel >= 64:
+        return 1
+    return max(2, min(128, next_pow2(rnumel) // 8192))
+
+
+def pointwise_block(numel: int) -> dict:
+    block = min(config.max_block, next_pow2(max(numel, 1)))
+    return {"XBLOCK": max(block, 16), "num_warps": 4 if block <= 512 else 8}
+
+
+def reduction_blocks(xnumel: int, rnumel: int | None, persistent: bool) -> dict:
+    if persistent:
+        rblock = next_pow2(max(rnumel, 1))
+        xblock = max(1, min(next_pow2(xnumel), 4096 // max(rblock, 1)))
+        warps = 4 if rblock * xblock <= 2048 else 8 if rblock * xblock <= 8192 else 16
+        return {"XBLOCK": xblock, "RBLOCK": rblock, "num_warps": warps}
+    return {"XBLOCK": 1, "RBLOCK": 2048, "num_warps": 8}
+
+
+def is_persistent(rnumel) -> bool:
+    """Whole rows in one block: static and short enough."""
+    return rnumel is not None and rnumel <= config.persistent_reduction_max
+
+
+def tile_pointwise(numel_y: int, numel_x: int) -> dict:
+    return {"XBLOCK": min(64, next_pow2(numel_x)), "YBLOCK": min(64, next_pow2(numel_y)),
+            "num_warps": 4}

@@ -1,0 +1,107 @@
+"""Dependency analysis: run a loop body under a handler that records every load and store.
+
+The same handler renders the body as text for the IR dumps.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import sympy
+
+from .sizevars import index_symbol
+from .virtualized import V
+
+
+@dataclasses.dataclass
+class MemoryAccess:
+    name: str
+    index: sympy.Expr
+    indirect: bool = False  # the index depends on loaded data
+
+
+@dataclasses.dataclass
+class BodyTrace:
+    reads: list
+    writes: list
+    text: str
+
+
+class RecordingOps:
+    """An ops handler that records accesses; values are the names of temporaries."""
+
+    def __init__(self):
+        self.reads: list[MemoryAccess] = []
+        self.writes: list[MemoryAccess] = []
+        self.lines: list[str] = []
+        self._tmp = itertools.count()
+        self._ind = itertools.count()
+        self._indirect: set = set()
+
+    def _emit(self, text: str) -> str:
+        name = f"t{next(self._tmp)}"
+        self.lines.append(f"{name} = {text}")
+        return name
+
+    def load(self, name, index):
+        self.reads.append(MemoryAccess(name, index, bool(index.free_symbols & self._indirect)))
+        return self._emit(f"load({name}, {index})")
+
+    def store(self, name, index, value, mode=None):
+        self.writes.append(MemoryAccess(name, index))
+        self.lines.append(f"store({name}, {index}, {value}{', ' + mode if mode else ''})")
+
+    def store_reduction(self, name, index, value):
+        self.store(name, index, value)
+
+    def indirect_indexing(self, value, size, check=True):
+        sym = index_symbol("ind", next(self._ind))
+        self._indirect.add(sym)
+        self.lines.append(f"{sym} = indirect({value}, size={size}, check={check})")
+        return sym
+
+    def masked(self, mask, body, other):
+        self.lines.append(f"masked({mask}):")
+        result = body()
+        return self._emit(f"masked_value({result}, other={other})")
+
+    def __getattr__(self, op):
+        def fn(*args, **kwargs):
+            parts = [str(a) for a in args] + [f"{k}={v}" for k, v in kwargs.items()]
+            return self._emit(f"{op}({', '.join(parts)})")
+        return fn
+
+
+def index_vars(prefix: str, sizes) -> list:
+    return [sympy.Integer(0) if s == 1 else index_symbol(prefix, i) for i, s in enumerate(sizes)]
+
+
+def run_node_body(buf, index, rindex=None):
+    """Run a ComputedBuffer's body (load... compute... store) under the active handler."""
+    from .ir import Reduction
+    from .virtualized import ops
+    data = buf.data
+    if isinstance(data, Reduction):
+        value = data.inner_fn(index, rindex)
+        acc = ops.reduction(data.dtype, data.src_dtype, data.reduction_type, value)
+        return ops.store_reduction(buf.name, buf.layout.index(index), acc)
+    return ops.store(buf.name, buf.layout.index(index), data.inner_fn(index))
+
+
+def trace_body(loops, store_name=None, layout=None) -> BodyTrace:
+    """Record a loop body with symbolic indices i*, r*."""
+    from .ir import Reduction
+    handler = RecordingOps()
+    index = index_vars("i", loops.ranges)
+    with V.set_ops(handler):
+        if isinstance(loops, Reduction):
+            rindex = index_vars("r", loops.reduction_ranges)
+            value = loops.inner_fn(index, rindex)
+            value = handler.reduction(loops.dtype, loops.src_dtype, loops.reduction_type, value)
+        else:
+            value = loops.inner_fn(index)
+        if store_name is not None:
+            handler.store(store_name, layout.index(index), value)
+        else:
+            handler.lines.append(f"return {value}")
+    return BodyTrace(handler.reads, handler.writes, "; ".join(handler.lines))

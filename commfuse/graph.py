@@ -1,0 +1,189 @@
+"""GraphLowering: walks an aten FX graph, calls lowering/, owns the buffers.
+
+Every FX node becomes a TensorBox (or a size expression / python value). Ops
+without a lowering, and lowerings that raise `Unsupported`, become ExternKernels
+calling the aten op, so anything we do not understand still runs.
+"""
+from __future__ import annotations
+
+import logging
+import operator
+from typing import Any
+
+import sympy
+import torch
+import torch.fx
+
+from . import config, ir, sizevars
+from .ir import TensorBox
+from .virtualized import V
+
+log = logging.getLogger("commfuse")
+
+
+def meta_layout(val: torch.Tensor, cls=ir.FixedLayout) -> ir.Layout:
+    """Layout of a tensor as the kernels see it: offsets count from its data pointer."""
+    return cls(val.device, val.dtype, [sizevars.from_torch(s) for s in val.shape],
+               [sizevars.from_torch(s) for s in val.stride()])
+
+
+class GraphLowering(torch.fx.Interpreter):
+    def __init__(self, gm: torch.fx.GraphModule, example_inputs, graph_id: str = "graph"):
+        super().__init__(gm)
+        self.graph_id = graph_id
+        self.buffers: list[ir.Buffer] = []
+        self.name_to_buffer: dict[str, ir.Buffer] = {}
+        self.graph_inputs: dict[str, Any] = {}       # placeholder name -> InputBuffer / symbol / value
+        self.placeholder_names: list[str] = []
+        self.constants: dict[str, torch.Tensor] = {}
+        self.graph_outputs: list = []
+        self.comm_buffers: dict[str, tuple] = {}     # buffer name -> (comm kind, group); collectives issue
+        self.fallback_ops: list[str] = []
+        self.device_types: set[str] = set()
+        self.example_inputs = example_inputs
+        self._hints: dict = {}
+        self.current_node = None
+
+    # buffers ------------------------------------------------------------------
+    def register_buffer(self, cls, layout, **fields) -> ir.Buffer:
+        name = f"buf{len(self.buffers)}"
+        buf = cls(name=name, layout=layout, **fields)
+        self.buffers.append(buf)
+        self.name_to_buffer[name] = buf
+        self.device_types.add(layout.device.type)
+        return buf
+
+    def get_buffer(self, name: str):
+        if name in self.name_to_buffer:
+            return self.name_to_buffer[name]
+        b = self.graph_inputs.get(name)
+        if isinstance(b, ir.Buffer):
+            return b
+        raise KeyError(name)
+
+    def get_dtype(self, name: str) -> torch.dtype:
+        return self.get_buffer(name).get_dtype()
+
+    # FX handlers --------------------------------------------------------------
+    def run(self):
+        from lowering import load_all
+        load_all()
+        with V.set_graph(self):
+            super().run(*self.example_inputs)
+        sizevars.set_hints(self._hints)
+        return self
+
+    def run_node(self, n):
+        self.current_node = n
+        return super().run_node(n)
+
+    def placeholder(self, target, args, kwargs):
+        example = super().placeholder(target, args, kwargs)
+        self.placeholder_names.append(target)
+        node = self.current_node
+        val = node.meta.get("val", example)
+        if isinstance(val, torch.Tensor):
+            layout = meta_layout(val)
+            self._record_hints(val, example)
+            buf = ir.InputBuffer(name=target, layout=layout)
+            self.device_types.add(val.device.type)
+            self.graph_inputs[target] = buf
+            return TensorBox(buf)
+        if isinstance(val, torch.SymInt):
+            expr = sizevars.from_torch(val)
+            self.graph_inputs[target] = expr
+            if isinstance(example, int):
+                self._hints[expr] = example
+            elif isinstance(example, torch.SymInt) and example.node.hint is not None:
+                self._hints[expr] = example.node.hint
+            return expr
+        self.graph_inputs[target] = example  # ints, DeviceMesh script objects, ...
+        return example
+
+    def _record_hints(self, val, example):
+        if not isinstance(example, torch.Tensor):
+            return
+        for s, e in zip(list(val.shape) + list(val.stride()), list(example.shape) + list(example.stride())):
+            if isinstance(s, torch.SymInt) and isinstance(e, int):
+                expr = sizevars.from_torch(s)
+                if isinstance(expr, sympy.Symbol):
+                    self._hints[expr] = e
+            elif isinstance(s, torch.SymInt) and isinstance(e, torch.SymInt):
+                expr = sizevars.from_torch(s)
+                if isinstance(expr, sympy.Symbol) and e.node.hint is not None:
+                    self._hints[expr] = e.node.hint
+
+    def get_attr(self, target, args, kwargs):
+        value = super().get_attr(target, args, kwargs)
+        if isinstance(value, torch.Tensor):
+            name = f"const_{target.replace('.', '_')}"
+            self.constants[name] = value
+            buf = ir.ConstantBuffer(name=name, layout=meta_layout(value))
+            self.graph_inputs[name] = buf
+            return TensorBox(buf)
+        return value
+
+    def call_function(self, target, args, kwargs):
+        from lowering import lowerings
+        from lowering.extern import fallback
+        node = self.current_node
+        val = node.meta.get("val")
+        if isinstance(val, torch.SymInt) or (isinstance(val, (int, bool)) and target is not operator.getitem):
+            return sizevars.from_torch(val) if isinstance(val, torch.SymInt) else val
+        if isinstance(val, (torch.SymFloat, torch.SymBool)):
+            raise ir.Unsupported(f"symbolic {type(val).__name__} values are not supported")
+        if target is operator.getitem:
+            return args[0][args[1]]
+        result = None
+        lowering_fn = lowerings.get(target)
+        if lowering_fn is not None:
+            try:
+                result = lowering_fn(*args, **kwargs)
+            except ir.Unsupported as e:
+                log.debug("%s: falling back to aten (%s)", target, e)
+        if result is None:
+            result = fallback(target, args, kwargs, val)
+            self.fallback_ops.append(str(target))
+        self._maybe_realize(node, result)
+        return result
+
+    def _maybe_realize(self, node, result):
+        if isinstance(result, TensorBox) and isinstance(result.data, ir.Pointwise):
+            users = len(node.users)
+            reads = len(ir.body_reads(result.data)) if users > 1 else 0
+            if users > 1 and (reads > 0 or users > config.realize_reads_threshold):
+                result.realize()
+
+    def output(self, target, args, kwargs):
+        vals = self.current_node.args[0]
+        outs = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
+        metas = [v.meta.get("val") if isinstance(v, torch.fx.Node) else None
+                 for v in (vals if isinstance(vals, (list, tuple)) else [vals])]
+        for value, meta in zip(outs, metas):
+            if isinstance(value, TensorBox):
+                value = realize_output(value, meta)
+            self.graph_outputs.append(value)
+        return self.graph_outputs
+
+
+def realize_output(box: TensorBox, meta) -> ir.IRNode:
+    """Store a graph output with the strides eager would have given it."""
+    d = box.data
+    if isinstance(d, ir.Loops) and isinstance(meta, torch.Tensor):
+        layout = meta_layout(meta)
+        if _is_dense(layout):
+            buf = V.graph.register_buffer(ir.ComputedBuffer, layout=layout, data=d)
+            box.data = buf
+            return buf
+    return box.realize()
+
+
+def _is_dense(layout: ir.Layout) -> bool:
+    """Strides form a permutation of contiguous strides (no gaps, no overlap)."""
+    order = sorted(range(len(layout.size)), key=lambda i: sizevars.hint(layout.stride[i]))
+    expected = sympy.Integer(1)
+    for i in order:
+        if layout.size[i] != 1 and not sizevars.equal(layout.stride[i], expected):
+            return False
+        expected = expected * layout.size[i]
+    return True

@@ -1,0 +1,362 @@
+"""The IR: define-by-run loops, buffers with layouts, views and extern kernels.
+
+Lowering produces `TensorBox`es. A box holds one of:
+  Pointwise / Reduction  -- not yet stored anywhere; consumers inline `inner_fn`
+  Buffer subclasses      -- stored: inputs, computed loops, extern outputs
+  View                   -- an index remapping of another box (no data of its own)
+`realize()` turns loops into a ComputedBuffer that the scheduler will fuse.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Any, Callable, Sequence
+
+import sympy
+import torch
+
+from . import sizevars
+from .sizevars import Expr, index_symbol
+from .virtualized import V, ops
+
+
+class Unsupported(Exception):
+    """A lowering cannot handle these arguments: fall back to the aten op."""
+
+
+# ----------------------------------------------------------------------------- layouts
+@dataclasses.dataclass
+class Layout:
+    device: torch.device
+    dtype: torch.dtype
+    size: list
+    stride: list
+    offset: Expr = sympy.Integer(0)
+
+    def index(self, index: Sequence[Expr]) -> Expr:
+        assert len(index) == len(self.stride), (index, self.stride)
+        return self.offset + sum((i * s for i, s in zip(index, self.stride) if s != 0),
+                                 sympy.Integer(0))
+
+    def storage_numel(self) -> Expr:
+        """Elements the storage must span (max offset + 1)."""
+        if any(s == 0 for s in self.size):
+            return sympy.Integer(0)
+        return self.offset + 1 + sum(((n - 1) * s for n, s in zip(self.size, self.stride)),
+                                     sympy.Integer(0))
+
+    def numel(self) -> Expr:
+        return sizevars.product(self.size)
+
+    def nbytes_hint(self) -> int:
+        return sizevars.hint(self.storage_numel()) * self.dtype.itemsize
+
+    def is_contiguous(self) -> bool:
+        return all(sizevars.equal(a, b) for n, a, b in
+                   zip(self.size, self.stride, sizevars.contiguous_strides(self.size)) if n != 1)
+
+
+class FlexibleLayout(Layout):
+    """Strides not yet committed: contiguous unless the compiler decides otherwise."""
+
+
+class FixedLayout(Layout):
+    """Strides dictated from outside (inputs, outputs, extern kernels)."""
+
+
+@dataclasses.dataclass
+class CommLayout(FixedLayout):
+    """A buffer living in a persistent symmetric-memory pool of one process group."""
+    group: str = ""
+    kind: str = ""
+
+
+def contiguous_layout(device, dtype, size, cls=FlexibleLayout) -> Layout:
+    return cls(device, dtype, list(size), sizevars.contiguous_strides(size))
+
+
+# ----------------------------------------------------------------------------- base
+class IRNode:
+    def get_size(self) -> list:
+        raise NotImplementedError
+
+    def get_dtype(self) -> torch.dtype:
+        raise NotImplementedError
+
+    def get_device(self) -> torch.device:
+        raise NotImplementedError
+
+    def make_loader(self) -> Callable[[Sequence[Expr]], Any]:
+        raise NotImplementedError
+
+    def get_numel(self) -> Expr:
+        return sizevars.product(self.get_size())
+
+
+# ----------------------------------------------------------------------------- loops
+@dataclasses.dataclass(eq=False)
+class Loops(IRNode):
+    device: torch.device
+    dtype: torch.dtype
+    inner_fn: Callable
+    ranges: list
+
+    def get_size(self):
+        return self.ranges
+
+    def get_dtype(self):
+        return self.dtype
+
+    def get_device(self):
+        return self.device
+
+
+class Pointwise(Loops):
+    def make_loader(self):
+        return self.inner_fn
+
+    def __str__(self):
+        return f"Pointwise({self.dtype}, ranges={self.ranges}, body={body_str(self)})"
+
+
+@dataclasses.dataclass(eq=False)
+class Reduction(Loops):
+    reduction_ranges: list = dataclasses.field(default_factory=list)
+    reduction_type: str = "sum"
+    src_dtype: torch.dtype = torch.float32
+
+    def make_loader(self):
+        raise AssertionError("a Reduction is realized before it is read")
+
+    def __str__(self):
+        return (f"Reduction({self.reduction_type}, {self.dtype}, ranges={self.ranges}, "
+                f"reduction_ranges={self.reduction_ranges}, body={body_str(self)})")
+
+
+def body_str(loops: Loops) -> str:
+    """Render a loop body with the dependency recorder (for dumps)."""
+    from .dependencies import trace_body
+    return trace_body(loops).text
+
+
+# ----------------------------------------------------------------------------- buffers
+@dataclasses.dataclass(eq=False)
+class Buffer(IRNode):
+    name: str
+    layout: Layout
+
+    def get_size(self):
+        return self.layout.size
+
+    def get_dtype(self):
+        return self.layout.dtype
+
+    def get_device(self):
+        return self.layout.device
+
+    def get_name(self):
+        return self.name
+
+    def make_loader(self):
+        name, layout = self.name, self.layout
+
+        def loader(index):
+            return ops.load(name, layout.index(index))
+        return loader
+
+    def freeze_layout(self):
+        if isinstance(self.layout, FlexibleLayout):
+            self.layout = FixedLayout(**{f.name: getattr(self.layout, f.name)
+                                         for f in dataclasses.fields(Layout)})
+
+
+class InputBuffer(Buffer):
+    """A graph input; named by its FX placeholder."""
+
+
+class ConstantBuffer(Buffer):
+    """A tensor constant of the graph module (get_attr)."""
+
+
+@dataclasses.dataclass(eq=False)
+class ComputedBuffer(Buffer):
+    data: Loops = None
+
+    def is_reduction(self) -> bool:
+        return isinstance(self.data, Reduction)
+
+    def __str__(self):
+        return f"{self.name}: {type(self.layout).__name__}{list(self.layout.size)} = {self.data}"
+
+
+@dataclasses.dataclass(eq=False)
+class ExternKernel(Buffer):
+    """An aten op run as is. With `out_variant`, the wrapper allocates the output."""
+    op: Any = None
+    args: tuple = ()
+    kwargs: dict = dataclasses.field(default_factory=dict)
+    out_variant: bool = False
+    multi_output: bool = False  # returns a tuple; MultiOutput nodes pick its items
+    mutates: list = dataclasses.field(default_factory=list)  # buffers the op writes in place
+    aliases: bool = False       # outputs may alias inputs: never reuse the inputs' memory
+    side_effect: bool = False   # no output; never dead code
+
+    def inputs(self) -> list:
+        leaves = torch.utils._pytree.tree_leaves((self.args, self.kwargs))
+        return [x for x in leaves if isinstance(x, (Buffer, ReinterpretView))]
+
+    def __str__(self):
+        return f"{self.name}: ExternKernel {self.op}({', '.join(map(_arg_str, self.args))})"
+
+
+@dataclasses.dataclass(eq=False)
+class MultiOutput(Buffer):
+    """Item `index` of a multi-output extern kernel."""
+    parent: ExternKernel = None
+    index: int = 0
+
+
+@dataclasses.dataclass(eq=False)
+class NoneOutput(IRNode):
+    """A None item of a multi-output op (e.g. an undefined gradient)."""
+
+
+def _arg_str(a):
+    if isinstance(a, Buffer):
+        return a.name
+    if isinstance(a, ReinterpretView):
+        return f"reinterpret({a.base.name}, {a.layout.size}, {a.layout.stride})"
+    return repr(a)
+
+
+# ----------------------------------------------------------------------------- views
+@dataclasses.dataclass(eq=False)
+class View(IRNode):
+    """Reads `base` through `reindex`: view index -> base index."""
+    base: "TensorBox"
+    size: list
+    reindex: Callable[[Sequence[Expr]], Sequence[Expr]]
+    dtype: torch.dtype | None = None  # set for bitcast-free dtype views (not used yet)
+
+    def get_size(self):
+        return self.size
+
+    def get_dtype(self):
+        return self.base.get_dtype()
+
+    def get_device(self):
+        return self.base.get_device()
+
+    def make_loader(self):
+        inner = self.base.make_loader()
+        reindex = self.reindex
+        return lambda index: inner(reindex(index))
+
+
+@dataclasses.dataclass(eq=False)
+class ReinterpretView(IRNode):
+    """A strided view of a stored buffer (the wrapper passes it with as_strided)."""
+    base: Buffer
+    layout: Layout
+
+    def get_size(self):
+        return self.layout.size
+
+    def get_dtype(self):
+        return self.layout.dtype
+
+    def get_device(self):
+        return self.layout.device
+
+    def make_loader(self):
+        name, layout = self.base.name, self.layout
+        return lambda index: ops.load(name, layout.index(index))
+
+
+# ----------------------------------------------------------------------------- boxes
+class TensorBox(IRNode):
+    """What lowerings pass around; `data` changes when the value is realized."""
+
+    def __init__(self, data: IRNode):
+        self.data = data
+
+    def get_size(self):
+        return self.data.get_size()
+
+    def get_dtype(self):
+        return self.data.get_dtype()
+
+    def get_device(self):
+        return self.data.get_device()
+
+    def make_loader(self):
+        return self.data.make_loader()
+
+    def __repr__(self):
+        return f"TensorBox({type(self.data).__name__})"
+
+    # realization -------------------------------------------------------------
+    def realize(self) -> Buffer | ReinterpretView:
+        """Store this value in a buffer (or find the strided view it already is)."""
+        d = self.data
+        if isinstance(d, (Buffer, ReinterpretView)):
+            return d
+        if isinstance(d, Loops):
+            buf = V.graph.register_buffer(ComputedBuffer, layout=contiguous_layout(
+                d.device, d.dtype, d.get_size()), data=d)
+            self.data = buf
+            return buf
+        if isinstance(d, View):
+            strided = as_strided_view(self)
+            if strided is not None:
+                return strided
+            self.data = Pointwise(d.get_device(), d.get_dtype(), d.make_loader(), list(d.get_size()))
+            return self.realize()
+        raise AssertionError(type(d))
+
+    def realize_buffer(self) -> Buffer:
+        """A real buffer of its own (copying a strided view if needed)."""
+        r = self.realize()
+        if isinstance(r, Buffer):
+            return r
+        self.data = Pointwise(r.get_device(), r.get_dtype(), r.make_loader(), list(r.get_size()))
+        return self.realize()
+
+    def is_stored(self) -> bool:
+        return isinstance(self.data, (Buffer, ReinterpretView))
+
+
+def as_strided_view(box: TensorBox) -> ReinterpretView | None:
+    """If a view chain over a stored buffer is affine in its index, the strided view it is."""
+    size = box.get_size()
+    vars = [index_symbol("v", i) for i in range(len(size))]
+    chain, node = [], box.data
+    while isinstance(node, View):
+        chain.append(node.reindex)
+        node = node.base.data
+    if isinstance(node, ReinterpretView):
+        base, layout = node.base, node.layout
+    elif isinstance(node, Buffer):
+        base, layout = node, node.layout
+    else:
+        return None
+    index = list(vars)
+    for reindex in chain:
+        index = list(reindex(index))
+    affine = sizevars.affine_coefficients(layout.index(index), vars)
+    if affine is None:
+        return None
+    strides, offset = affine
+    if isinstance(base, ComputedBuffer) and isinstance(base.layout, FlexibleLayout):
+        base.freeze_layout()
+    return ReinterpretView(base, FixedLayout(layout.device, layout.dtype, list(size),
+                                             list(strides), offset))
+
+
+def unwrap(x):
+    return x.data if isinstance(x, TensorBox) else x
+
+
+def body_reads(loops: Loops) -> set:
+    from .dependencies import trace_body
+    return {r.name for r in trace_body(loops).reads}

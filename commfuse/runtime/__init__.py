@@ -1,0 +1,1 @@
+"""Runtime support: loading generated modules, the Triton interpreter switch, symmetric memory."""

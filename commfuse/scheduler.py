@@ -1,0 +1,337 @@
+"""Scheduler: IR buffers -> fused groups in a valid order.
+
+A group is one kernel (or one extern call). Every loop node is placed in the
+group's iteration space (X rows x R reduction elements): its own index variables
+become expressions of the kernel's `x` and `r`. Two groups fuse when policy allows
+(choices.py), no third group lies between them, and every buffer one writes and the
+other reads is accessed at the same kernel index — then the value never leaves
+registers and, if nobody else reads it, is never stored.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+
+import sympy
+
+from . import choices, config, ir, sizevars
+from .dependencies import index_vars, trace_body
+from .sizevars import index_symbol
+
+XSYM = index_symbol("x", 0)   # the kernel's row index
+RSYM = index_symbol("r", 0)   # the kernel's reduction (inner) index
+
+
+class SchedulerNode:
+    """One IR buffer: a loop nest or an extern call."""
+
+    def __init__(self, buf: ir.Buffer, order: int):
+        self.buf, self.name, self.order = buf, buf.name, order
+        self.device = buf.get_device()
+        if isinstance(buf, ir.ComputedBuffer):
+            data = buf.data
+            trace = trace_body(data, buf.name, buf.layout)
+            self.reads = trace.reads
+            self.writes = trace.writes
+            self.ranges = list(data.ranges)
+            self.rranges = list(data.reduction_ranges) if buf.is_reduction() else []
+        else:
+            self.reads = [_whole(n) for n in _extern_reads(buf)]
+            self.writes = [_whole(buf.name)] + [_whole(n) for n in getattr(buf, "mutates", [])]
+            self.ranges, self.rranges = [], []
+        self.read_names = {r.name for r in self.reads}
+        self.write_names = {w.name for w in self.writes}
+
+    def is_extern(self):
+        return not isinstance(self.buf, ir.ComputedBuffer)
+
+    def is_reduction(self):
+        return bool(self.rranges)
+
+    def numel(self):
+        return sizevars.product(self.ranges)
+
+    def kernel_index_map(self, X, R):
+        """{own index var: expression in x, r} placing this node in a (X, R) kernel, or None."""
+        ivars = index_vars("i", self.ranges)
+        if self.is_reduction():
+            if not (sizevars.equal(self.numel(), X) and sizevars.equal(self.rranges[0], R)):
+                return None
+            m = dict(zip(ivars, sizevars.unravel(XSYM, self.ranges)))
+            m[index_symbol("r", 0)] = RSYM
+            return _drop_constants(m)
+        if R == 1 or sizevars.equal(self.numel(), X):  # a row-wise (x only) node
+            if not sizevars.equal(self.numel(), X):
+                return None
+            return _drop_constants(dict(zip(ivars, sizevars.unravel(XSYM, self.ranges))))
+        # an elementwise node over X*R elements: its leading dims must span exactly X
+        prefix = sympy.Integer(1)
+        for k in range(len(self.ranges) + 1):
+            if sizevars.equal(prefix, X) and sizevars.equal(sizevars.product(self.ranges[k:]), R):
+                m = dict(zip(ivars[:k], sizevars.unravel(XSYM, self.ranges[:k])))
+                m.update(zip(ivars[k:], sizevars.unravel(RSYM, self.ranges[k:])))
+                return _drop_constants(m)
+            if k < len(self.ranges):
+                prefix = prefix * self.ranges[k]
+        return None
+
+    def __repr__(self):
+        return f"SchedulerNode({self.name})"
+
+
+def _drop_constants(m):
+    return {k: v for k, v in m.items() if isinstance(k, sympy.Symbol)}
+
+
+def _whole(name):
+    from .dependencies import MemoryAccess
+    return MemoryAccess(name, sympy.Symbol("whole"), indirect=True)
+
+
+def _extern_reads(buf) -> list[str]:
+    if isinstance(buf, ir.MultiOutput):
+        return [buf.parent.name]
+    return [x.base.name if isinstance(x, ir.ReinterpretView) else x.name for x in buf.inputs()]
+
+
+@dataclasses.dataclass(eq=False)
+class Group:
+    """A kernel to be: nodes in program order plus its iteration space (X, R)."""
+    nodes: list
+    X: sympy.Expr
+    R: sympy.Expr
+    order: int
+
+    @property
+    def device(self):
+        return self.nodes[0].device
+
+    def is_extern(self):
+        return self.nodes[0].is_extern()
+
+    def is_reduction(self):
+        return self.R != 1
+
+    @property
+    def read_names(self):
+        return set().union(*(n.read_names for n in self.nodes))
+
+    @property
+    def write_names(self):
+        return set().union(*(n.write_names for n in self.nodes))
+
+    @property
+    def names(self):
+        return [n.name for n in self.nodes]
+
+    def kernel_accesses(self):
+        """Reads/writes of each node with indices in kernel coordinates."""
+        for n in self.nodes:
+            m = n.kernel_index_map(self.X, self.R)
+            for acc in n.reads:
+                yield n, "read", acc.name, (None if acc.indirect else sizevars.simplify(acc.index.subs(m)))
+            for acc in n.writes:
+                yield n, "write", acc.name, sizevars.simplify(acc.index.subs(m))
+
+    def __repr__(self):
+        return f"Group({'+'.join(self.names)}, X={self.X}, R={self.R})"
+
+
+class Scheduler:
+    def __init__(self, graph):
+        self.graph = graph
+        self.nodes = [SchedulerNode(b, i) for i, b in enumerate(graph.buffers)]
+        self.output_names = _output_names(graph)
+        self.remove_dead_nodes()
+        self.groups = [self._single(n) for n in self.nodes]
+        self.fuse()
+        self.groups = self.topological_order(self.groups)
+        self.compute_buffer_users()
+
+    # ------------------------------------------------------------------ setup
+    def _single(self, n: SchedulerNode) -> Group:
+        if n.is_extern():
+            return Group([n], sympy.Integer(0), sympy.Integer(1), n.order)
+        if n.is_reduction():
+            return Group([n], n.numel(), n.rranges[0], n.order)
+        return Group([n], n.numel(), sympy.Integer(1), n.order)
+
+    def remove_dead_nodes(self):
+        needed = set(self.output_names)
+        for n in self.nodes:
+            if n.is_extern() and (n.buf.side_effect or n.buf.mutates):
+                needed.add(n.name)
+        keep = []
+        for n in reversed(self.nodes):
+            if n.name in needed or n.write_names & needed:
+                keep.append(n)
+                needed |= n.read_names
+        self.removed = {n.name for n in self.nodes} - {n.name for n in keep}
+        self.nodes = list(reversed(keep))
+
+    # ------------------------------------------------------------------ fusion
+    def fuse(self):
+        for _ in range(10):
+            if not self._fuse_round():
+                break
+
+    def _producers(self):
+        writer = {}
+        for g in self.groups:
+            for name in g.write_names:
+                writer[name] = g
+        return writer
+
+    def _fuse_round(self) -> bool:
+        writer = self._producers()
+        candidates = {}
+        by_read = collections.defaultdict(list)
+        for g in self.groups:
+            for name in g.read_names:
+                by_read[name].append(g)
+                p = writer.get(name)
+                if p is not None and p is not g:
+                    candidates[(p, g)] = True
+        for readers in by_read.values():
+            for a, b in itertools.combinations(readers, 2):
+                candidates.setdefault((a, b) if a.order < b.order else (b, a), False)
+        scored = []
+        for (a, b), vertical in candidates.items():
+            shared = (a.write_names | a.read_names) & b.read_names
+            nbytes = sum(self._bytes(n) for n in shared)
+            scored.append((choices.score_fusion(a, b, nbytes, vertical), a, b))
+        scored.sort(key=lambda t: t[0], reverse=True)
+        alive, fused_any = set(map(id, self.groups)), False
+        for _, a, b in scored:
+            if id(a) not in alive or id(b) not in alive:
+                continue
+            merged = self.try_fuse(a, b)
+            if merged is None:
+                continue
+            alive -= {id(a), id(b)}
+            alive.add(id(merged))
+            self.groups = [g for g in self.groups if g is not a and g is not b] + [merged]
+            fused_any = True
+        return fused_any
+
+    def _bytes(self, name) -> int:
+        try:
+            return self.graph.get_buffer(name).layout.nbytes_hint()
+        except KeyError:
+            return 0
+
+    def try_fuse(self, a: Group, b: Group):
+        ok, why = choices.can_fuse(a, b)
+        if not ok:
+            return None
+        shape = self._fused_shape(a, b)
+        if shape is None:
+            return None
+        if self._path_between(a, b) or self._path_between(b, a):
+            return None
+        nodes = sorted(a.nodes + b.nodes, key=lambda n: n.order)
+        merged = Group(nodes, shape[0], shape[1], min(a.order, b.order))
+        if any(n.kernel_index_map(*shape) is None for n in nodes):
+            return None
+        if not self._indices_agree(merged):
+            return None
+        return merged
+
+    def _fused_shape(self, a: Group, b: Group):
+        red = [g for g in (a, b) if g.is_reduction()]
+        if len(red) == 2:
+            if sizevars.equal(a.X, b.X) and sizevars.equal(a.R, b.R):
+                return a.X, a.R
+            return None
+        if red:
+            r, p = red[0], (b if red[0] is a else a)
+            if sizevars.equal(p.X, r.X * r.R) or sizevars.equal(p.X, r.X):
+                return r.X, r.R
+            return None
+        return (a.X, a.R) if sizevars.equal(a.X, b.X) else None
+
+    def _indices_agree(self, g: Group) -> bool:
+        """A buffer produced inside the kernel is read at exactly the index it was written."""
+        written = {}
+        for node, kind, name, index in g.kernel_accesses():
+            if kind == "write":
+                written[name] = (node, index)
+        for node, kind, name, index in g.kernel_accesses():
+            if kind == "read" and name in written:
+                producer, windex = written[name]
+                if producer is node:
+                    continue
+                if index is None or not sizevars.equal(index, windex):
+                    return False
+                if producer.is_reduction() and index.has(RSYM):
+                    return False
+        return True
+
+    def _path_between(self, src: Group, dst: Group) -> bool:
+        """Is dst reachable from src through some other group (so fusing them makes a cycle)?"""
+        readers = collections.defaultdict(list)
+        for g in self.groups:
+            for name in g.read_names:
+                readers[name].append(g)
+        seen, stack = set(), [c for n in src.write_names for c in readers[n] if c is not dst]
+        while stack:
+            g = stack.pop()
+            if g is dst:
+                return True
+            if id(g) in seen or g is src:
+                continue
+            seen.add(id(g))
+            stack.extend(c for n in g.write_names for c in readers[n])
+        return False
+
+    # ------------------------------------------------------------------ order
+    def topological_order(self, groups):
+        writer = {}
+        for g in groups:
+            for name in g.write_names:
+                writer[name] = g
+        deps = {id(g): {id(writer[n]) for n in g.read_names if n in writer and writer[n] is not g}
+                for g in groups}
+        done, out = set(), []
+        pending = sorted(groups, key=lambda g: g.order)
+        while pending:
+            for g in pending:
+                if deps[id(g)] <= done:
+                    out.append(g)
+                    done.add(id(g))
+                    pending.remove(g)
+                    break
+            else:
+                raise AssertionError("cycle in the fused graph")
+        return out
+
+    def compute_buffer_users(self):
+        """Which groups read each buffer; buffers used only inside their own kernel are not stored."""
+        self.readers = collections.defaultdict(list)
+        for g in self.groups:
+            for name in g.read_names:
+                self.readers[name].append(g)
+        self.internal = set()
+        for g in self.groups:
+            if g.is_extern():
+                continue
+            for n in g.nodes:
+                if n.name in self.output_names:
+                    continue
+                users = self.readers.get(n.name, [])
+                if all(u is g for u in users):
+                    self.internal.add(n.name)
+
+
+def _output_names(graph) -> set:
+    out = set()
+    for o in graph.graph_outputs:
+        if isinstance(o, ir.Buffer):
+            out.add(o.name)
+        elif isinstance(o, ir.ReinterpretView):
+            out.add(o.base.name)
+        elif isinstance(o, ir.TensorBox):
+            d = o.data
+            out.add(d.base.name if isinstance(d, ir.ReinterpretView) else d.name)
+    return out

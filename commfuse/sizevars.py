@@ -1,0 +1,210 @@
+"""Symbolic sizes and index expressions (sympy).
+
+Sizes are sympy integers or expressions over torch's shape symbols; loop indices
+are our own non-negative integer symbols. Division and modulo of indices use
+`FloorDiv` / `Mod`, which the printers in codegen turn into `//` and `%`.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import Iterable, Sequence
+
+import sympy
+import torch
+
+Expr = sympy.Expr
+
+
+class FloorDiv(sympy.Function):
+    """Integer floor division of non-negative index expressions."""
+    is_integer = True
+    is_nonnegative = True
+
+    @classmethod
+    def eval(cls, a, b):
+        if b == 1:
+            return a
+        if a == 0:
+            return sympy.Integer(0)
+        if a.is_Integer and b.is_Integer:
+            return sympy.Integer(int(a) // int(b))
+        if isinstance(a, FloorDiv):  # (a // b) // c == a // (b * c)
+            return FloorDiv(a.args[0], a.args[1] * b)
+        # split off terms that are multiples of b: (q*b + r) // b == q + r // b only if r >= 0
+        if a.is_Add:
+            q, rest = [], []
+            for t in a.args:
+                c = sympy.simplify(t / b)
+                (q if _is_index_like(c) else rest).append(c if _is_index_like(c) else t)
+            if q:
+                return sympy.Add(*q) + FloorDiv(sympy.Add(*rest), b)
+        c = sympy.simplify(a / b)
+        if _is_index_like(c):
+            return c
+
+
+class Mod(sympy.Function):
+    """Modulo of non-negative index expressions."""
+    is_integer = True
+    is_nonnegative = True
+
+    @classmethod
+    def eval(cls, a, b):
+        if b == 1 or a == 0:
+            return sympy.Integer(0)
+        if a.is_Integer and b.is_Integer:
+            return sympy.Integer(int(a) % int(b))
+        if a.is_Add:
+            keep = [t for t in a.args if not _is_index_like(sympy.simplify(t / b))]
+            if len(keep) < len(a.args):
+                return Mod(sympy.Add(*keep), b)
+        if _is_index_like(sympy.simplify(a / b)):
+            return sympy.Integer(0)
+
+
+def _is_index_like(e) -> bool:
+    """An integer-valued expression without division (so it can be factored out)."""
+    if e.is_Integer:
+        return True
+    if e.is_Rational:
+        return False
+    return bool(e.is_integer) and all(not (p.is_Rational and not p.is_Integer) for p in e.atoms(sympy.Rational))
+
+
+def index_symbol(prefix: str, i: int) -> sympy.Symbol:
+    return sympy.Symbol(f"{prefix}{i}", integer=True, nonnegative=True)
+
+
+def from_torch(value) -> Expr:
+    """A python int, SymInt or torch sympy expression -> our sympy expression."""
+    if isinstance(value, torch.SymInt):
+        value = value.node.expr
+    if isinstance(value, (int, bool)):
+        return sympy.Integer(int(value))
+    if isinstance(value, sympy.Expr):
+        return _convert_torch_functions(value)
+    raise TypeError(f"not a size: {value!r}")
+
+
+def _convert_torch_functions(e: Expr) -> Expr:
+    if e.is_Atom:
+        return e
+    name = type(e).__name__
+    args = [_convert_torch_functions(a) for a in e.args]
+    if name in ("FloorDiv", "CleanDiv", "IntTrueDiv") and type(e) is not FloorDiv:
+        return FloorDiv(*args)
+    if name == "ModularIndexing":  # (a // b) % c
+        return Mod(FloorDiv(args[0], args[1]), args[2])
+    if name in ("PythonMod", "Mod") and type(e) is not Mod:
+        return Mod(*args)
+    if name == "CeilDiv" or name == "CeilToInt":
+        return FloorDiv(args[0] + args[1] - 1, args[1]) if len(args) == 2 else e.func(*args)
+    return e.func(*args)
+
+
+def product(it: Iterable[Expr]) -> Expr:
+    return functools.reduce(lambda a, b: a * b, it, sympy.Integer(1))
+
+
+def simplify(e: Expr) -> Expr:
+    """Expand, then fold `b*(x // b) + x % b` back into `x` (what view chains produce)."""
+    e = sympy.expand(e)
+    while True:
+        folded = _fold_div_mod(e)
+        if folded is None:
+            return e
+        e = sympy.expand(folded)
+
+
+def _fold_div_mod(e: Expr):
+    if not e.is_Add:
+        return None
+    terms = {}
+    for t in e.args:
+        coeff, rest = t.as_independent(FloorDiv, Mod, as_Add=False)
+        terms[rest] = terms.get(rest, 0) + coeff
+    for rest, coeff in terms.items():
+        if not isinstance(rest, Mod):
+            continue
+        inner, b = rest.args
+        if isinstance(inner, FloorDiv):  # c*b*((x//b) % n) + c*(x % b) -> c*(x % (b*n))
+            x, d = inner.args
+            low = Mod(x, d)
+            if low in terms and sympy.expand(terms[low] * d - coeff) == 0:
+                return e - coeff * rest - terms[low] * low + terms[low] * Mod(x, d * b)
+            continue
+        high = FloorDiv(inner, b)  # c*b*(x // b) + c*(x % b) -> c*x
+        if high in terms and sympy.expand(terms[high] - coeff * b) == 0:
+            return e - coeff * rest - terms[high] * high + coeff * inner
+    return None
+
+
+def equal(a, b) -> bool:
+    """Statically known equal (structurally, after expansion)."""
+    return simplify(sympy.sympify(a) - sympy.sympify(b)) == 0
+
+
+def is_static(e) -> bool:
+    return sympy.sympify(e).is_Integer
+
+
+_hints: dict = {}
+
+
+def set_hints(hints: dict) -> None:
+    _hints.clear()
+    _hints.update(hints)
+
+
+def hint(e) -> int:
+    """A concrete value for size heuristics (the example input's size for symbols)."""
+    e = sympy.sympify(e)
+    if e.is_Integer:
+        return int(e)
+    val = e.subs(_hints)
+    try:
+        return int(val)
+    except TypeError:
+        return 8192  # unknown symbol: guess a large size; heuristics only
+
+
+def contiguous_strides(sizes: Sequence[Expr]) -> list[Expr]:
+    strides, acc = [], sympy.Integer(1)
+    for s in reversed(sizes):
+        strides.append(acc)
+        acc = acc * s
+    return list(reversed(strides))
+
+
+def unravel(flat: Expr, sizes: Sequence[Expr]) -> list[Expr]:
+    """Row-major index vector of `flat` over `sizes`."""
+    out, div = [], sympy.Integer(1)
+    for i in range(len(sizes) - 1, -1, -1):
+        s = sizes[i]
+        if s == 1:
+            out.append(sympy.Integer(0))
+            continue
+        v = FloorDiv(flat, div)
+        out.append(v if i == 0 else Mod(v, s))
+        div = div * s
+    return list(reversed(out))
+
+
+def ravel(index: Sequence[Expr], sizes: Sequence[Expr]) -> Expr:
+    return sum((i * s for i, s in zip(index, contiguous_strides(sizes))), sympy.Integer(0))
+
+
+def affine_coefficients(expr: Expr, vars: Sequence[sympy.Symbol]):
+    """(coefficients, offset) if `expr` is affine in `vars`, else None."""
+    expr = simplify(expr)
+    coeffs = []
+    for v in vars:
+        c = expr.diff(v) if expr.has(v) else sympy.Integer(0)
+        if c.free_symbols & set(vars) or c.has(FloorDiv, Mod, sympy.Derivative):
+            return None
+        coeffs.append(c)
+    offset = expr.subs({v: 0 for v in vars})
+    if simplify(expr - sum(c * v for c, v in zip(coeffs, vars)) - offset) != 0:
+        return None
+    return coeffs, offset

@@ -1,0 +1,223 @@
+"""Reductions: sum, mean, prod, amax, amin, argmax, argmin, any, all, max/min.dim, var.
+
+Reductions are realized at once (consumers read their buffer); the scheduler fuses
+their producers and consumers back into the same kernel. Long reductions over few
+rows are split in two so that many programs share the work.
+"""
+from __future__ import annotations
+
+import sympy
+import torch
+
+from commfuse import config, ir, sizevars
+from commfuse.ir import Pointwise, Reduction, TensorBox
+from commfuse.virtualized import V, ops
+
+from . import register
+from .common import canonical_dim, is_tensor, make_pointwise, to_size
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+IDENTITY = {"sum": 0, "prod": 1, "any": False, "all": True}
+
+
+def _dims(x, dims):
+    n = len(x.get_size())
+    if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
+        return list(range(n))
+    if isinstance(dims, int):
+        dims = [dims]
+    return sorted({canonical_dim(d, n) for d in dims})
+
+
+def reduce(x: TensorBox, dims, keepdim, reduction_type, dtype) -> TensorBox:
+    """Reduce `x` over `dims`; the result is realized."""
+    size = list(x.get_size())
+    dims = [d for d in _dims(x, dims) if size]  # 0-d: nothing to reduce
+    kept = [i for i in range(len(size)) if i not in dims]
+    out_size = [sympy.Integer(1) if i in dims else s for i, s in enumerate(size)] if keepdim \
+        else [size[i] for i in kept]
+    red_sizes = [size[d] for d in dims]
+    load = x.make_loader()
+    src = x.get_dtype()
+    rnumel = sizevars.product(red_sizes)
+
+    if rnumel == 1 or not dims:  # nothing to reduce: a cast (or an index of 0)
+        def inner(idx):
+            full = _full_index(idx, [sympy.Integer(0)] * len(dims), dims, kept, keepdim, len(size))
+            if reduction_type in ("argmax", "argmin"):
+                return ops.constant(0, torch.int64)
+            if reduction_type in ("any", "all"):
+                return ops.ne(load(full), ops.constant(0, src))
+            return ops.to_dtype(load(full), dtype)
+        return TensorBox(Pointwise(x.get_device(), dtype, inner, out_size))
+
+    def inner(idx, ridx):
+        full = _full_index(idx, sizevars.unravel(ridx[0], red_sizes) if len(ridx) == 1 and len(dims) > 1
+                           else ridx, dims, kept, keepdim, len(size))
+        return load(full)
+
+    xnumel = sizevars.product(out_size)
+    split = _split_factor(xnumel, rnumel, reduction_type)
+    if split > 1:
+        return _split_reduce(x, load, size, dims, kept, keepdim, out_size, red_sizes,
+                             reduction_type, dtype, split)
+    rr = [rnumel] if len(dims) > 1 else red_sizes
+    node = Reduction(x.get_device(), dtype, inner, out_size, rr, reduction_type, src)
+    box = TensorBox(node)
+    box.realize()
+    return box
+
+
+def _full_index(idx, ridx, dims, kept, keepdim, ndim):
+    full = [None] * ndim
+    for d, r in zip(dims, ridx):
+        full[d] = r
+    outer = [idx[i] for i in kept] if keepdim else list(idx)
+    for i, v in zip(kept, outer):
+        full[i] = v
+    return full
+
+
+def _split_factor(xnumel, rnumel, reduction_type) -> int:
+    from commfuse import choices
+    if reduction_type in ("argmax", "argmin") or not (sizevars.is_static(xnumel) and sizevars.is_static(rnumel)):
+        return 1
+    return choices.reduction_split(int(xnumel), int(rnumel))
+
+
+def _split_reduce(x, load, size, dims, kept, keepdim, out_size, red_sizes, reduction_type, dtype, split):
+    rnumel = int(sizevars.product(red_sizes))
+    chunk = -(-rnumel // split)
+    ident = {"sum": 0, "prod": 1, "any": False, "all": True,
+             "max": float("-inf") if x.get_dtype().is_floating_point else torch.iinfo(x.get_dtype()).min,
+             "min": float("inf") if x.get_dtype().is_floating_point else torch.iinfo(x.get_dtype()).max,
+             }[reduction_type]
+    partial_dtype = dtype if reduction_type not in ("sum", "prod") or not dtype.is_floating_point \
+        else (torch.float32 if dtype.itemsize < 4 else dtype)
+
+    def inner(idx, ridx):
+        outer, s = idx[:-1], idx[-1]
+        flat = s * chunk + ridx[0]
+        full = _full_index(outer, sizevars.unravel(flat, red_sizes), dims, kept, keepdim, len(size))
+        cond = ops.lt(ops.index_expr(flat, torch.int64), ops.index_expr(sympy.Integer(rnumel), torch.int64))
+        return ops.masked(cond, lambda: load(full), ident)
+    stage1 = TensorBox(Reduction(x.get_device(), partial_dtype, inner, list(out_size) + [sympy.Integer(split)],
+                                 [sympy.Integer(chunk)], reduction_type, x.get_dtype()))
+    stage1.realize()
+    load1 = stage1.make_loader()
+    stage2 = TensorBox(Reduction(x.get_device(), dtype, lambda idx, ridx: load1(list(idx) + [ridx[0]]),
+                                 list(out_size), [sympy.Integer(split)], reduction_type, partial_dtype))
+    stage2.realize()
+    return stage2
+
+
+def _sum_dtype(x, dtype):
+    if dtype is not None:
+        return dtype
+    d = x.get_dtype()
+    return torch.int64 if (d == torch.bool or not d.is_floating_point and not d.is_complex) else d
+
+
+def _check(x):
+    if x.get_dtype().is_complex:
+        raise ir.Unsupported("complex reductions")
+
+
+@register(aten.sum.dim_IntList, aten.sum.default, prims.sum.default)
+def sum_(x, dims=None, keepdim=False, *, dtype=None, output_dtype=None):
+    _check(x)
+    dtype = _sum_dtype(x, dtype or output_dtype)
+    if x.get_dtype() != dtype:
+        x = make_pointwise(lambda v: v, [x], out_dtype=dtype, compute_dtype=dtype)
+    return reduce(x, dims, keepdim, "sum", dtype)
+
+
+@register(aten.prod.dim_int, aten.prod.default, prims.prod.default)
+def prod(x, dim=None, keepdim=False, *, dtype=None, output_dtype=None):
+    _check(x)
+    dtype = _sum_dtype(x, dtype or output_dtype)
+    if x.get_dtype() != dtype:
+        x = make_pointwise(lambda v: v, [x], out_dtype=dtype, compute_dtype=dtype)
+    return reduce(x, dim, keepdim, "prod", dtype)
+
+
+@register(aten.mean.dim, aten.mean.default)
+def mean(x, dims=None, keepdim=False, *, dtype=None):
+    _check(x)
+    dtype = dtype or x.get_dtype()
+    if not dtype.is_floating_point:
+        raise ir.Unsupported("mean of an integer tensor")
+    acc = torch.float32 if dtype.itemsize < 4 else dtype
+    size = x.get_size()
+    n = sizevars.product(size[d] for d in _dims(x, dims)) if size else sympy.Integer(1)
+    total = sum_(x, dims, keepdim, dtype=acc)
+    return make_pointwise(lambda s: ops.truediv(s, ops.index_expr(n, acc)), [total],
+                          out_dtype=dtype, compute_dtype=acc)
+
+
+@register(aten.amax, aten.amin, prims.amax, prims.amin)
+def amax_amin(x, dims=None, keepdim=False):
+    _check(x)
+    kind = "max" if V.graph.current_node.target.overloadpacket in (aten.amax, prims.amax) else "min"
+    return reduce(x, dims, keepdim, kind, x.get_dtype())
+
+
+@register(aten.argmax, aten.argmin)
+def argmax_argmin(x, dim=None, keepdim=False):
+    _check(x)
+    kind = "argmax" if V.graph.current_node.target.overloadpacket is aten.argmax else "argmin"
+    if dim is None:
+        from .views import view
+        x, dim = view(x, [-1]), 0
+        if keepdim:
+            raise ir.Unsupported("argmax over all dims with keepdim")
+    return reduce(x, [dim], keepdim, kind, torch.int64)
+
+
+@register(aten.max.dim, aten.min.dim)
+def max_min_dim(x, dim, keepdim=False):
+    _check(x)
+    is_max = V.graph.current_node.target is aten.max.dim
+    values = reduce(x, [dim], keepdim, "max" if is_max else "min", x.get_dtype())
+    indices = reduce(x, [dim], keepdim, "argmax" if is_max else "argmin", torch.int64)
+    return values, indices
+
+
+@register(aten.max.default, aten.min.default)
+def max_min_all(x):
+    return reduce(x, None, False, "max" if V.graph.current_node.target is aten.max.default else "min",
+                  x.get_dtype())
+
+
+@register(aten.any.dim, aten.any.dims, aten.any.default, aten.all.dim, aten.all.dims, aten.all.default)
+def any_all(x, dims=None, keepdim=False):
+    _check(x)
+    kind = "any" if V.graph.current_node.target.overloadpacket is aten.any else "all"
+    b = make_pointwise(lambda v: ops.ne(v, ops.constant(0, x.get_dtype())), [x], out_dtype=torch.bool,
+                       compute_dtype=x.get_dtype()) if x.get_dtype() != torch.bool else x
+    return reduce(b, dims, keepdim, kind, torch.bool)
+
+
+@register(prims.var.default)
+def var(x, dims, correction=1, *, output_dtype=None):
+    _check(x)
+    dtype = output_dtype or x.get_dtype()
+    acc = torch.float32 if dtype.itemsize < 4 else dtype
+    size = x.get_size()
+    n = sizevars.product(size[d] for d in _dims(x, dims))
+    from .common import broadcast_loader
+    total = sum_(x, dims, True, dtype=acc)
+    m = make_pointwise(lambda s: ops.truediv(s, ops.index_expr(n, acc)), [total], compute_dtype=acc,
+                       out_dtype=acc)
+    lx, lm = broadcast_loader(x, size), broadcast_loader(m, size)
+    sq = TensorBox(Pointwise(x.get_device(), acc, lambda i: _sq(ops.sub(ops.to_dtype(lx(i), acc), lm(i))), size))
+    ss = sum_(sq, dims, False, dtype=acc)
+    denom = sympy.Max(n - correction, 0)
+    return make_pointwise(lambda s: ops.truediv(s, ops.index_expr(denom, acc)), [ss], out_dtype=dtype,
+                          compute_dtype=acc)
+
+
+def _sq(v):
+    return ops.mul(v, v)

@@ -1,0 +1,300 @@
+"""Views (reshape, permute, expand, squeeze, slice, select, as_strided), cat, constant_pad_nd.
+
+A view is an index remapping of its base: no data moves until a consumer reads it.
+"""
+from __future__ import annotations
+
+import sympy
+import torch
+
+from commfuse import ir, sizevars
+from commfuse.ir import Pointwise, TensorBox, View
+from commfuse.sizevars import FloorDiv, Mod
+from commfuse.virtualized import V, ops
+
+from . import register
+from .common import canonical_dim, is_tensor, to_size
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+
+def make_view(x: TensorBox, size, reindex) -> TensorBox:
+    return TensorBox(View(x, list(size), reindex))
+
+
+# ----------------------------------------------------------------------------- reshape
+def _infer_size(size, numel):
+    size = to_size(size)
+    if any(s == -1 for s in size):
+        known = sizevars.product(s for s in size if s != -1)
+        size = [sympy.simplify(numel / known) if s == -1 else s for s in size]
+    return size
+
+
+def reshape_indexer(old, new):
+    """new index -> old index, group by group so plain splits/merges stay affine."""
+    old, new = list(old), list(new)
+    groups, i, j = [], 0, 0
+    while i < len(old) or j < len(new):
+        oi, nj = [], []
+        po, pn = sympy.Integer(1), sympy.Integer(1)
+        # grow both sides until their products agree (and at least one dim is consumed)
+        while True:
+            if (oi or nj) and sizevars.equal(po, pn) and \
+                    not (i < len(old) and old[i] == 1) and not (j < len(new) and new[j] == 1):
+                break
+            if i < len(old) and (sizevars.hint(po) <= sizevars.hint(pn) or j >= len(new)):
+                oi.append(i); po = po * old[i]; i += 1
+            elif j < len(new):
+                nj.append(j); pn = pn * new[j]; j += 1
+            else:
+                break
+        if not sizevars.equal(po, pn):
+            raise ir.Unsupported(f"reshape {old} -> {new} needs a size relation we cannot prove")
+        groups.append((oi, nj))
+
+    def reindex(index):
+        out = [sympy.Integer(0)] * len(old)
+        for oi, nj in groups:
+            flat = sizevars.ravel([index[k] for k in nj], [new[k] for k in nj])
+            for k, v in zip(oi, sizevars.unravel(flat, [old[k] for k in oi])):
+                out[k] = v
+        return out
+    return reindex
+
+
+@register(aten.view.default, aten.reshape.default, aten._unsafe_view.default,
+          prims.reshape.default, aten.view_copy.default)
+def view(x, size):
+    new = _infer_size(size, x.get_numel())
+    old = x.get_size()
+    if len(new) == len(old) and all(sizevars.equal(a, b) for a, b in zip(old, new)):
+        return x
+    return make_view(x, new, reshape_indexer(old, new))
+
+
+@register(aten.permute.default)
+def permute(x, dims):
+    dims = [canonical_dim(d, len(x.get_size())) for d in dims]
+    size = x.get_size()
+    inv = [dims.index(i) for i in range(len(dims))]
+    return make_view(x, [size[d] for d in dims], lambda idx: [idx[inv[i]] for i in range(len(dims))])
+
+
+@register(aten.t.default)
+def t(x):
+    return x if len(x.get_size()) < 2 else permute(x, [1, 0])
+
+
+@register(aten.transpose.int)
+def transpose(x, d0, d1):
+    n = len(x.get_size())
+    if n == 0:
+        return x
+    dims = list(range(n))
+    d0, d1 = canonical_dim(d0, n), canonical_dim(d1, n)
+    dims[d0], dims[d1] = dims[d1], dims[d0]
+    return permute(x, dims)
+
+
+@register(aten.expand.default, aten.expand_copy.default)
+def expand(x, size, implicit=False):
+    size = to_size(size)
+    old = x.get_size()
+    skip = len(size) - len(old)
+    size = [old[i - skip] if s == -1 else s for i, s in enumerate(size)]
+    bcast = [o == 1 and size[skip + i] != 1 for i, o in enumerate(old)]
+    return make_view(x, size, lambda idx: [sympy.Integer(0) if b else i
+                                           for b, i in zip(bcast, idx[skip:])])
+
+
+@register(prims.broadcast_in_dim)
+def broadcast_in_dim(x, shape, broadcast_dimensions):
+    shape = to_size(shape)
+    old = x.get_size()
+
+    def reindex(idx):
+        return [sympy.Integer(0) if old[k] == 1 and shape[d] != 1 else idx[d]
+                for k, d in enumerate(broadcast_dimensions)]
+    return make_view(x, shape, reindex)
+
+
+@register(aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims, prims.squeeze)
+def squeeze(x, dims=None):
+    size = x.get_size()
+    if dims is None:
+        dims = [i for i, s in enumerate(size) if s == 1]
+    elif isinstance(dims, int):
+        dims = [dims]
+    dims = {canonical_dim(d, len(size)) for d in dims if size and size[canonical_dim(d, len(size))] == 1}
+    keep = [i for i in range(len(size)) if i not in dims]
+
+    def reindex(idx):
+        out = [sympy.Integer(0)] * len(size)
+        for k, i in enumerate(keep):
+            out[i] = idx[k]
+        return out
+    return make_view(x, [size[i] for i in keep], reindex)
+
+
+@register(aten.unsqueeze.default)
+def unsqueeze(x, dim):
+    size = list(x.get_size())
+    dim = dim % (len(size) + 1)
+    return make_view(x, size[:dim] + [sympy.Integer(1)] + size[dim:],
+                     lambda idx: list(idx[:dim]) + list(idx[dim + 1:]))
+
+
+@register(aten.slice.Tensor, aten.slice_copy.Tensor)
+def slice_(x, dim=0, start=None, end=None, step=1):
+    size = list(x.get_size())
+    dim = canonical_dim(dim, len(size))
+    start, length = _slice_bounds(size[dim], start, end, step)
+    if start == 0 and step == 1 and sizevars.equal(length, size[dim]):
+        return x
+    new = size[:dim] + [length] + size[dim + 1:]
+
+    def reindex(idx):
+        idx = list(idx)
+        idx[dim] = start + idx[dim] * step
+        return idx
+    return make_view(x, new, reindex)
+
+
+def _slice_bounds(n, start, end, step):
+    """(start, length) with python slice semantics; symbolic bounds are taken as in range."""
+    start = sizevars.from_torch(0 if start is None else start)
+    end = sizevars.from_torch(n if end is None else end)
+    if end.is_number and int(end) >= 2**62:
+        end = n
+    if start.is_number and int(start) < 0:
+        start = n + start
+    if end.is_number and int(end) < 0:
+        end = n + end
+    if n.is_number and start.is_number and end.is_number:
+        lo = min(max(int(start), 0), int(n))
+        hi = min(max(int(end), lo), int(n))
+        return sympy.Integer(lo), sympy.Integer((hi - lo + step - 1) // step)
+    length = end - start if step == 1 else FloorDiv(end - start + step - 1, step)
+    return start, length
+
+
+@register(aten.select.int, aten.select_copy.int)
+def select(x, dim, index):
+    size = list(x.get_size())
+    dim = canonical_dim(dim, len(size))
+    index = sizevars.from_torch(index)
+    if index.is_number and int(index) < 0:
+        index = size[dim] + index
+    new = size[:dim] + size[dim + 1:]
+    return make_view(x, new, lambda idx: list(idx[:dim]) + [index] + list(idx[dim:]))
+
+
+@register(aten.as_strided.default, aten.as_strided_copy.default)
+def as_strided(x, size, stride, storage_offset=None):
+    """Expressible when x is a stored buffer: read its storage directly."""
+    base = x.realize()
+    base_buf = base.base if isinstance(base, ir.ReinterpretView) else base
+    if isinstance(base, ir.ReinterpretView) and storage_offset is None:
+        storage_offset = base.layout.offset
+    layout = ir.FixedLayout(x.get_device(), x.get_dtype(), to_size(size), to_size(stride),
+                            sizevars.from_torch(storage_offset or 0))
+    if isinstance(base_buf, ir.ComputedBuffer):
+        base_buf.freeze_layout()
+    if not base_buf.layout.is_contiguous() or base_buf.layout.offset != 0:
+        raise ir.Unsupported("as_strided over a non-contiguous storage")
+    return TensorBox(ir.ReinterpretView(base_buf, layout))
+
+
+@register(aten.diagonal.default, aten.diagonal_copy.default)
+def diagonal(x, offset=0, dim1=0, dim2=1):
+    size = list(x.get_size())
+    n = len(size)
+    d1, d2 = canonical_dim(dim1, n), canonical_dim(dim2, n)
+    if not (size[d1].is_number and size[d2].is_number):
+        raise ir.Unsupported("symbolic diagonal")
+    length = max(0, min(int(size[d1]) + min(offset, 0), int(size[d2]) - max(offset, 0)))
+    rest = [i for i in range(n) if i not in (d1, d2)]
+
+    def reindex(idx):
+        out = [None] * n
+        for k, i in enumerate(rest):
+            out[i] = idx[k]
+        out[d1] = idx[-1] + max(-offset, 0)
+        out[d2] = idx[-1] + max(offset, 0)
+        return out
+    return make_view(x, [size[i] for i in rest] + [sympy.Integer(length)], reindex)
+
+
+# ----------------------------------------------------------------------------- data movement
+@register(aten.cat.default)
+def cat(tensors, dim=0):
+    tensors = [t for t in tensors if not (len(t.get_size()) == 1 and t.get_size()[0] == 0)] or tensors[:1]
+    if len(tensors) == 1:
+        return _copy(tensors[0])
+    size = list(tensors[0].get_size())
+    dim = canonical_dim(dim, len(size))
+    dtype = V.graph.current_node.meta["val"].dtype if V.graph.current_node is not None else tensors[0].get_dtype()
+    offsets, acc = [], sympy.Integer(0)
+    for t in tensors:
+        offsets.append(acc)
+        acc = acc + t.get_size()[dim]
+    size[dim] = acc
+    loaders = [t.make_loader() for t in tensors]
+
+    def inner(idx):
+        value = None
+        for k in range(len(tensors) - 1, -1, -1):
+            local = list(idx)
+            local[dim] = idx[dim] - offsets[k]
+            load = loaders[k]
+            here = ops.masked(_in_range(idx[dim], offsets[k], offsets[k] + tensors[k].get_size()[dim]),
+                              lambda load=load, local=local, k=k: ops.to_dtype(load(local), dtype), 0)
+            if value is None:
+                value = here
+            else:
+                value = ops.where(_in_range(idx[dim], offsets[k], offsets[k] + tensors[k].get_size()[dim]),
+                                  here, value)
+        return value
+    return TensorBox(Pointwise(tensors[0].get_device(), dtype, inner, size))
+
+
+def _in_range(i, lo, hi):
+    dt = torch.int64
+    conds = []
+    if lo != 0:
+        conds.append(ops.ge(ops.index_expr(i, dt), ops.index_expr(lo, dt)))
+    conds.append(ops.lt(ops.index_expr(i, dt), ops.index_expr(hi, dt)))
+    return conds[0] if len(conds) == 1 else ops.logical_and(*conds)
+
+
+def _copy(x):
+    return TensorBox(Pointwise(x.get_device(), x.get_dtype(), x.make_loader(), list(x.get_size())))
+
+
+@register(aten.constant_pad_nd.default)
+def constant_pad_nd(x, pad, value=0.0):
+    size = list(x.get_size())
+    n = len(size)
+    new = list(size)
+    lows = [sympy.Integer(0)] * n
+    for k in range(len(pad) // 2):
+        d = n - 1 - k
+        lo, hi = sizevars.from_torch(pad[2 * k]), sizevars.from_torch(pad[2 * k + 1])
+        lows[d] = lo
+        new[d] = size[d] + lo + hi
+    load = x.make_loader()
+    dtype = x.get_dtype()
+
+    def inner(idx):
+        src = [i - lo for i, lo in zip(idx, lows)]
+        conds = [_in_range(i, lo, lo + s) for i, lo, s, d in zip(idx, lows, size, range(n))
+                 if lows[d] != 0 or new[d] != size[d]]
+        if not conds:
+            return load(src)
+        mask = conds[0]
+        for c in conds[1:]:
+            mask = ops.logical_and(mask, c)
+        return ops.masked(mask, lambda: load(src), value)
+    return TensorBox(Pointwise(x.get_device(), dtype, inner, new))
