@@ -147,6 +147,9 @@ class TritonKernel:
         return result
 
     def _reads_open_reduction(self, node) -> bool:
+        """Does `node` need a reduction whose pass over R is still open?"""
+        if self.persistent:
+            return False
         for name in node.read_names:
             entry = self.values.get(name)
             if entry is not None and self.producer[name].is_reduction() and entry[0] == self.cur.id:
@@ -171,12 +174,12 @@ class TritonKernel:
         node = self.producer[name]
         if entry is not None:
             sid, var, _ = entry
-            same_scope = sid == self.cur.id or self.persistent or not self.sections[sid].loop \
-                or not self.is_red
-            if same_scope:
+            if node.is_reduction():  # a row value, final once its pass is closed
+                assert self.persistent or sid < self.cur.id, f"{name} read before its reduction finished"
+                return var
+            if sid == self.cur.id or self.persistent or not self.sections[sid].loop or not self.is_red:
                 return var
         # written in an earlier pass over R: recompute it here from its inputs
-        assert not node.is_reduction(), f"{name} read before its reduction finished"
         return self.emit_node(node, recompute=True)
 
     def store(self, name: str, index: sympy.Expr, value: Var):
@@ -258,7 +261,7 @@ class TritonKernel:
             line = f"tl.store({self.arg(name)} + ({self.index_str(index)}), {v}, xmask)"
             self.cur.loop = was
             self._finish(self.cur, line)
-        self.values[name] = (-1, value, index)  # -1: row level, visible everywhere after
+        self.values[name] = (sid, value, index)
         return value
 
     # ------------------------------------------------------------------ rendering

@@ -87,17 +87,21 @@ class WrapperCodegen:
         for name in g.constants:
             self.body.writeline(f"{name} = constants[{name!r}]")
         self.bind_sizes()
+        for sym, fn, args, kwargs in g.scalar_nodes:
+            call_args = ", ".join([self.value(a) for a in args] + [f"{k}={self.value(v)}" for k, v in kwargs.items()])
+            self.body.writeline(f"{sym} = {self.value(fn)}({call_args})")
         last_use = self.last_uses()
         pool = collections.defaultdict(list)
         no_reuse = {n for grp in self.sched.groups for nd in grp.nodes
-                    if nd.is_extern() and nd.buf.aliases for n in nd.read_names}
+                    if getattr(nd.buf, "aliases", False) for n in nd.read_names}
         for step, grp in enumerate(self.sched.groups):
             if grp.is_extern():
                 self.extern(grp.nodes[0], pool)
             else:
                 self.kernel(grp, step, pool)
             for name in last_use.get(step, []):
-                if name in self.sched.output_names or name not in g.name_to_buffer:
+                if name in self.sched.output_names or name in self.sched.internal \
+                        or name not in g.name_to_buffer:
                     continue
                 buf = g.name_to_buffer[name]
                 if name in no_reuse or isinstance(buf, ir.MultiOutput) or isinstance(buf, ir.ExternKernel) and not buf.out_variant:

@@ -39,6 +39,7 @@ class GraphLowering(torch.fx.Interpreter):
         self.graph_outputs: list = []
         self.comm_buffers: dict[str, tuple] = {}     # buffer name -> (comm kind, group); collectives issue
         self.fallback_ops: list[str] = []
+        self.scalar_nodes: list[tuple] = []           # (symbol, fn, args, kwargs) computed at run time
         self.device_types: set[str] = set()
         self.example_inputs = example_inputs
         self._hints: dict = {}
@@ -131,7 +132,7 @@ class GraphLowering(torch.fx.Interpreter):
         if isinstance(val, torch.SymInt) or (isinstance(val, (int, bool)) and target is not operator.getitem):
             return sizevars.from_torch(val) if isinstance(val, torch.SymInt) else val
         if isinstance(val, (torch.SymFloat, torch.SymBool)):
-            raise ir.Unsupported(f"symbolic {type(val).__name__} values are not supported")
+            return self.runtime_scalar(target, args, kwargs)
         if target is operator.getitem:
             return args[0][args[1]]
         result = None
@@ -146,6 +147,12 @@ class GraphLowering(torch.fx.Interpreter):
             self.fallback_ops.append(str(target))
         self._maybe_realize(node, result)
         return result
+
+    def runtime_scalar(self, target, args, kwargs):
+        """A SymFloat/SymBool: the wrapper computes it at run time and passes it to kernels."""
+        sym = sympy.Symbol(f"sv{len(self.scalar_nodes)}")
+        self.scalar_nodes.append((sym, target, args, kwargs))
+        return sym
 
     def _maybe_realize(self, node, result):
         if isinstance(result, TensorBox) and isinstance(result.data, ir.Pointwise):

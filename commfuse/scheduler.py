@@ -160,7 +160,7 @@ class Scheduler:
     def remove_dead_nodes(self):
         needed = set(self.output_names)
         for n in self.nodes:
-            if n.is_extern() and (n.buf.side_effect or n.buf.mutates):
+            if getattr(n.buf, "side_effect", False) or getattr(n.buf, "mutates", None):
                 needed.add(n.name)
         keep = []
         for n in reversed(self.nodes):

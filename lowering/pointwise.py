@@ -21,6 +21,11 @@ def _simple(op_name: str):
 
 
 def _register_simple(table, kind):
+    for aten_op, op_name in list(table.items()):
+        prim = getattr(prims, aten_op.__name__ if isinstance(aten_op, torch._ops.OpOverloadPacket)
+                       else aten_op.overloadpacket.__name__, None)
+        if isinstance(prim, torch._ops.OpOverloadPacket) and prim not in table:
+            table[prim] = op_name  # prims decompositions produce the same math
     for aten_op, op_name in table.items():
         def lower(*args, _fn=_simple(op_name), _kind=kind, **kwargs):
             if kwargs:
@@ -80,6 +85,26 @@ def rsub(a, b, alpha=1):
 @register(aten.div.Tensor, aten.div.Scalar, aten.true_divide)
 def div(a, b):
     return make_pointwise(lambda x, y: ops.truediv(x, y), [a, b], INT_TO_FLOAT)
+
+
+@register(prims.div)
+def prims_div(a, b):
+    """True division for floats, truncation for integers."""
+    compute, _ = promote([a, b])
+    if compute.is_floating_point:
+        return div(a, b)
+    return make_pointwise(lambda x, y: ops.truncdiv(x, y), [a, b])
+
+
+@register(prims.add, prims.sub)
+def prims_add_sub(a, b):
+    sub = V.graph.current_node.target.overloadpacket is prims.sub
+    return make_pointwise(lambda x, y: ops.sub(x, y) if sub else ops.add(x, y), [a, b])
+
+
+@register(prims.where)
+def prims_where(cond, a, b):
+    return where(cond, a, b)
 
 
 @register(aten.div.Tensor_mode, aten.div.Scalar_mode)

@@ -1,0 +1,45 @@
+"""Shared test helpers: compile with dumps on, read back the generated code and summary."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import torch
+
+from commfuse import config
+
+
+class Dumps:
+    """The per-graph dump folders written while compiling and running `fn`."""
+
+    def __init__(self, root):
+        self.root = str(root)
+
+    def graphs(self, rank: int = 0) -> list[str]:
+        return sorted(glob.glob(os.path.join(self.root, f"rank{rank}", "*")))
+
+    def summary(self, graph: str) -> dict:
+        with open(os.path.join(graph, "summary.json")) as f:
+            return json.load(f)
+
+    def code(self, graph: str) -> str:
+        with open(os.path.join(graph, "output_code.py")) as f:
+            return f.read()
+
+    def only(self) -> tuple[dict, str]:
+        graphs = self.graphs()
+        assert len(graphs) == 1, graphs
+        return self.summary(graphs[0]), self.code(graphs[0])
+
+
+def compile_and_run(fn, *args, tmp_path, dynamic=False, **patch):
+    """Run `fn` compiled by commfuse with dumps under tmp_path; returns (result, Dumps)."""
+    torch._dynamo.reset()
+    with config.patch(dump_dir=str(tmp_path), **patch):
+        out = torch.compile(fn, backend="commfuse", dynamic=dynamic)(*args)
+    return out, Dumps(tmp_path)
+
+
+def kernel_defs(code: str) -> list[str]:
+    return [line for line in code.splitlines() if line.startswith("def cf_")]

@@ -1,0 +1,25 @@
+"""Test set-up: Triton's interpreter when CUDA is absent (chosen before triton is imported),
+compile errors raised rather than hidden behind the aten fallback, GPU tests skipped on CPU."""
+import os
+
+os.environ.setdefault("COMMFUSE_FALLBACK_ON_ERROR", "0")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import commfuse  # noqa: E402,F401  (selects Triton's interpreter on CPU-only machines)
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _reset_dynamo():
+    torch._dynamo.reset()
+    yield
