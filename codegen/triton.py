@@ -50,12 +50,13 @@ class Section:
 
 
 class TritonKernel:
-    def __init__(self, group, scheduler, name: str):
+    def __init__(self, group, scheduler, name: str, tile=None):
         self.group, self.scheduler, self.name = group, scheduler, name
-        self.X, self.R = group.X, group.R
-        self.is_red = group.is_reduction()
+        self.X, self.R = tile or (group.X, group.R)
+        self.tiled = tile is not None   # a 2-D pointwise tile: rows x columns across programs
+        self.is_red = group.is_reduction() or self.tiled
         rn = int(self.R) if sizevars.is_static(self.R) else None
-        self.persistent = self.is_red and choices.is_persistent(rn)
+        self.persistent = self.tiled or (self.is_red and choices.is_persistent(rn))
         self.args: dict[str, str] = {}            # buffer -> parameter
         self.size_symbols: set = set()
         self.sections: list[Section] = []
@@ -125,7 +126,7 @@ class TritonKernel:
 
     # ------------------------------------------------------------------ node placement
     def node_level_is_row(self, node) -> bool:
-        return self.is_red and not node.is_reduction() and sizevars.equal(node.numel(), self.X) \
+        return self.is_red and not self.tiled and not node.is_reduction() and sizevars.equal(node.numel(), self.X) \
             and not sizevars.equal(self.R, 1)
 
     def emit_node(self, node, recompute=False):
@@ -289,6 +290,11 @@ class TritonKernel:
                 if not sec.loop:
                     code.splice(sec.body)
                     continue
+                if self.tiled:
+                    code.writeline("rindex = tl.program_id(1) * RBLOCK + rbase")
+                    code.writeline("rmask = rindex < rnumel")
+                    code.splice(sec.body)
+                    continue
                 if self.persistent:
                     code.writeline("rindex = rbase")
                     code.writeline("rmask = rindex < rnumel")
@@ -302,7 +308,7 @@ class TritonKernel:
                     code.splice(sec.body)
                 code.splice(sec.final)
         meta = {"params": params, "size_symbols": syms, "reduction": self.is_red,
-                "persistent": self.persistent}
+                "persistent": self.persistent, "tiled": self.tiled}
         return code.getvalue(), meta
 
 
@@ -342,7 +348,8 @@ class TritonOps:
         cd = compute_dtype(dtype)
         text = f"{x}.to({triton_dtype(dtype)})"
         if cd != dtype:  # round to the narrow type, keep computing in fp32
-            text += ".to(tl.float32)"
+            src = x if x.dtype.is_floating_point else f"{x}.to(tl.float32)"  # int->bf16 goes via fp32
+            text = f"{src}.to({triton_dtype(dtype)}).to(tl.float32)"
         elif compute_dtype(x.dtype) == cd:
             return Var(x.name, dtype)
         return self.k.newvar(text, dtype)
@@ -381,9 +388,9 @@ class TritonOps:
     def _bin(self, fmt, a, b, dtype=None):
         return self._op(fmt.format(a=a, b=b), dtype or _promote(a, b))
 
-    def add(self, a, b): return self._bin("{a} + {b}", a, b)
+    def add(self, a, b): return self._bin("{a} | {b}" if _promote(a, b) == torch.bool else "{a} + {b}", a, b)
     def sub(self, a, b): return self._bin("{a} - {b}", a, b)
-    def mul(self, a, b): return self._bin("{a} * {b}", a, b)
+    def mul(self, a, b): return self._bin("{a} & {b}" if _promote(a, b) == torch.bool else "{a} * {b}", a, b)
     def truediv(self, a, b): return self._bin("{a} / {b}", a, b)
     def neg(self, a): return self._op(f"-{a}", a.dtype)
     def abs(self, a): return self._op(f"tl.abs({a})", a.dtype) if a.dtype != torch.bool else a
@@ -509,3 +516,29 @@ def _promote(a, b) -> torch.dtype:
     da = a.dtype if isinstance(a, Var) else torch.float32
     db = b.dtype if isinstance(b, Var) else torch.float32
     return torch.promote_types(da, db)
+
+
+def choose_tile(group):
+    """(rows, columns) for a pointwise group that reads some buffer transposed to how it
+    writes: tiling both axes keeps loads and stores coalesced. None keeps it 1-D."""
+    if group.is_reduction() or group.is_extern():
+        return None
+    ranges = group.nodes[0].ranges
+    for k in range(1, len(ranges)):
+        X, R = sizevars.product(ranges[:k]), sizevars.product(ranges[k:])
+        if X == 1 or R == 1 or any(n.kernel_index_map(X, R) is None for n in group.nodes):
+            continue
+        g = type(group)(group.nodes, X, R, group.order)
+        reads_t = writes_c = False
+        for _, kind, _, index in g.kernel_accesses():
+            aff = index is not None and sizevars.affine_coefficients(index, [XSYM, RSYM])
+            if not aff:
+                continue
+            (cx, cr), _ = aff
+            if kind == "read" and cx == 1 and cr != 1:
+                reads_t = True
+            if kind == "write" and cr == 1:
+                writes_c = True
+        if reads_t and writes_c and choices.should_tile(sizevars.hint(X), sizevars.hint(R)):
+            return X, R
+    return None

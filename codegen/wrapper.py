@@ -11,7 +11,7 @@ from commfuse import choices, ir, sizevars
 from commfuse.scheduler import Scheduler
 
 from .common import IndentedBuffer, pexpr
-from .triton import TritonKernel
+from .triton import TritonKernel, choose_tile
 
 HEADER = """\
 # commfuse generated code: graph {graph_id}
@@ -104,6 +104,8 @@ class WrapperCodegen:
                         or name not in g.name_to_buffer:
                     continue
                 buf = g.name_to_buffer[name]
+                if getattr(buf, "side_effect", False):
+                    continue
                 if name in no_reuse or isinstance(buf, ir.MultiOutput) or isinstance(buf, ir.ExternKernel) and not buf.out_variant:
                     self.body.writeline(f"del {self.ref(name)}")
                 else:
@@ -179,15 +181,18 @@ class WrapperCodegen:
         kind = "red" if grp.is_reduction() else "poi"
         ops_names = "_".join(sorted({_short(n) for n in grp.nodes}))[:40]
         name = f"cf_{kind}_{ops_names}_{step}"
-        k = TritonKernel(grp, self.sched, name)
+        tile = choose_tile(grp)
+        k = TritonKernel(grp, self.sched, name, tile)
         src, meta = k.render()
         self.kernels.splice(_lines(src))
         self.kernels.writeline()
         for n in grp.nodes:
             if n.name not in self.sched.internal:
                 self.allocate(n.buf, pool)
-        X, R = grp.X, grp.R
-        if meta["reduction"]:
+        X, R = k.X, k.R
+        if meta["tiled"]:
+            blocks = choices.tile_blocks(sizevars.hint(X), sizevars.hint(R))
+        elif meta["reduction"]:
             rn = sizevars.hint(R)
             blocks = choices.reduction_blocks(sizevars.hint(X), rn, meta["persistent"])
         else:
@@ -195,7 +200,8 @@ class WrapperCodegen:
         args = [self.ref(a) for a in k.args] + [self.expr(s) for s in meta["size_symbols"]]
         args += [self.expr(X)] + ([self.expr(R)] if meta["reduction"] else [])
         consts = [f"XBLOCK={blocks['XBLOCK']}"] + ([f"RBLOCK={blocks['RBLOCK']}"] if meta["reduction"] else [])
-        grid = f"(cdiv({self.expr(X)}, {blocks['XBLOCK']}),)"
+        grid = f"(cdiv({self.expr(X)}, {blocks['XBLOCK']}),)" if not meta["tiled"] else \
+            f"(cdiv({self.expr(X)}, {blocks['XBLOCK']}), cdiv({self.expr(R)}, {blocks['RBLOCK']}))"
         launch = f"{name}[{grid}]({', '.join(args + consts)}, num_warps={blocks['num_warps']})"
         if sizevars.is_static(X) and int(X) == 0:
             self.body.writeline(f"# {name} skipped: empty")
@@ -208,8 +214,9 @@ class WrapperCodegen:
         writes = [n.name for n in grp.nodes if n.name not in self.sched.internal]
         reads = sorted(n for n in k.args if n not in writes)
         self.kernel_info.append({"name": name, "reads": reads, "writes": writes,
-                                 "nodes": grp.names, "reduction": meta["reduction"],
-                                 "persistent": meta["persistent"]})
+                                 "nodes": grp.names, "reduction": grp.is_reduction(),
+                                 "persistent": meta["persistent"] and not meta["tiled"],
+                                 "tiled": meta["tiled"]})
 
     def extern(self, node, pool):
         buf = node.buf

@@ -53,6 +53,10 @@ def is_persistent(rnumel) -> bool:
     return rnumel is not None and rnumel <= config.persistent_reduction_max
 
 
-def tile_pointwise(numel_y: int, numel_x: int) -> dict:
-    return {"XBLOCK": min(64, next_pow2(numel_x)), "YBLOCK": min(64, next_pow2(numel_y)),
-            "num_warps": 4}
+def should_tile(rows: int, cols: int) -> bool:
+    """Tile a transposing pointwise kernel when both sides are big enough to matter."""
+    return rows >= 16 and cols >= 16 and -(-cols // 32) < 65536
+
+
+def tile_blocks(rows: int, cols: int) -> dict:
+    return {"XBLOCK": min(32, next_pow2(rows)), "RBLOCK": min(32, next_pow2(cols)), "num_warps": 4}

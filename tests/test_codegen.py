@@ -81,6 +81,18 @@ def test_transposed_input_tiles_2d(tmp_path):
     torch.testing.assert_close(out, fn(x, y))
     summary, code = dumps.only()
     assert len(summary["kernels"]) == 1
+    assert summary["kernels"][0]["tiled"] is True
+    assert "tl.program_id(1)" in code
+
+
+def test_contiguous_pointwise_stays_1d(tmp_path):
+    fn = lambda x, y: x + y  # noqa: E731
+    x, y = torch.randn(64, 32), torch.randn(64, 32)
+    out, dumps = compile_and_run(fn, x, y, tmp_path=tmp_path)
+    torch.testing.assert_close(out, fn(x, y))
+    summary, code = dumps.only()
+    assert summary["kernels"][0]["tiled"] is False
+    assert "tl.program_id(1)" not in code
 
 
 def test_dump_layout_and_summary(tmp_path):
