@@ -5,15 +5,19 @@ from . import config
 
 
 def _select_triton_mode() -> None:
-    """Triton's interpreter must be chosen before triton is imported: do it now."""
+    """Choose Triton's interpreter on machines without CUDA. It is read when triton's own @jit
+    functions are decorated, so if triton is already imported, re-wrap those too."""
     if "TRITON_INTERPRET" in _os.environ or config.triton_interpret is False:
         return
-    if config.triton_interpret:
-        _os.environ["TRITON_INTERPRET"] = "1"
-        return
-    import torch
-    if not torch.cuda.is_available():
-        _os.environ["TRITON_INTERPRET"] = "1"
+    if not config.triton_interpret:
+        import torch
+        if torch.cuda.is_available():
+            return
+    _os.environ["TRITON_INTERPRET"] = "1"
+    import sys
+    if "triton" in sys.modules:
+        from .runtime.loader import _interpret_triton_library
+        _interpret_triton_library()
 
 
 _select_triton_mode()

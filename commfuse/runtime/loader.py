@@ -21,11 +21,29 @@ def interpreting() -> bool:
 
 
 def check_triton_mode(device_types: set) -> None:
-    """CPU tensors need Triton's interpreter, chosen before triton was imported."""
-    if "cpu" in device_types and not interpreting():
+    """CPU tensors need Triton's interpreter. Normally chosen when commfuse is imported; when
+    triton was imported first (torch.compile imports it), switch its library over now."""
+    if "cpu" not in device_types or interpreting():
+        return
+    import torch
+    if torch.cuda.is_available():
         raise RuntimeError(
             "commfuse: this graph has CPU tensors, which need Triton's interpreter, but triton runs "
-            "compiled. Set TRITON_INTERPRET=1 (or COMMFUSE_TRITON_INTERPRET=1) before triton is imported.")
+            "compiled for the GPU. Move the tensors to CUDA, or set TRITON_INTERPRET=1 before triton is imported.")
+    os.environ["TRITON_INTERPRET"] = "1"
+    _interpret_triton_library()
+
+
+def _interpret_triton_library() -> None:
+    """Re-wrap triton.language's own @jit functions (tl.sum, tl.zeros, ...) for the interpreter."""
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+    for mod in {tl, tl.standard, tl.math, tl.core}:
+        for name, value in list(vars(mod).items()):
+            if isinstance(value, JITFunction):
+                setattr(mod, name, InterpretedFunction(value.fn))
+    sys.modules.pop("codegen.triton_helpers", None)  # re-decorated on next import
 
 
 def load_module(source: str, constants: dict):
