@@ -26,6 +26,17 @@ def score_fusion(a, b, shared_bytes: int, vertical: bool) -> tuple:
     return (vertical, shared_bytes, -abs(a.order - b.order))
 
 
+def should_realize(loops, users: int) -> bool:
+    """Store a pointwise value with several users instead of inlining it into each of them."""
+    from .dependencies import trace_body
+    if users > config.realize_reads_threshold:
+        return True
+    trace = trace_body(loops)
+    reads = {r.name for r in trace.reads}
+    return len(trace.text.split("; ")) > config.realize_opcount_threshold or \
+        len(reads) > config.realize_acc_reads_threshold
+
+
 # ----------------------------------------------------------------------------- kernel shape
 def reduction_split(xnumel: int, rnumel: int) -> int:
     """Split a long reduction over few rows across programs (two kernels)."""

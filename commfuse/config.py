@@ -19,7 +19,8 @@ fallback_on_error = True      # a graph we fail to compile runs through aten ins
 
 # Fusion.
 max_fusion_size = 64          # cap on the number of IR nodes in one fused kernel
-realize_reads_threshold = 4   # a value read by more users than this is stored, not recomputed
+realize_reads_threshold = 4   # a value with more users than this is stored, not recomputed by each
+realize_opcount_threshold = 30  # ... or whose body has more ops than this
 realize_acc_reads_threshold = 8         # realize a pointwise value that inlines more buffer reads
 realize_acc_reads_size_threshold: int | None = None  # ... or reads more bytes than this (None: off)
 

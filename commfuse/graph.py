@@ -155,10 +155,11 @@ class GraphLowering(torch.fx.Interpreter):
         return sym
 
     def _maybe_realize(self, node, result):
-        if isinstance(result, TensorBox) and isinstance(result.data, ir.Pointwise):
-            users = len(node.users)
-            reads = len(ir.body_reads(result.data)) if users > 1 else 0
-            if users > 1 and (reads > 0 or users > config.realize_reads_threshold):
+        """A value with several users is recomputed by each (free inside one kernel, and a
+        saved round trip through memory across kernels) unless recomputing costs too much."""
+        from . import choices
+        if isinstance(result, TensorBox) and isinstance(result.data, ir.Pointwise) and len(node.users) > 1:
+            if choices.should_realize(result.data, len(node.users)):
                 result.realize()
 
     def output(self, target, args, kwargs):

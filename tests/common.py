@@ -9,6 +9,9 @@ import torch
 
 from commfuse import config
 
+# Tests run on the GPU where there is one (compiled Triton), else on CPU (Triton's interpreter).
+DEVICE = os.environ.get("COMMFUSE_TEST_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
+
 
 class Dumps:
     """The per-graph dump folders written while compiling and running `fn`."""

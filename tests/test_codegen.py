@@ -6,11 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.common import compile_and_run, kernel_defs
+from tests.common import DEVICE, compile_and_run, kernel_defs
 
 
 def test_relu_add_sum_is_one_kernel(tmp_path):
-    x = torch.randn(16, 48)
+    x = torch.randn(16, 48, device=DEVICE)
     out, dumps = compile_and_run(lambda x: (x.relu() + 1).sum(-1), x, tmp_path=tmp_path)
     torch.testing.assert_close(out, (x.relu() + 1).sum(-1))
     summary, code = dumps.only()
@@ -20,7 +20,7 @@ def test_relu_add_sum_is_one_kernel(tmp_path):
 
 
 def test_layer_norm_forward_is_one_kernel(tmp_path):
-    x, w, b = torch.randn(8, 96), torch.randn(96), torch.randn(96)
+    x, w, b = torch.randn(8, 96, device=DEVICE), torch.randn(96, device=DEVICE), torch.randn(96, device=DEVICE)
     fn = lambda x, w, b: F.layer_norm(x, (96,), w, b)  # noqa: E731
     out, dumps = compile_and_run(fn, x, w, b, tmp_path=tmp_path)
     torch.testing.assert_close(out, fn(x, w, b), atol=1e-5, rtol=1e-5)
@@ -34,7 +34,7 @@ def test_layer_norm_forward_is_one_kernel(tmp_path):
 
 def test_softmax_one_kernel_and_looped_reduction(tmp_path):
     fn = lambda x: torch.softmax(x, -1)  # noqa: E731
-    x = torch.randn(4, 6000)  # longer than persistent_reduction_max: the row is looped
+    x = torch.randn(4, 6000, device=DEVICE)  # longer than persistent_reduction_max: the row is looped
     out, dumps = compile_and_run(fn, x, tmp_path=tmp_path)
     torch.testing.assert_close(out, fn(x))
     summary, code = dumps.only()
@@ -45,7 +45,7 @@ def test_softmax_one_kernel_and_looped_reduction(tmp_path):
 
 def test_unlowered_op_is_an_extern_call(tmp_path):
     fn = lambda a, b: torch.mm(a, b).relu() + torch.sort(a, -1).values.sum()  # noqa: E731
-    a, b = torch.randn(8, 8), torch.randn(8, 8)
+    a, b = torch.randn(8, 8, device=DEVICE), torch.randn(8, 8, device=DEVICE)
     out, dumps = compile_and_run(fn, a, b, tmp_path=tmp_path)
     torch.testing.assert_close(out, fn(a, b), atol=1e-5, rtol=1e-5)
     summary, code = dumps.only()
@@ -56,7 +56,7 @@ def test_unlowered_op_is_an_extern_call(tmp_path):
 
 def test_intermediate_buffer_not_stored(tmp_path):
     fn = lambda x: (x.exp() * 2).sin() + 1  # noqa: E731
-    x = torch.randn(100)
+    x = torch.randn(100, device=DEVICE)
     out, dumps = compile_and_run(fn, x, tmp_path=tmp_path)
     torch.testing.assert_close(out, fn(x))
     summary, code = dumps.only()
@@ -66,7 +66,7 @@ def test_intermediate_buffer_not_stored(tmp_path):
 
 def test_horizontal_fusion_of_shared_reads(tmp_path):
     fn = lambda x: (x.sum(-1), x.amax(-1))  # noqa: E731
-    x = torch.randn(8, 40)
+    x = torch.randn(8, 40, device=DEVICE)
     out, dumps = compile_and_run(fn, x, tmp_path=tmp_path)
     torch.testing.assert_close(out, fn(x))
     summary, code = dumps.only()
@@ -76,7 +76,7 @@ def test_horizontal_fusion_of_shared_reads(tmp_path):
 
 def test_transposed_input_tiles_2d(tmp_path):
     fn = lambda x, y: x + y.t()  # noqa: E731
-    x, y = torch.randn(64, 32), torch.randn(32, 64)
+    x, y = torch.randn(64, 32, device=DEVICE), torch.randn(32, 64, device=DEVICE)
     out, dumps = compile_and_run(fn, x, y, tmp_path=tmp_path)
     torch.testing.assert_close(out, fn(x, y))
     summary, code = dumps.only()
@@ -87,7 +87,7 @@ def test_transposed_input_tiles_2d(tmp_path):
 
 def test_contiguous_pointwise_stays_1d(tmp_path):
     fn = lambda x, y: x + y  # noqa: E731
-    x, y = torch.randn(64, 32), torch.randn(64, 32)
+    x, y = torch.randn(64, 32, device=DEVICE), torch.randn(64, 32, device=DEVICE)
     out, dumps = compile_and_run(fn, x, y, tmp_path=tmp_path)
     torch.testing.assert_close(out, fn(x, y))
     summary, code = dumps.only()
@@ -97,7 +97,7 @@ def test_contiguous_pointwise_stays_1d(tmp_path):
 
 def test_dump_layout_and_summary(tmp_path):
     fn = lambda x: torch.mm(x, x).relu().sum(0)  # noqa: E731
-    x = torch.randn(8, 8)
+    x = torch.randn(8, 8, device=DEVICE)
     compile_and_run(fn, x, tmp_path=tmp_path)
     (graph,) = sorted((tmp_path / "rank0").iterdir())
     for name in ("fx_graph.txt", "ir_pre_fusion.txt", "ir_post_fusion.txt", "output_code.py", "summary.json"):

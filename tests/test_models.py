@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tests.common import compile_and_run
+from tests.common import DEVICE, compile_and_run
 
 
 class Block(nn.Module):
@@ -45,10 +45,11 @@ def _grads(model):
 
 def test_gpt_block_forward_backward(tmp_path):
     torch.manual_seed(0)
-    model = Block()
-    ref = Block()
+    model = Block().to(DEVICE)
+    ref = Block().to(DEVICE)
     ref.load_state_dict(model.state_dict())
-    tokens, targets = torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8))
+    tokens = torch.randint(0, 64, (2, 8), device=DEVICE)
+    targets = torch.randint(0, 64, (2, 8), device=DEVICE)
     loss, dumps = compile_and_run(model, tokens, targets, tmp_path=tmp_path)
     loss.backward()
     ref_loss = ref(tokens, targets)
@@ -67,16 +68,16 @@ def test_dynamic_batch_compiles_at_most_twice():
     counter = CompileCounterWithBackend("commfuse")
     fn = lambda x, w: F.layer_norm(torch.relu(x @ w), (w.shape[1],)).sum(-1)  # noqa: E731
     compiled = torch.compile(fn, backend=counter, dynamic=True)
-    w = torch.randn(16, 24)
+    w = torch.randn(16, 24, device=DEVICE)
     for b in (3, 5, 9):
-        x = torch.randn(b, 16)
+        x = torch.randn(b, 16, device=DEVICE)
         torch.testing.assert_close(compiled(x, w), fn(x, w), atol=1e-5, rtol=1e-5)
     assert counter.frame_count <= 2
 
 
 def test_dynamic_sizes_are_symbolic_in_the_code(tmp_path):
     fn = lambda x: (x * 2).softmax(-1)  # noqa: E731
-    x = torch.randn(5, 40)
+    x = torch.randn(5, 40, device=DEVICE)
     out, dumps = compile_and_run(fn, x, tmp_path=tmp_path, dynamic=True)
     torch.testing.assert_close(out, fn(x))
     summary, code = dumps.only()
