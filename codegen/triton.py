@@ -93,9 +93,10 @@ class TritonKernel:
             return "[XBLOCK]"
         return "[XBLOCK, RBLOCK]" if self.in_loop() else "[XBLOCK, 1]"
 
-    def mask(self) -> str:
+    def mask(self, loads=True) -> str:
+        """Lanes in range; for loads also the masks of `ops.masked` and index bounds."""
         base = "xmask" if not self.in_loop() else "xmask & rmask"
-        return " & ".join([base] + [f"({m})" for m in self.mask_stack])
+        return " & ".join([base] + ([f"({m})" for m in self.mask_stack] if loads else []))
 
     # ------------------------------------------------------------------ emitting
     def newvar(self, expr: str, dtype: torch.dtype, cache=True) -> Var:
@@ -191,7 +192,7 @@ class TritonKernel:
         v = value.name
         if dtype != value.dtype or compute_dtype(dtype) != dtype:
             v = f"{v}.to({triton_dtype(dtype)})"
-        self.cur.body.writeline(f"tl.store({self.arg(name)} + ({self.index_str(index)}), {v}, {self.mask()})")
+        self.cur.body.writeline(f"tl.store({self.arg(name)} + ({self.index_str(index)}), {v}, {self.mask(loads=False)})")
         return value
 
     # ------------------------------------------------------------------ reductions

@@ -46,6 +46,15 @@ def _interpret_triton_library() -> None:
     sys.modules.pop("codegen.triton_helpers", None)  # re-decorated on next import
 
 
+def _interpreter_asserts() -> None:
+    """Our only device asserts are index bounds checks: let the interpreter raise them."""
+    import dataclasses
+    from triton.runtime import interpreter
+    builder = interpreter.interpreter_builder
+    if not builder.options.debug:
+        builder.options = dataclasses.replace(builder.options, debug=True)
+
+
 def load_module(source: str, constants: dict):
     key = hashlib.sha256(source.encode()).hexdigest()[:20]
     path = os.path.join(cache_dir(), f"cf_{key}.py")
@@ -57,6 +66,8 @@ def load_module(source: str, constants: dict):
     name = f"commfuse_generated_{key}"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
+    if interpreting():
+        _interpreter_asserts()
     spec.loader.exec_module(module)
     module.constants.update(constants)
     return module, path

@@ -1,0 +1,110 @@
+"""The backend as users meet it: options, config, environment, errors, fallbacks, randomness."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import commfuse
+from commfuse import config
+from tests.common import DEVICE, compile_and_run, kernel_defs
+
+
+def test_config_patch_is_context_manager_and_decorator():
+    before = config.max_fusion_size
+    with config.patch(max_fusion_size=3):
+        assert config.max_fusion_size == 3
+    assert config.max_fusion_size == before
+
+    @config.patch({"debug": True})
+    def inside():
+        return config.debug
+    assert inside() is True and config.debug is False
+
+
+def test_unknown_option_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown commfuse option"):
+        config.patch(no_such_option=1)
+    fn = torch.compile(lambda x: x + 1, backend="commfuse", options={"no_such_option": 1})
+    with pytest.raises(Exception, match="no_such_option"):
+        fn(torch.ones(3, device=DEVICE))
+
+
+def test_compile_options_change_the_generated_code(tmp_path):
+    fn = lambda x: ((x + 1) * 2).exp()  # noqa: E731
+    x = torch.randn(64, device=DEVICE)
+    torch._dynamo.reset()
+    out = torch.compile(fn, backend="commfuse",
+                        options={"max_fusion_size": 1, "dump_dir": str(tmp_path)})(x)
+    torch.testing.assert_close(out, fn(x))
+    code = next(tmp_path.glob("rank0/*/output_code.py")).read_text()
+    assert len(kernel_defs(code)) == 1  # pointwise chains inline into one loop body anyway
+    fn2 = lambda x: (x.sum(-1), (x * 2).amax(-1))  # noqa: E731
+    x2 = torch.randn(8, 16, device=DEVICE)
+    _, dumps1 = compile_and_run(fn2, x2, tmp_path=tmp_path / "a", max_fusion_size=1)
+    _, dumps2 = compile_and_run(fn2, x2, tmp_path=tmp_path / "b")
+    assert len(dumps1.only()[0]["kernels"]) == 2
+    assert len(dumps2.only()[0]["kernels"]) == 1
+
+
+def test_environment_overrides():
+    code = "import commfuse; print(commfuse.config.max_fusion_size, commfuse.config.dump_dir)"
+    env = dict(os.environ, COMMFUSE_MAX_FUSION_SIZE="7", COMMFUSE_DUMP_DIR="/tmp/x")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["7", "/tmp/x"]
+
+
+def test_out_of_bounds_index_raises():
+    fn = torch.compile(lambda w, i: F.embedding(i, w) * 2, backend="commfuse")
+    w = torch.randn(10, 4, device=DEVICE)
+    torch.testing.assert_close(fn(w, torch.tensor([1, -1], device=DEVICE)), F.embedding(torch.tensor([1, 9]), w.cpu()).to(DEVICE) * 2)
+    if DEVICE == "cuda":
+        pytest.skip("a device-side assert poisons the CUDA context; checked on CPU")
+    with pytest.raises(Exception, match="index out of bounds"):
+        fn(w, torch.tensor([1, 12]))
+
+
+def test_random_ops_are_deterministic_under_a_seed():
+    fn = torch.compile(lambda x: F.dropout(x, 0.5, training=True) + torch.rand_like(x), backend="commfuse")
+    x = torch.ones(256, device=DEVICE)
+    torch.manual_seed(123)
+    a = fn(x)
+    torch.manual_seed(123)
+    b = fn(x)
+    torch.testing.assert_close(a, b)
+    kept = (a >= 2).float().mean().item()  # dropout keeps ~half, scaled by 2
+    assert 0.3 < kept < 0.7
+
+
+def test_compile_failure_falls_back_to_aten(monkeypatch, caplog):
+    import commfuse.scheduler as sched
+
+    def broken(*a, **k):
+        raise RuntimeError("simulated compiler bug")
+    monkeypatch.setattr(sched.Scheduler, "__init__", broken)
+    fn = lambda x: x * 3 + 1  # noqa: E731
+    x = torch.randn(5, device=DEVICE)
+    with config.patch(fallback_on_error=True):
+        out = torch.compile(fn, backend="commfuse")(x)
+    torch.testing.assert_close(out, fn(x))
+    assert "running it through aten" in caplog.text
+    torch._dynamo.reset()
+    with config.patch(fallback_on_error=False), pytest.raises(Exception, match="simulated compiler bug"):
+        torch.compile(fn, backend="commfuse")(x)
+
+
+def test_backend_registered_by_entry_point():
+    from torch._dynamo.backends.registry import lookup_backend
+    assert lookup_backend("commfuse") is not None
+
+
+def test_inference_mode_and_no_grad():
+    fn = torch.compile(lambda x: F.gelu(x) * x.sum(), backend="commfuse")
+    x = torch.randn(6, 7, device=DEVICE)
+    with torch.no_grad():
+        torch.testing.assert_close(fn(x), F.gelu(x) * x.sum())
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        torch.testing.assert_close(fn(x), F.gelu(x) * x.sum())
