@@ -11,6 +11,7 @@ from commfuse import choices, ir, sizevars
 from commfuse.scheduler import Scheduler
 
 from .common import IndentedBuffer, pexpr
+from . import comm as comm_codegen
 from .triton import TritonKernel, choose_tile
 
 HEADER = """\
@@ -36,6 +37,7 @@ class WrapperCodegen:
         self.allocations: list[dict] = []
         self.constants: dict[str, object] = dict(graph.constants)
         self.bound: set = set()
+        self.comm_plan = self.plan_comm_buffers()
         self.names: dict[str, str] = {}     # buffer -> variable holding it (after reuse)
 
     # ------------------------------------------------------------------ helpers
@@ -86,6 +88,9 @@ class WrapperCodegen:
         self.body.writeline("args.clear()")
         for name in g.constants:
             self.body.writeline(f"{name} = constants[{name!r}]")
+        if self.comm_plan:
+            self.body.writeline("if _comm is None:")
+            self.body.writeline("    _setup_comm()  # first call: allocate and rendezvous the pools")
         self.bind_sizes()
         for sym, fn, args, kwargs in g.scalar_nodes:
             call_args = ", ".join([self.value(a) for a in args] + [f"{k}={self.value(v)}" for k, v in kwargs.items()])
@@ -95,7 +100,9 @@ class WrapperCodegen:
         no_reuse = {n for grp in self.sched.groups for nd in grp.nodes
                     if getattr(nd.buf, "aliases", False) for n in nd.read_names}
         for step, grp in enumerate(self.sched.groups):
-            if grp.is_extern():
+            if isinstance(grp.nodes[0].buf, ir.CommKernel):
+                self.comm_kernel(grp.nodes[0].buf, step, pool)
+            elif grp.is_extern():
                 self.extern(grp.nodes[0], pool)
             else:
                 self.kernel(grp, step, pool)
@@ -106,7 +113,8 @@ class WrapperCodegen:
                 buf = g.name_to_buffer[name]
                 if getattr(buf, "side_effect", False):
                     continue
-                if name in no_reuse or isinstance(buf, ir.MultiOutput) or isinstance(buf, ir.ExternKernel) and not buf.out_variant:
+                if name in no_reuse or isinstance(buf, ir.MultiOutput) or isinstance(buf.layout, ir.CommLayout) \
+                        or isinstance(buf, ir.ExternKernel) and not buf.out_variant:
                     self.body.writeline(f"del {self.ref(name)}")
                 else:
                     pool[self.alloc_key(buf)].append(self.ref(name))
@@ -120,6 +128,9 @@ class WrapperCodegen:
         code.writeline()
         code.splice(self.kernels)
         code.writeline()
+        if self.comm_plan:
+            code.splice(self.comm_setup())
+            code.writeline()
         devices = {b.get_device() for b in g.buffers} | {b.get_device() for b in g.graph_inputs.values()
                                                           if isinstance(b, ir.Buffer)}
         cuda = sorted({d.index or 0 for d in devices if d.type == "cuda"})
@@ -165,6 +176,10 @@ class WrapperCodegen:
 
     def allocate(self, buf: ir.Buffer, pool):
         lay = buf.layout
+        if isinstance(lay, ir.CommLayout):
+            self.body.writeline(f"{buf.name} = _comm[{buf.name!r}]  # {self.comm_plan[buf.name]['pool']} "
+                                f"[{self.comm_plan[buf.name]['offset']}, +{self.comm_plan[buf.name]['bytes']})")
+            return
         key = self.alloc_key(buf)
         nbytes = sizevars.hint(lay.storage_numel()) * lay.dtype.itemsize
         if pool.get(key):
@@ -235,6 +250,74 @@ class WrapperCodegen:
             self.body.writeline(f"{call}({args})")
         else:
             self.body.writeline(f"{buf.name} = {call}({args})")
+
+    # ------------------------------------------------------------------ collectives
+    def plan_comm_buffers(self) -> dict:
+        """Each comm buffer's slice of its group's pool: a deterministic function of the graph,
+        so every rank places every buffer at the same offset."""
+        from commfuse.runtime.symm import align
+        plan, sizes = {}, {}
+        for name, (kind, group, *feeds) in self.graph.comm_buffers.items():
+            buf = self.graph.name_to_buffer[name]
+            if name in self.sched.removed:
+                continue
+            key = (group, str(buf.get_device()))
+            pool, offset = sizes.get(key, (f"pool_{len(sizes)}", 0))
+            nbytes = int(buf.layout.storage_numel()) * buf.get_dtype().itemsize
+            plan[name] = {"name": name, "group": group, "kind": kind, "pool": pool, "device": key[1],
+                          "offset": offset, "bytes": nbytes, "feeds": feeds[0] if feeds else None,
+                          "copy_in": name in self.graph.comm_copies}
+            sizes[key] = (pool, align(offset + nbytes))
+        self.pool_sizes = {v[0]: (k[0], k[1], v[1]) for k, v in sizes.items()}
+        return plan
+
+    def comm_setup(self) -> IndentedBuffer:
+        code = IndentedBuffer()
+        code.writeline("_comm = None")
+        code.writeline()
+        code.writeline("def _setup_comm():")
+        with code.indent():
+            code.writeline("global _comm")
+            code.writeline("from commfuse.runtime.symm import get_pool")
+            code.writeline("_comm = {}")
+            for pool, (group, device, nbytes) in self.pool_sizes.items():
+                key = f"{self.graph.graph_id}:{group}:{device}"
+                code.writeline(f"_comm[{pool!r}] = get_pool({key!r}, {group!r}, {device!r}, {nbytes})")
+            for name, p in self.comm_plan.items():
+                lay = self.graph.name_to_buffer[name].layout
+                code.writeline(f"_comm[{name!r}] = _comm[{p['pool']!r}].view({p['offset']}, {self.shape(lay.size)}, "
+                               f"{self.shape(lay.stride)}, {lay.dtype})")
+                code.writeline(f"_comm['peers_' + {name!r}] = _comm[{p['pool']!r}].peer_views({p['offset']}, "
+                               f"{int(lay.numel())}, {lay.dtype})")
+        return code
+
+    def comm_kernel(self, buf: ir.CommKernel, step: int, pool):
+        src = buf.input.name
+        plan = self.comm_plan[src]
+        numel = int(sizevars.product(buf.input.get_size()))
+        if buf.algorithm == "torch_one_shot":
+            self.body.writeline(f"{buf.name} = torch.ops.symm_mem.one_shot_all_reduce({src}, "
+                                f"{buf.reduce_op!r}, {buf.group_name!r})")
+            self.extern_calls.append("symm_mem.one_shot_all_reduce")
+            return
+        name = f"cf_one_shot_all_reduce_{buf.reduce_op}_{step}"
+        self.kernels.splice(_lines(comm_codegen.one_shot_all_reduce(
+            name, buf.world_size, buf.reduce_op, buf.get_dtype(), buf.inplace)))
+        self.kernels.writeline()
+        if buf.inplace:
+            self.body.writeline(f"{buf.name} = {src}  # reduced in place")
+        else:
+            self.allocate(buf, pool)
+        cfg = comm_codegen.launch_config(numel)
+        p = plan["pool"]
+        peers = ", ".join(f"_comm['peers_{src}'][{r}]" for r in range(buf.world_size))
+        sigs = ", ".join(f"_comm[{p!r}].signals[{r}]" for r in range(buf.world_size))
+        self.body.writeline(
+            f"{name}[({cfg['NPROG']},)]({peers}, {buf.name}, {sigs}, _comm[{p!r}].signals[_comm[{p!r}].rank], "
+            f"_comm[{p!r}].rank, {numel}, BLOCK={cfg['BLOCK']}, NPROG={cfg['NPROG']}, num_warps={cfg['num_warps']})")
+        self.kernel_info.append({"name": name, "reads": [src], "writes": [buf.name], "nodes": [buf.name],
+                                 "reduction": False, "persistent": False, "tiled": False,
+                                 "collective": buf.collective, "reduce_op": buf.reduce_op})
 
     def output(self, o) -> str:
         if isinstance(o, (ir.Buffer, ir.ReinterpretView)):

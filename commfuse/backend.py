@@ -114,7 +114,8 @@ def _compile(gm, example_inputs, graph_id):
         "extern_calls": wrapper.extern_calls,
         "fallback_ops": graph.fallback_ops,
         "buffers": wrapper.allocations,
-        "comm_buffers": [],
+        "comm_buffers": list(wrapper.comm_plan.values()),
+        "comm_fallbacks": graph.comm_fallbacks,
         "peak_memory_estimate": None,
         "compile_seconds": round(time.time() - t0, 3),
     }

@@ -1,6 +1,8 @@
 """Every heuristic in one place: what fuses, in which order, and how kernels are shaped."""
 from __future__ import annotations
 
+import torch
+
 from . import config
 
 
@@ -71,3 +73,60 @@ def should_tile(rows: int, cols: int) -> bool:
 
 def tile_blocks(rows: int, cols: int) -> dict:
     return {"XBLOCK": min(32, next_pow2(rows)), "RBLOCK": min(32, next_pow2(cols)), "num_warps": 4}
+
+
+# ----------------------------------------------------------------------------- collectives
+COMM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+COMM_REDUCE_OPS = ("sum", "avg", "max", "min")
+
+
+def group_size(group_name: str) -> int:
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+    return dist.get_world_size(_resolve_process_group(group_name))
+
+
+def _single_host(group_name: str) -> bool:
+    """torchrun places ranks node by node: a group is on one host when its ranks share a node."""
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    ranks = dist.get_process_group_ranks(_resolve_process_group(group_name))
+    return len({r // local for r in ranks}) == 1
+
+
+def comm_choice(collective: str, x, reduce_op: str, group_name: str) -> tuple[str, str]:
+    """(algorithm, reason): "one_shot" (ours), "torch_one_shot", or "c10d" with why."""
+    from . import sizevars
+    cfg = config.comm
+    if not cfg.enabled or cfg.algorithm == "c10d":
+        return "c10d", "comm lowering disabled by config"
+    if cfg.groups is not None and group_name not in cfg.groups:
+        return "c10d", f"group {group_name} not in config.comm.groups"
+    if reduce_op not in COMM_REDUCE_OPS:
+        return "c10d", f"reduce op {reduce_op!r} (supported: {', '.join(COMM_REDUCE_OPS)})"
+    if x.get_dtype() not in COMM_DTYPES:
+        return "c10d", f"dtype {x.get_dtype()} (supported: fp32, bf16, fp16)"
+    if x.get_device().type not in ("cuda", "cpu"):
+        return "c10d", f"device {x.get_device()}"
+    numel = x.get_numel()
+    if not sizevars.is_static(numel):
+        return "c10d", f"symbolic size {numel}"
+    try:
+        world = group_size(group_name)
+        single = _single_host(group_name)
+    except Exception as e:  # unknown group: c10d will report it properly
+        return "c10d", f"cannot resolve group {group_name}: {e}"
+    if not single:
+        return "c10d", "group spans several hosts (no peer access)"
+    nbytes = int(numel) * x.get_dtype().itemsize
+    limit = cfg.one_shot_max_bytes.get(world, min(cfg.one_shot_max_bytes.values()))
+    if nbytes > limit:
+        return "c10d", f"{nbytes} bytes over the one-shot threshold {limit} for {world} ranks"
+    if cfg.algorithm == "torch":
+        if x.get_device().type != "cuda" or reduce_op != "sum":
+            return "one_shot", ""
+        return "torch_one_shot", ""
+    return "one_shot", ""

@@ -33,7 +33,25 @@ triton_interpret: bool | None = None  # None: Triton's interpreter exactly when 
 max_block = 1024                       # largest pointwise block
 
 
+class comm:
+    """Collectives (`config.patch({"comm.enabled": False})`, env `COMMFUSE_COMM_ENABLED=0`)."""
+    enabled = True                 # lower eligible all-reduces to symmetric-memory kernels
+    algorithm = "auto"             # auto | ours | torch | c10d
+    # one-shot all-reduce up to this many bytes per world size (larger: c10d)
+    one_shot_max_bytes = {2: 1 << 20, 4: 512 << 10, 8: 256 << 10}
+    groups: list | None = None     # only these group names (None: all)
+    block = 1024                   # elements per program step of the comm kernels
+    max_programs = 64              # programs of a comm kernel (each owns a barrier slot)
+
+
+_SECTIONS = {"comm": comm}
+
+
 def _coerce(value: str, default: Any) -> Any:
+    if isinstance(default, (dict, list)):
+        import json
+        parsed = json.loads(value)
+        return {int(k): v for k, v in parsed.items()} if isinstance(parsed, dict) else parsed
     if isinstance(default, bool) or default is None and value.lower() in ("0", "1", "true", "false"):
         return value.lower() in ("1", "true", "yes", "on")
     if isinstance(default, int):
@@ -48,22 +66,38 @@ def _coerce(value: str, default: Any) -> Any:
 
 
 def _options() -> dict[str, Any]:
+    """Every option by name; options of a section are named `section.option`."""
     mod = sys.modules[__name__]
-    return {k: v for k, v in vars(mod).items()
-            if not k.startswith("_") and not callable(v) and not isinstance(v, type(sys))
-            and k not in ("annotations",)}
+    out = {k: v for k, v in vars(mod).items()
+           if not k.startswith("_") and not callable(v) and not isinstance(v, (type(sys), type))
+           and k not in ("annotations",)}
+    for sec_name, sec in _SECTIONS.items():
+        out.update({f"{sec_name}.{k}": v for k, v in vars(sec).items() if not k.startswith("_")})
+    return out
 
 
-def _load_env() -> None:
-    mod = sys.modules[__name__]
-    for name, default in _options().items():
-        env = os.environ.get(f"COMMFUSE_{name.upper()}")
-        if env is not None:
-            setattr(mod, name, _coerce(env, default))
+def _owner(name: str):
+    if "." in name:
+        sec, name = name.split(".", 1)
+        return _SECTIONS[sec], name
+    return sys.modules[__name__], name
+
+
+def _set(name: str, value: Any) -> None:
+    obj, attr = _owner(name)
+    setattr(obj, attr, value)
 
 
 def get(name: str) -> Any:
-    return getattr(sys.modules[__name__], name)
+    obj, attr = _owner(name)
+    return getattr(obj, attr)
+
+
+def _load_env() -> None:
+    for name, default in _options().items():
+        env = os.environ.get(f"COMMFUSE_{name.replace('.', '_').upper()}")
+        if env is not None:
+            _set(name, _coerce(env, default))
 
 
 def snapshot() -> dict[str, Any]:
@@ -80,16 +114,14 @@ class _Patch(contextlib.ContextDecorator):
         self.saved: list[dict[str, Any]] = []
 
     def __enter__(self):
-        mod = sys.modules[__name__]
-        self.saved.append({k: getattr(mod, k) for k in self.changes})
+        self.saved.append({k: get(k) for k in self.changes})
         for k, v in self.changes.items():
-            setattr(mod, k, v)
+            _set(k, v)
         return self
 
     def __exit__(self, *exc):
-        mod = sys.modules[__name__]
         for k, v in self.saved.pop().items():
-            setattr(mod, k, v)
+            _set(k, v)
         return False
 
 

@@ -37,7 +37,9 @@ class GraphLowering(torch.fx.Interpreter):
         self.placeholder_names: list[str] = []
         self.constants: dict[str, torch.Tensor] = {}
         self.graph_outputs: list = []
-        self.comm_buffers: dict[str, tuple] = {}     # buffer name -> (comm kind, group); collectives issue
+        self.comm_buffers: dict[str, tuple] = {}     # buffer -> (comm kind, group, collective node)
+        self.comm_copies: list[str] = []             # comm buffers filled by a copy (input not ours)
+        self.comm_fallbacks: list[dict] = []         # collectives left to c10d, with the reason
         self.fallback_ops: list[str] = []
         self.scalar_nodes: list[tuple] = []           # (symbol, fn, args, kwargs) computed at run time
         self.device_types: set[str] = set()
@@ -177,6 +179,10 @@ class GraphLowering(torch.fx.Interpreter):
 def realize_output(box: TensorBox, meta) -> ir.IRNode:
     """Store a graph output with the strides eager would have given it."""
     d = box.data
+    if isinstance(d, ir.Buffer) and isinstance(d.layout, ir.CommLayout):
+        # pool memory is rewritten by the next call: an output gets its own copy
+        box = TensorBox(ir.Pointwise(d.get_device(), d.get_dtype(), d.make_loader(), list(d.get_size())))
+        d = box.data
     if isinstance(d, ir.Loops) and isinstance(meta, torch.Tensor):
         layout = meta_layout(meta)
         if _is_dense(layout):

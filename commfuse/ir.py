@@ -210,6 +210,29 @@ class ExternKernel(Buffer):
 
 
 @dataclasses.dataclass(eq=False)
+class CommKernel(Buffer):
+    """A collective over symmetric memory, run by our own Triton kernel (or torch's).
+
+    `input` lives in a comm buffer (CommLayout) that its producer wrote directly; the
+    kernel reads every peer's copy of it. With `inplace`, the result overwrites `input`."""
+    collective: str = "all_reduce"
+    algorithm: str = "one_shot"     # one_shot (ours) | torch_one_shot
+    reduce_op: str = "sum"
+    group_name: str = ""
+    world_size: int = 1
+    input: Buffer = None
+    inplace: bool = False
+
+    def inputs(self) -> list:
+        return [self.input]
+
+    def __str__(self):
+        return (f"{self.name}: CommKernel {self.collective}[{self.algorithm}, {self.reduce_op}, "
+                f"group={self.group_name}, ranks={self.world_size}]({self.input.name})"
+                + (" in place" if self.inplace else ""))
+
+
+@dataclasses.dataclass(eq=False)
 class MultiOutput(Buffer):
     """Item `index` of a multi-output extern kernel."""
     parent: ExternKernel = None

@@ -1,0 +1,66 @@
+"""Triton comm kernels over symmetric memory.
+
+One-shot all-reduce: every rank reads every peer's copy of the input and reduces it
+locally. A barrier over signal pads (each program owns one int32 slot per peer on each
+rank) opens the kernel — all inputs are written — and closes it — nobody rewrites its
+input while a peer may still read it. Each wait swaps its slot back from 1 to 0, so the
+pads are clean after every call and CUDA-graph replays stay correct.
+"""
+from __future__ import annotations
+
+import torch
+
+from commfuse import config
+
+from .common import IndentedBuffer, triton_dtype
+
+COMBINE = {"sum": "{a} + {b}", "avg": "{a} + {b}", "max": "tl.maximum({a}, {b})",
+           "min": "tl.minimum({a}, {b})"}
+
+
+def _barrier(code: IndentedBuffer, world: int) -> None:
+    for p in range(world):  # tell each peer that this program got here
+        code.writeline(f"if rank != {p}:")
+        with code.indent():
+            code.writeline(f"while tl.atomic_cas(sig{p} + slot + rank, 0, 1, sem=\"release\", scope=\"sys\") != 0:")
+            code.writeline("    pass")
+    for p in range(world):  # and wait until each peer told us
+        code.writeline(f"if rank != {p}:")
+        with code.indent():
+            code.writeline(f"while tl.atomic_cas(sig_own + slot + {p}, 1, 0, sem=\"acquire\", scope=\"sys\") != 1:")
+            code.writeline("    pass")
+
+
+def one_shot_all_reduce(name: str, world: int, reduce_op: str, dtype: torch.dtype, inplace: bool) -> str:
+    ins = [f"in{p}" for p in range(world)]
+    sigs = [f"sig{p}" for p in range(world)]
+    code = IndentedBuffer()
+    code.writeline("@triton.jit")
+    code.writeline(f"def {name}({', '.join(ins)}, out, {', '.join(sigs)}, sig_own, rank, numel, "
+                   "BLOCK: tl.constexpr, NPROG: tl.constexpr):")
+    with code.indent():
+        code.writeline("pid = tl.program_id(0)")
+        code.writeline(f"slot = pid * {world}")
+        _barrier(code, world)
+        code.writeline("for start in range(pid * BLOCK, numel, NPROG * BLOCK):")
+        with code.indent():
+            code.writeline("offs = start + tl.arange(0, BLOCK)")
+            code.writeline("mask = offs < numel")
+            acc = "acc"
+            code.writeline(f"acc = tl.load(in0 + offs, mask, other=0).to(tl.float32)")
+            for p in range(1, world):
+                code.writeline(f"acc = {COMBINE[reduce_op].format(a='acc', b=f'tl.load(in{p} + offs, mask, other=0).to(tl.float32)')}")
+            if reduce_op == "avg":
+                code.writeline(f"acc = acc / {world}")
+            if inplace:  # every peer has read this chunk of our buffer before we overwrite it
+                _barrier(code, world)
+            code.writeline(f"tl.store(out + offs, {acc}.to({triton_dtype(dtype)}), mask)")
+        if not inplace:
+            _barrier(code, world)
+    return code.getvalue()
+
+
+def launch_config(numel: int) -> dict:
+    block = config.comm.block
+    nprog = max(1, min(config.comm.max_programs, -(-numel // block)))
+    return {"BLOCK": block, "NPROG": nprog, "num_warps": 4}

@@ -1,0 +1,112 @@
+"""Symmetric memory behind one interface, two backends.
+
+A `SymmPool` is one allocation of `nbytes` per rank of a process group, at the same
+size on every rank, plus a signal pad of int32 slots for the comm kernels' barriers.
+Each rank sees its own buffer and its peers' (`peer_views`), so kernels can read the
+peers' data directly.
+  CUDA: torch.distributed._symmetric_memory (allocation, rendezvous, peer buffers, pads).
+  CPU:  an emulation over shared-memory files among the ranks of one host.
+Pools are made at the first call of a compiled graph (never during CUDA-graph
+capture) and kept for its life.
+"""
+from __future__ import annotations
+
+import os
+import uuid
+
+import torch
+import torch.distributed as dist
+
+ALIGN = 128          # bytes: every buffer starts on a vectorizable boundary
+SIGNAL_SLOTS = 4096  # int32 slots per rank (programs x peers)
+
+
+def align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def group_of(group_name: str):
+    from torch.distributed.distributed_c10d import _resolve_process_group
+    return _resolve_process_group(group_name)
+
+
+class SymmPool:
+    def __init__(self, group_name: str, device: torch.device, nbytes: int):
+        self.group_name, self.device, self.nbytes = group_name, torch.device(device), align(max(nbytes, ALIGN))
+        group = group_of(group_name)
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        if self.device.type == "cuda":
+            self._init_cuda(group)
+        else:
+            self._init_shared_memory(group)
+        self._cache: dict = {}
+
+    # backends -----------------------------------------------------------------
+    def _init_cuda(self, group):
+        import torch.distributed._symmetric_memory as symm_mem
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("commfuse: symmetric memory must be allocated before CUDA-graph capture; "
+                               "run the compiled function once before capturing it")
+        self.local = symm_mem.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+        handle = symm_mem.rendezvous(self.local, group.group_name)
+        self.handle = handle
+        self.peers = [handle.get_buffer(r, (self.nbytes,), torch.uint8) for r in range(self.world_size)]
+        self.signals = [handle.get_signal_pad(r, (SIGNAL_SLOTS,), torch.int32) for r in range(self.world_size)]
+        self.signals[self.rank].zero_()
+        torch.cuda.synchronize(self.device)
+        dist.barrier(group)
+
+    def _init_shared_memory(self, group):
+        # rank 0 names the allocation; everyone creates its file, then maps the others'
+        token = [uuid.uuid4().hex if self.rank == 0 else None]
+        dist.broadcast_object_list(token, src=dist.get_global_rank(group, 0), group=group)
+        total = self.nbytes + SIGNAL_SLOTS * 4
+        paths = [os.path.join(_shm_dir(), f"commfuse_{token[0]}_{r}") for r in range(self.world_size)]
+        with open(paths[self.rank], "wb") as f:
+            f.truncate(total)
+        dist.barrier(group)
+        maps = [torch.from_file(p, shared=True, size=total, dtype=torch.uint8) for p in paths]
+        dist.barrier(group)
+        os.unlink(paths[self.rank])  # the mappings stay valid; nothing is left behind
+        self.local = maps[self.rank][: self.nbytes]
+        self.peers = [m[: self.nbytes] for m in maps]
+        self.signals = [m[self.nbytes:].view(torch.int32) for m in maps]
+
+    # views --------------------------------------------------------------------
+    def view(self, offset: int, size, stride, dtype) -> torch.Tensor:
+        """This rank's tensor at `offset` bytes into the pool (the same object every call)."""
+        key = ("local", offset, tuple(size), tuple(stride), dtype)
+        if key not in self._cache:
+            self._check(offset, size, stride, dtype)
+            base = self.local[offset:].view(dtype)
+            self._cache[key] = base.as_strided(size, stride)
+        return self._cache[key]
+
+    def peer_views(self, offset: int, numel: int, dtype) -> list[torch.Tensor]:
+        key = ("peers", offset, numel, dtype)
+        if key not in self._cache:
+            self._check(offset, [numel], [1], dtype)
+            self._cache[key] = [p[offset: offset + numel * dtype.itemsize].view(dtype) for p in self.peers]
+        return self._cache[key]
+
+    def _check(self, offset, size, stride, dtype):
+        span = (1 + sum((n - 1) * s for n, s in zip(size, stride))) * dtype.itemsize if all(size) else 0
+        if offset % ALIGN or offset + span > self.nbytes:
+            raise RuntimeError(f"commfuse: pool slice [{offset}, {offset + span}) outside the "
+                               f"{self.nbytes}-byte pool of group {self.group_name}")
+
+
+def _shm_dir() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else os.environ.get("TMPDIR", "/tmp")
+
+
+_pools: dict = {}
+
+
+def get_pool(key: str, group_name: str, device, nbytes: int) -> SymmPool:
+    """The pool `key` (one per compiled graph and group), made on first use."""
+    pool = _pools.get(key)
+    if pool is None or pool.nbytes < nbytes:
+        pool = _pools[key] = SymmPool(group_name, device, nbytes)
+    return pool

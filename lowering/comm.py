@@ -1,0 +1,81 @@
+"""Collectives (`_c10d_functional` ops).
+
+An eligible all-reduce (commfuse/choices.py: `comm_choice`) becomes a CommKernel over
+symmetric memory. Its input is made a comm buffer here, at lowering time, so the
+kernel that produces it (a fused Triton kernel, or an extern mm through `out=`)
+writes straight into the persistent pool: no copy in. Values we do not produce
+(graph inputs, views) get one copy kernel, fused with the pointwise op before it.
+Everything else — other collectives, ineligible all-reduces — runs the c10d op
+asynchronously, waited on where the graph waits.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from commfuse import choices, ir, sizevars
+from commfuse.ir import Pointwise, TensorBox
+from commfuse.virtualized import V
+
+from . import register
+
+log = logging.getLogger("commfuse")
+c10d = torch.ops._c10d_functional
+
+
+def make_comm_buffer(x: TensorBox, group_name: str, kind: str) -> ir.Buffer:
+    """Store `x` in a comm buffer of `group_name`, written by its producer where we own it."""
+    d = x.data
+    size = list(x.get_size())
+    layout = ir.CommLayout(x.get_device(), x.get_dtype(), size, sizevars.contiguous_strides(size),
+                           group=group_name, kind=kind)
+    graph = V.graph
+    owned = isinstance(d, ir.ComputedBuffer) and isinstance(d.layout, ir.FlexibleLayout) or \
+        isinstance(d, ir.ExternKernel) and d.out_variant and d.layout.is_contiguous()
+    if owned and d.name not in graph.comm_buffers:
+        d.layout = layout  # the producer writes into the pool
+        buf = d
+    else:
+        loader = x.make_loader() if not isinstance(d, ir.Loops) else d.inner_fn
+        src = d if isinstance(d, ir.Pointwise) else Pointwise(x.get_device(), x.get_dtype(), loader, size)
+        buf = graph.register_buffer(ir.ComputedBuffer, layout=layout, data=src)
+        if not isinstance(d, ir.Loops):
+            graph.comm_copies.append(buf.name)  # a copy in: the value was not ours to place
+        x.data = buf
+    graph.comm_buffers[buf.name] = (kind, group_name)
+    return buf
+
+
+def _all_reduce(x, reduce_op, group_name, inplace):
+    graph = V.graph
+    algorithm, reason = choices.comm_choice("all_reduce", x, reduce_op, group_name)
+    if algorithm == "c10d":
+        graph.comm_fallbacks.append({"op": "all_reduce", "reason": reason})
+        log.info("commfuse: all_reduce on %s runs through c10d: %s", group_name, reason)
+        return None
+    buf = make_comm_buffer(x, group_name, "all_reduce")
+    layout = buf.layout if inplace else ir.contiguous_layout(x.get_device(), x.get_dtype(), x.get_size())
+    kernel = graph.register_buffer(ir.CommKernel, layout=layout, collective="all_reduce",
+                                   algorithm=algorithm, reduce_op=reduce_op, group_name=group_name,
+                                   world_size=choices.group_size(group_name), input=buf, inplace=inplace)
+    graph.comm_buffers[buf.name] += (kernel.name,)
+    return TensorBox(kernel)
+
+
+@register(c10d.all_reduce.default)
+def all_reduce(x, reduce_op, group_name):
+    return _all_reduce(x, reduce_op, group_name, inplace=False)
+
+
+@register(c10d.all_reduce_.default)
+def all_reduce_(x, reduce_op, group_name):
+    return _all_reduce(x, reduce_op, group_name, inplace=True)
+
+
+@register(c10d.wait_tensor.default)
+def wait_tensor(x):
+    """Our comm kernels are ordered on the stream: nothing to wait for."""
+    if isinstance(x, TensorBox) and isinstance(x.data, ir.CommKernel):
+        return x
+    return None  # a c10d collective: the aten wait runs where the graph waits

@@ -1,0 +1,45 @@
+"""Run a test body on N gloo ranks (spawned processes) and collect each rank's result."""
+from __future__ import annotations
+
+import os
+import tempfile
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _worker(rank, world, init_file, fn, args, results):
+    os.environ.setdefault("COMMFUSE_FALLBACK_ON_ERROR", "0")
+    os.environ["LOCAL_WORLD_SIZE"] = str(world)
+    import commfuse  # noqa: F401  (Triton's interpreter on CPU)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        results[rank] = ("ok", fn(rank, world, *args))
+    except BaseException:
+        results[rank] = ("error", traceback.format_exc())
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn, world: int = 2, args=(), timeout: float = 300) -> list:
+    """fn(rank, world, *args) on `world` ranks; returns their results, raising the first failure."""
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as d, ctx.Manager() as manager:
+        results = manager.dict()
+        procs = [ctx.Process(target=_worker, args=(r, world, os.path.join(d, "init"), fn, args, results))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                raise TimeoutError(f"rank did not finish in {timeout}s")
+        out = [results.get(r, ("error", "no result (crashed)")) for r in range(world)]
+    for r, (status, value) in enumerate(out):
+        if status != "ok":
+            raise AssertionError(f"rank {r} failed:\n{value}")
+    return [v for _, v in out]

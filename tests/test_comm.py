@@ -1,0 +1,186 @@
+"""Collectives on 2 gloo ranks: comm buffers chosen at lowering time, the one-shot kernel over
+(emulated) symmetric memory, persistent pool slices, and the c10d path for what is ineligible."""
+import glob
+import json
+import os
+
+import pytest
+import torch
+
+from tests.dist_utils import run_ranks
+
+
+def _summaries(dump_dir, rank):
+    return [json.load(open(p)) for p in sorted(glob.glob(f"{dump_dir}/rank{rank}/*/summary.json"))]
+
+
+def _code(dump_dir, rank):
+    return [open(p).read() for p in sorted(glob.glob(f"{dump_dir}/rank{rank}/*/output_code.py"))]
+
+
+# ---------------------------------------------------------------------------------------- bodies
+def _reduce_ops_and_dtypes(rank, world):
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for op in ("sum", "avg", "max", "min"):
+            torch._dynamo.reset()
+            fn = lambda x: funcol.all_reduce(x * 2 + 1, op, dist.group.WORLD).relu()  # noqa: E731
+            torch.manual_seed(rank)
+            x = torch.randn(33, 7, dtype=dtype)
+            out = torch.compile(fn, backend="commfuse")(x)
+            out2 = torch.compile(fn, backend="commfuse")(x)  # a second call reuses the pool
+            ref = fn(x)
+            torch.testing.assert_close(out, ref, atol=tol[dtype], rtol=tol[dtype], msg=f"{op} {dtype}")
+            torch.testing.assert_close(out2, ref, atol=tol[dtype], rtol=tol[dtype])
+    return True
+
+
+def _producer_writes_pool(rank, world, dump_dir):
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    from commfuse import config
+
+    def fn(x, w, b):
+        y = funcol.all_reduce(x @ w, "sum", dist.group.WORLD)      # mm writes into the pool
+        z = funcol.all_reduce((y + b).relu(), "sum", dist.group.WORLD)  # a fused kernel does
+        return z, funcol.all_reduce(x, "sum", dist.group.WORLD)  # a graph input: one copy in
+    torch.manual_seed(0)
+    x, w, b = torch.randn(8, 16), torch.randn(16, 32), torch.randn(32)
+    x = x + rank
+    with config.patch(dump_dir=dump_dir):
+        compiled = torch.compile(fn, backend="commfuse")
+        for _ in range(3):  # persistent pool: same slices every call
+            outs = compiled(x, w, b)
+    for o, r in zip(outs, fn(x, w, b)):
+        torch.testing.assert_close(o, r, atol=1e-4, rtol=1e-5)
+    return True
+
+
+def _ineligible(rank, world, dump_dir):
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    from commfuse import config
+    fn = lambda x: funcol.all_reduce(x + 1, "sum", dist.group.WORLD) * 2  # noqa: E731
+    with config.patch(dump_dir=dump_dir, **{"comm.one_shot_max_bytes": {2: 64}}):
+        x = torch.randn(64)  # 256 bytes: over the 64-byte threshold
+        torch.testing.assert_close(torch.compile(fn, backend="commfuse")(x), fn(x))
+    torch._dynamo.reset()
+    with config.patch(dump_dir=dump_dir):
+        for n in (5, 9):  # symbolic sizes
+            x = torch.randn(n)
+            torch.testing.assert_close(torch.compile(fn, backend="commfuse", dynamic=True)(x), fn(x))
+    return True
+
+
+def _inplace(rank, world, dump_dir):
+    """all_reduce_ on a buffer we produce: the kernel overwrites it in place, no copy."""
+    import torch.distributed as dist
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from commfuse import config
+    from commfuse.backend import compile_graph
+    group = dist.group.WORLD.group_name
+    c10d = torch.ops._c10d_functional
+
+    def fn(x):
+        y = x * 3
+        c10d.all_reduce_(y, "sum", group)
+        return (c10d.wait_tensor(y) + 1,)
+    x = torch.randn(10, 12) + rank
+    gm = make_fx(fn)(x)
+    with config.patch(dump_dir=dump_dir):
+        compiled = compile_graph(gm, [x])
+        (out,) = compiled([x])
+    torch.testing.assert_close(out, fn(x)[0])
+    return True
+
+
+def _tp_mlp(rank, world, dump_dir):
+    from torch.distributed.device_mesh import init_device_mesh
+    from commfuse import config
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    class MLP(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
+
+        def forward(self, x):
+            return self.down(torch.nn.functional.gelu(self.up(x))) + x
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    ref, tp = MLP(), MLP()
+    tp.load_state_dict(ref.state_dict())
+    parallelize_module(tp, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    compiled = torch.compile(tp, backend="commfuse", options={"dump_dir": dump_dir})
+    x = torch.randn(4, 16)
+    xr, xt = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out, want = compiled(xt), ref(xr)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    g = torch.randn_like(want)
+    out.backward(g)
+    want.backward(g)
+    torch.testing.assert_close(xt.grad, xr.grad, atol=1e-5, rtol=1e-5)
+    local = tp.up.weight.grad.to_local()
+    full = ref.up.weight.grad.chunk(world, 0)[rank]
+    torch.testing.assert_close(local, full, atol=1e-5, rtol=1e-5)
+    return True
+
+
+# ---------------------------------------------------------------------------------------- tests
+def test_all_reduce_ops_and_dtypes():
+    assert run_ranks(_reduce_ops_and_dtypes) == [True, True]
+
+
+def test_producers_write_into_the_pool(tmp_path):
+    run_ranks(_producer_writes_pool, args=(str(tmp_path),))
+    (s0,), (s1,) = _summaries(tmp_path, 0), _summaries(tmp_path, 1)
+    (code0,) = _code(tmp_path, 0)
+    assert len(s0["comm_buffers"]) == 3
+    by_copy = {b["copy_in"]: b for b in s0["comm_buffers"]}
+    # (a) buffers we produce are written by their producers: mm through out=, a fused kernel
+    mm_buf = next(b["name"] for b in s0["comm_buffers"] if f"aten.mm.out(arg0_1, arg1_1, out={b['name']})"
+                  in code0 or f"out={b['name']})" in code0)
+    assert f"{mm_buf} = _comm['{mm_buf}']" in code0
+    written = {w for k in s0["kernels"] if "collective" not in k for w in k["writes"]}
+    assert sum(b["name"] in written for b in s0["comm_buffers"]) == 2  # relu kernel + input copy
+    # (b) the one-shot kernel reads the peers' buffers
+    assert code0.count("def cf_one_shot_all_reduce_sum") == 3
+    assert "_comm['peers_" in code0
+    # (c) the same pool slices on both ranks
+    assert [(b["name"], b["offset"], b["bytes"]) for b in s0["comm_buffers"]] == \
+        [(b["name"], b["offset"], b["bytes"]) for b in s1["comm_buffers"]]
+    assert len({b["offset"] for b in s0["comm_buffers"]}) == 3
+    # (d) only the graph input needed a copy in
+    assert [b["copy_in"] for b in s0["comm_buffers"]].count(True) == 1
+    assert all(b["feeds"] for b in s0["comm_buffers"])
+
+
+def test_ineligible_all_reduce_takes_c10d_and_says_why(tmp_path):
+    run_ranks(_ineligible, args=(str(tmp_path),))
+    reasons = [f["reason"] for s in _summaries(tmp_path, 0) for f in s["comm_fallbacks"]]
+    assert any("over the one-shot threshold" in r for r in reasons), reasons
+    assert any("symbolic size" in r for r in reasons), reasons
+    for s in _summaries(tmp_path, 0):
+        assert s["comm_buffers"] == []
+        assert any("all_reduce" in c for c in s["extern_calls"])
+
+
+def test_inplace_all_reduce_has_no_copy(tmp_path):
+    run_ranks(_inplace, args=(str(tmp_path),))
+    (s0,) = _summaries(tmp_path, 0)
+    (code0,) = _code(tmp_path, 0)
+    assert len(s0["comm_buffers"]) == 1 and not s0["comm_buffers"][0]["copy_in"]
+    assert "# reduced in place" in code0
+
+
+def test_dtensor_tp_mlp_forward_backward(tmp_path):
+    assert run_ranks(_tp_mlp, args=(str(tmp_path),)) == [True, True]
+    summaries = {s["graph_id"].split("_")[1]: s for s in _summaries(tmp_path, 0)}
+    assert set(summaries) == {"forward", "backward"}
+    for kind, s in summaries.items():  # the row-parallel output and the input-grad all-reduces
+        assert len(s["comm_buffers"]) == 1, (kind, s["comm_buffers"], s["comm_fallbacks"])
+        assert not s["comm_buffers"][0]["copy_in"], kind
+        assert any(k.get("collective") == "all_reduce" for k in s["kernels"])
