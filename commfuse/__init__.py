@@ -28,3 +28,14 @@ __all__ = ["config", "commfuse_backend"]
 def commfuse_backend(gm, example_inputs, **kwargs):
     from .backend import commfuse_backend as _backend
     return _backend(gm, example_inputs, **kwargs)
+
+
+def _register() -> None:
+    """The entry point registers `backend="commfuse"` once installed; importing commfuse does too
+    (e.g. when it is used from a source tree on PYTHONPATH)."""
+    from torch._dynamo.backends.registry import _BACKENDS, register_backend
+    if "commfuse" not in _BACKENDS:
+        register_backend(name="commfuse")(commfuse_backend)
+
+
+_register()

@@ -1,4 +1,5 @@
-"""Run a test body on N gloo ranks (spawned processes) and collect each rank's result."""
+"""Run a test body on N ranks (spawned processes: NCCL on GPUs when there are enough, else gloo
+on CPU) and collect each rank's result."""
 from __future__ import annotations
 
 import os
@@ -10,11 +11,25 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
+def use_cuda(world: int) -> bool:
+    return torch.cuda.is_available() and torch.cuda.device_count() >= world
+
+
+def device() -> torch.device:
+    """The device of this rank: its own GPU under NCCL, else the CPU (gloo)."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
 def _worker(rank, world, init_file, fn, args, results):
     os.environ.setdefault("COMMFUSE_FALLBACK_ON_ERROR", "0")
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     os.environ["LOCAL_WORLD_SIZE"] = str(world)
     import commfuse  # noqa: F401  (Triton's interpreter on CPU)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    backend = "nccl" if use_cuda(world) else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         results[rank] = ("ok", fn(rank, world, *args))
     except BaseException:

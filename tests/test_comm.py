@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from tests.dist_utils import run_ranks
+from tests.dist_utils import device, run_ranks
 
 
 def _summaries(dump_dir, rank):
@@ -28,7 +28,7 @@ def _reduce_ops_and_dtypes(rank, world):
             torch._dynamo.reset()
             fn = lambda x: funcol.all_reduce(x * 2 + 1, op, dist.group.WORLD).relu()  # noqa: E731
             torch.manual_seed(rank)
-            x = torch.randn(33, 7, dtype=dtype)
+            x = torch.randn(33, 7, dtype=dtype, device=device())
             out = torch.compile(fn, backend="commfuse")(x)
             out2 = torch.compile(fn, backend="commfuse")(x)  # a second call reuses the pool
             ref = fn(x)
@@ -47,7 +47,7 @@ def _producer_writes_pool(rank, world, dump_dir):
         z = funcol.all_reduce((y + b).relu(), "sum", dist.group.WORLD)  # a fused kernel does
         return z, funcol.all_reduce(x, "sum", dist.group.WORLD)  # a graph input: one copy in
     torch.manual_seed(0)
-    x, w, b = torch.randn(8, 16), torch.randn(16, 32), torch.randn(32)
+    x, w, b = torch.randn(8, 16, device=device()), torch.randn(16, 32, device=device()), torch.randn(32, device=device())
     x = x + rank
     with config.patch(dump_dir=dump_dir):
         compiled = torch.compile(fn, backend="commfuse")
@@ -64,12 +64,12 @@ def _ineligible(rank, world, dump_dir):
     from commfuse import config
     fn = lambda x: funcol.all_reduce(x + 1, "sum", dist.group.WORLD) * 2  # noqa: E731
     with config.patch(dump_dir=dump_dir, **{"comm.one_shot_max_bytes": {2: 64}}):
-        x = torch.randn(64)  # 256 bytes: over the 64-byte threshold
+        x = torch.randn(64, device=device())  # 256 bytes: over the 64-byte threshold
         torch.testing.assert_close(torch.compile(fn, backend="commfuse")(x), fn(x))
     torch._dynamo.reset()
     with config.patch(dump_dir=dump_dir):
         for n in (5, 9):  # symbolic sizes
-            x = torch.randn(n)
+            x = torch.randn(n, device=device())
             torch.testing.assert_close(torch.compile(fn, backend="commfuse", dynamic=True)(x), fn(x))
     return True
 
@@ -87,7 +87,7 @@ def _inplace(rank, world, dump_dir):
         y = x * 3
         c10d.all_reduce_(y, "sum", group)
         return (c10d.wait_tensor(y) + 1,)
-    x = torch.randn(10, 12) + rank
+    x = torch.randn(10, 12, device=device()) + rank
     gm = make_fx(fn)(x)
     with config.patch(dump_dir=dump_dir):
         compiled = compile_graph(gm, [x])
@@ -109,13 +109,13 @@ def _tp_mlp(rank, world, dump_dir):
         def forward(self, x):
             return self.down(torch.nn.functional.gelu(self.up(x))) + x
 
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh(device().type, (world,))
     torch.manual_seed(0)
-    ref, tp = MLP(), MLP()
+    ref, tp = MLP().to(device()), MLP().to(device())
     tp.load_state_dict(ref.state_dict())
     parallelize_module(tp, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
     compiled = torch.compile(tp, backend="commfuse", options={"dump_dir": dump_dir})
-    x = torch.randn(4, 16)
+    x = torch.randn(4, 16, device=device())
     xr, xt = x.clone().requires_grad_(), x.clone().requires_grad_()
     out, want = compiled(xt), ref(xr)
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)

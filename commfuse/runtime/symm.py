@@ -52,7 +52,8 @@ class SymmPool:
         handle = symm_mem.rendezvous(self.local, group.group_name)
         self.handle = handle
         self.peers = [handle.get_buffer(r, (self.nbytes,), torch.uint8) for r in range(self.world_size)]
-        self.signals = [handle.get_signal_pad(r, (SIGNAL_SLOTS,), torch.int32) for r in range(self.world_size)]
+        slots = min(SIGNAL_SLOTS, handle.signal_pad_size // 4)
+        self.signals = [handle.get_signal_pad(r, (slots,), torch.int32) for r in range(self.world_size)]
         self.signals[self.rank].zero_()
         torch.cuda.synchronize(self.device)
         dist.barrier(group)

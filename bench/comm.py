@@ -1,0 +1,218 @@
+"""All-reduce and tensor-parallel decode benchmarks, side by side in one run (GPU, torchrun).
+
+    torchrun --standalone --nproc-per-node 2 bench/comm.py [--out bench/results/comm_2xh200.md]
+
+1. All-reduce latency under CUDA graphs, bf16, 4 KiB ... 64 MiB: commfuse's one-shot Triton kernel
+   vs torch's symm_mem one_shot_all_reduce vs NCCL. Inputs already live in symmetric memory for the
+   two symmetric-memory kernels (as they do when commfuse's producers write the pool); NCCL reduces
+   a plain tensor in place.
+2. The TP MLP decode step (B=8, H=4096, F=14336 split over ranks, bf16; all-reduce, residual add,
+   RMSNorm): eager, Inductor, Inductor with _collective.auto_select, commfuse; each captured in a CUDA
+   graph after warm-up, and without graphs.
+Set NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 (multicast stays off).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import commfuse  # noqa: E402,F401
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.distributed._functional_collectives as funcol  # noqa: E402
+
+
+def cuda_graph_time_us(fn, iters=200, reps=5) -> float:
+    """Median per-call µs of `fn` replayed from a CUDA graph of `iters` calls."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(iters):
+            fn()
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        g.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / iters)
+    return sorted(times)[len(times) // 2]
+
+
+def eager_time_us(fn, iters=200, reps=5) -> float:
+    for _ in range(5):
+        fn()
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        dist.barrier()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / iters)
+    return sorted(times)[len(times) // 2]
+
+
+def all_reduce_table(sizes, rank, world, group) -> list[dict]:
+    import triton  # noqa: F401
+    import torch.distributed._symmetric_memory as symm_mem
+    from codegen import comm as comm_codegen
+    from commfuse.runtime.loader import load_module
+    from commfuse.runtime.symm import SymmPool
+    src = "import triton\nimport triton.language as tl\nconstants = {}\n" + \
+        comm_codegen.one_shot_all_reduce("ar", world, "sum", torch.bfloat16, False)
+    kernel = load_module(src, {})[0].ar
+    rows = []
+    dev = torch.device("cuda", torch.cuda.current_device())
+    pool = SymmPool(group.group_name, dev, max(sizes))
+    tsym = symm_mem.empty(max(sizes) // 2, dtype=torch.bfloat16, device=dev)
+    symm_mem.rendezvous(tsym, group.group_name)
+    for nbytes in sizes:
+        numel = nbytes // 2
+        peers = pool.peer_views(0, numel, torch.bfloat16)
+        peers[rank].normal_()
+        out = torch.empty(numel, dtype=torch.bfloat16, device=dev)
+        cfg = comm_codegen.launch_config(numel)
+        sigs = pool.signals
+
+        def ours():
+            kernel[(cfg["NPROG"],)](*peers, out, *sigs, sigs[rank], rank, numel,
+                                    BLOCK=cfg["BLOCK"], NPROG=cfg["NPROG"], num_warps=cfg["num_warps"])
+        ours()
+        ref = peers[rank].float().clone()
+        dist.all_reduce(ref, group=group)
+        torch.testing.assert_close(out.float(), ref, atol=0.1, rtol=2e-2)
+        x_t = tsym[:numel]
+
+        def torch_one_shot():
+            torch.ops.symm_mem.one_shot_all_reduce(x_t, "sum", group.group_name)
+        plain = torch.randn(numel, dtype=torch.bfloat16, device=dev)
+
+        def nccl():
+            dist.all_reduce(plain, group=group)
+        row = {"bytes": nbytes}
+        for name, fn in (("commfuse one-shot", ours), ("torch one_shot", torch_one_shot), ("NCCL", nccl)):
+            try:
+                row[name] = cuda_graph_time_us(fn)
+            except Exception as e:  # report, keep going
+                row[name] = None
+                if rank == 0:
+                    print(f"{name} at {nbytes} B failed: {type(e).__name__}: {e}", file=sys.stderr)
+        rows.append(row)
+    return rows
+
+
+def rms_norm(x, w, eps=1e-6):
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
+
+
+def decode_table(rank, world, group, B=8, H=4096, F=14336) -> list[dict]:
+    dev = torch.device("cuda", torch.cuda.current_device())
+    torch.manual_seed(0)
+    f = F // world
+    w_up = torch.randn(H, f, device=dev, dtype=torch.bfloat16) / H ** 0.5
+    w_down = torch.randn(f, H, device=dev, dtype=torch.bfloat16) / f ** 0.5
+    norm_w = torch.ones(H, device=dev, dtype=torch.bfloat16)
+    x = torch.randn(B, H, device=dev, dtype=torch.bfloat16)
+    res = torch.randn(B, H, device=dev, dtype=torch.bfloat16)
+
+    def step(x, res):
+        y = torch.nn.functional.silu(x @ w_up) @ w_down
+        y = funcol.all_reduce(y, "sum", group)
+        h = y + res
+        return rms_norm(h, norm_w), h
+
+    variants = {"eager": step}
+    torch._dynamo.reset()
+    variants["inductor"] = torch.compile(step)
+    try:
+        import torch._inductor.config as ic
+        if hasattr(ic, "_collective") and hasattr(ic._collective, "auto_select"):
+            def with_auto_select():
+                torch._dynamo.reset()
+                ic._collective.auto_select = True
+                fn = torch.compile(step)
+                fn(x, res)
+                ic._collective.auto_select = False
+                return fn
+            variants["inductor+auto_select"] = with_auto_select()
+    except Exception as e:
+        print("auto_select unavailable:", e, file=sys.stderr)
+    variants["commfuse"] = torch.compile(step, backend="commfuse")
+    ref = step(x, res)
+    rows = []
+    for name, fn in variants.items():
+        out = fn(x, res)
+        torch.testing.assert_close(out[0].float(), ref[0].float(), atol=5e-2, rtol=5e-2)
+        row = {"variant": name}
+        row["plain µs"] = eager_time_us(lambda: fn(x, res))
+        try:
+            row["cuda graph µs"] = cuda_graph_time_us(lambda: fn(x, res))
+        except Exception as e:
+            row["cuda graph µs"] = None
+            if rank == 0:
+                print(f"{name}: CUDA graph capture failed: {type(e).__name__}: {e}", file=sys.stderr)
+        rows.append(row)
+    return rows
+
+
+def fmt(v):
+    return "—" if v is None else f"{v:.1f}"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out")
+    ap.add_argument("--max-mib", type=int, default=64)
+    ap.add_argument("--skip-decode", action="store_true")
+    args = ap.parse_args()
+    rank = int(os.environ["RANK"])
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl")
+    world = dist.get_world_size()
+    group = dist.group.WORLD
+    sizes = [4 << 10 << i for i in range(0, 15) if (4 << 10 << i) <= args.max_mib << 20]
+    ar = all_reduce_table(sizes, rank, world, group)
+    dec = [] if args.skip_decode else decode_table(rank, world, group)
+    if rank == 0:
+        name = torch.cuda.get_device_name()
+        lines = [f"All-reduce latency, {world}x {name}, bf16, CUDA graphs (µs per call, median):", "",
+                 "| size | commfuse one-shot | torch one_shot | NCCL | ours / torch |", "|---|---|---|---|---|"]
+        for r in ar:
+            ratio = (r["commfuse one-shot"] / r["torch one_shot"]) if r["commfuse one-shot"] and r["torch one_shot"] else None
+            size = f"{r['bytes'] >> 10} KiB" if r["bytes"] < 1 << 20 else f"{r['bytes'] >> 20} MiB"
+            lines.append(f"| {size} | {fmt(r['commfuse one-shot'])} | {fmt(r['torch one_shot'])} | "
+                         f"{fmt(r['NCCL'])} | {'—' if ratio is None else f'{ratio:.2f}'} |")
+        if dec:
+            lines += ["", f"TP MLP decode step (B=8, H=4096, F=14336/{world} per rank, bf16, all-reduce + residual "
+                          f"+ RMSNorm), {world}x {name}:", "", "| variant | plain µs | CUDA graph µs |", "|---|---|---|"]
+            lines += [f"| {r['variant']} | {fmt(r['plain µs'])} | {fmt(r['cuda graph µs'])} |" for r in dec]
+        text = "\n".join(lines)
+        print(text)
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(text + "\n")
+            with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
+                json.dump({"all_reduce": ar, "decode": dec, "device": name, "world": world}, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
