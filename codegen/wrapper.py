@@ -239,7 +239,7 @@ class WrapperCodegen:
             self.body.writeline(f"{buf.name} = {self.ref(buf.parent.name)}[{buf.index}]")
             return
         op = buf.op
-        call = _op_path(op)
+        call = _op_path(op) if _is_aten(op) else self.value(op)
         args = ", ".join([self.value(a) for a in buf.args] +
                          [f"{k}={self.value(v)}" for k, v in buf.kwargs.items()])
         self.extern_calls.append(str(op))
@@ -340,9 +340,11 @@ def _lines(src: str) -> IndentedBuffer:
     return b
 
 
+def _is_aten(op) -> bool:
+    return isinstance(op, torch._ops.OpOverload)
+
+
 def _op_path(op) -> str:
-    if isinstance(op, torch._ops.OpOverload):
-        ns = op.namespace
-        base = "aten" if ns == "aten" else "prims" if ns == "prims" else f"torch.ops.{ns}"
-        return f"{base}.{op._opname}.{op._overloadname}"
-    return f"{op.__module__}.{op.__qualname__}"
+    ns = op.namespace
+    base = "aten" if ns == "aten" else "prims" if ns == "prims" else f"torch.ops.{ns}"
+    return f"{base}.{op._opname}.{op._overloadname}"

@@ -139,7 +139,7 @@ class GraphLowering(torch.fx.Interpreter):
             return args[0][args[1]]
         result = None
         lowering_fn = lowerings.get(target)
-        if lowering_fn is not None:
+        if lowering_fn is not None and not _touches_complex(args, kwargs, val):
             try:
                 result = lowering_fn(*args, **kwargs)
             except ir.Unsupported as e:
@@ -174,6 +174,15 @@ class GraphLowering(torch.fx.Interpreter):
                 value = realize_output(value, meta)
             self.graph_outputs.append(value)
         return self.graph_outputs
+
+
+def _touches_complex(args, kwargs, meta) -> bool:
+    """Our kernels have no complex arithmetic: such ops run through aten."""
+    for x in torch.utils._pytree.tree_leaves((args, kwargs, meta)):
+        dtype = x.dtype if isinstance(x, torch.Tensor) else x.get_dtype() if isinstance(x, TensorBox) else None
+        if dtype is not None and dtype.is_complex:
+            return True
+    return False
 
 
 def realize_output(box: TensorBox, meta) -> ir.IRNode:

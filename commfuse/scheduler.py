@@ -144,7 +144,9 @@ class Scheduler:
         self.nodes = [SchedulerNode(b, i) for i, b in enumerate(graph.buffers)]
         self.output_names = _output_names(graph)
         self.remove_dead_nodes()
+        self.compute_dependencies()
         self.groups = [self._single(n) for n in self.nodes]
+        self.group_of = {n.name: g for g in self.groups for n in g.nodes}
         self.fuse()
         self.groups = self.topological_order(self.groups)
         self.compute_buffer_users()
@@ -169,6 +171,26 @@ class Scheduler:
                 needed |= n.read_names
         self.removed = {n.name for n in self.nodes} - {n.name for n in keep}
         self.nodes = list(reversed(keep))
+
+    def compute_dependencies(self):
+        """In program order: read-after-write, and for in-place writes (mutated inputs, in-place
+        collectives) write-after-write and write-after-read too."""
+        last_writer, readers = {}, collections.defaultdict(set)
+        for n in self.nodes:
+            deps = {last_writer[r] for r in n.read_names if r in last_writer}
+            for w in n.write_names:
+                if w in last_writer:
+                    deps.add(last_writer[w])
+                deps |= readers[w]
+            n.deps = deps - {n.name}
+            for r in n.read_names:
+                readers[r].add(n.name)
+            for w in n.write_names:
+                last_writer[w] = n.name
+                readers[w] = set()
+
+    def group_deps(self, g: Group) -> set:
+        return {id(self.group_of[d]) for n in g.nodes for d in n.deps if self.group_of[d] is not g}
 
     # ------------------------------------------------------------------ fusion
     def fuse(self):
@@ -212,6 +234,8 @@ class Scheduler:
             alive -= {id(a), id(b)}
             alive.add(id(merged))
             self.groups = [g for g in self.groups if g is not a and g is not b] + [merged]
+            for n in merged.nodes:
+                self.group_of[n.name] = merged
             fused_any = True
         return fused_any
 
@@ -270,11 +294,11 @@ class Scheduler:
 
     def _path_between(self, src: Group, dst: Group) -> bool:
         """Is dst reachable from src through some other group (so fusing them makes a cycle)?"""
-        readers = collections.defaultdict(list)
+        succ = collections.defaultdict(list)
         for g in self.groups:
-            for name in g.read_names:
-                readers[name].append(g)
-        seen, stack = set(), [c for n in src.write_names for c in readers[n] if c is not dst]
+            for d in self.group_deps(g):
+                succ[d].append(g)
+        seen, stack = set(), [c for c in succ[id(src)] if c is not dst]
         while stack:
             g = stack.pop()
             if g is dst:
@@ -282,17 +306,12 @@ class Scheduler:
             if id(g) in seen or g is src:
                 continue
             seen.add(id(g))
-            stack.extend(c for n in g.write_names for c in readers[n])
+            stack.extend(succ[id(g)])
         return False
 
     # ------------------------------------------------------------------ order
     def topological_order(self, groups):
-        writer = {}
-        for g in groups:
-            for name in g.write_names:
-                writer[name] = g
-        deps = {id(g): {id(writer[n]) for n in g.read_names if n in writer and writer[n] is not g}
-                for g in groups}
+        deps = {id(g): self.group_deps(g) for g in groups}
         done, out = set(), []
         pending = sorted(groups, key=lambda g: g.order)
         while pending:
@@ -303,7 +322,8 @@ class Scheduler:
                     pending.remove(g)
                     break
             else:
-                raise AssertionError("cycle in the fused graph")
+                raise AssertionError("cycle in the fused graph: " + "; ".join(
+                    f"{g!r} waits for {sorted(n for n in g.nodes for n in n.deps)}" for g in pending))
         return out
 
     def compute_buffer_users(self):
