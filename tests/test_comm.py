@@ -184,3 +184,44 @@ def test_dtensor_tp_mlp_forward_backward(tmp_path):
         assert len(s["comm_buffers"]) == 1, (kind, s["comm_buffers"], s["comm_fallbacks"])
         assert not s["comm_buffers"][0]["copy_in"], kind
         assert any(k.get("collective") == "all_reduce" for k in s["kernels"])
+
+
+def _other_collectives(rank, world):
+    """Collectives without a symmetric-memory lowering run c10d asynchronously; waits stay put."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    g = dist.group.WORLD
+
+    def fn(x, y):
+        a = funcol.all_gather_tensor(x * 2, 0, g)
+        b = funcol.all_to_all_single(y + 1, None, None, g)
+        c = funcol.broadcast(x.sin(), 1, g)
+        d, e = funcol.all_reduce_coalesced([x, y], "sum", g)
+        return a.sum(0), b * 3, c, d + e.sum()
+    torch.manual_seed(rank)
+    x, y = torch.randn(4, 3, device=device()), torch.randn(world * 2, 3, device=device())
+    out = torch.compile(fn, backend="commfuse")(x, y)
+    for o, r in zip(out, fn(x, y)):
+        torch.testing.assert_close(o, r, atol=1e-5, rtol=1e-5)
+    return True
+
+
+def test_other_collectives_run_through_c10d():
+    assert run_ranks(_other_collectives) == [True, True]
+
+
+def _torch_algorithm(rank, world):
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    from commfuse import config
+    fn = lambda x: funcol.all_reduce(x * 2, "sum", dist.group.WORLD) + 1  # noqa: E731
+    x = torch.randn(64, 32, device=device(), dtype=torch.bfloat16)
+    with config.patch({"comm.algorithm": "torch"}):
+        out = torch.compile(fn, backend="commfuse")(x)
+    torch.testing.assert_close(out, fn(x), atol=2e-2, rtol=2e-2)
+    return True
+
+
+@pytest.mark.gpu
+def test_torch_one_shot_selectable_on_gpu():
+    assert run_ranks(_torch_algorithm) == [True, True]

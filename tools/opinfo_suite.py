@@ -51,6 +51,12 @@ import traceback
 import types
 import warnings
 from collections import Counter
+
+
+def _device() -> str:
+    """Samples live on the GPU where there is one (compiled Triton), else on CPU (interpreter)."""
+    import torch
+    return os.environ.get("COMMFUSE_TEST_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -125,11 +131,11 @@ def static_skip_reason(op, dtype) -> str | None:
     if name in _NON_TENSOR_OUTPUT_OPS:
         return "non-tensor output only"
     try:
-        supported = op.supported_dtypes("cpu")
+        supported = op.supported_dtypes(_device())
     except Exception as e:  # pragma: no cover - defensive
         return f"cannot query dtypes: {type(e).__name__}"
     if dtype not in supported:
-        return f"{str(dtype).replace('torch.', '')} not supported on cpu"
+        return f"{str(dtype).replace('torch.', '')} not supported on {_device()}"
     return None
 
 
@@ -567,7 +573,7 @@ def collect_samples(op, dtype, k: int, seed: int = 0, pick: str = "first"):
     import torch
     torch.manual_seed(seed)
     applicable, filtered = [], Counter()
-    gen = op.sample_inputs("cpu", dtype, requires_grad=False)
+    gen = op.sample_inputs(_device(), dtype, requires_grad=False)
     for n, sample in enumerate(gen):
         if (pick == "first" and len(applicable) >= k) or n >= MAX_SAMPLES_SCANNED:
             break
