@@ -40,6 +40,9 @@ def _worker(rank, world, init_file, fn, args, results):
 
 def run_ranks(fn, world: int = 2, args=(), timeout: float = 300) -> list:
     """fn(rank, world, *args) on `world` ranks; returns their results, raising the first failure."""
+    if torch.cuda.is_available() and not use_cuda(world):
+        import pytest
+        pytest.skip(f"needs {world} GPUs (CPU ranks need Triton's interpreter, off on a GPU machine)")
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as d, ctx.Manager() as manager:
         results = manager.dict()
