@@ -90,7 +90,8 @@ class WrapperCodegen:
             self.body.writeline(f"{name} = constants[{name!r}]")
         if self.comm_plan:
             self.body.writeline("if _comm is None:")
-            self.body.writeline("    _setup_comm()  # first call: allocate and rendezvous the pools")
+            self.body.writeline("    _setup_comm()  # first call: check plans across ranks, take the pools")
+            self.body.writeline("comm = _comm.current()")
         self.bind_sizes()
         for sym, fn, args, kwargs in g.scalar_nodes:
             call_args = ", ".join([self.value(a) for a in args] + [f"{k}={self.value(v)}" for k, v in kwargs.items()])
@@ -177,8 +178,8 @@ class WrapperCodegen:
     def allocate(self, buf: ir.Buffer, pool):
         lay = buf.layout
         if isinstance(lay, ir.CommLayout):
-            self.body.writeline(f"{buf.name} = _comm[{buf.name!r}]  # {self.comm_plan[buf.name]['pool']} "
-                                f"[{self.comm_plan[buf.name]['offset']}, +{self.comm_plan[buf.name]['bytes']})")
+            p = self.comm_plan[buf.name]
+            self.body.writeline(f"{buf.name} = comm[{buf.name!r}]  # {p['pool']} [{p['offset']}, +{p['bytes']})")
             return
         key = self.alloc_key(buf)
         nbytes = sizevars.hint(lay.storage_numel()) * lay.dtype.itemsize
@@ -253,23 +254,42 @@ class WrapperCodegen:
 
     # ------------------------------------------------------------------ collectives
     def plan_comm_buffers(self) -> dict:
-        """Each comm buffer's slice of its group's pool: a deterministic function of the graph,
-        so every rank places every buffer at the same offset."""
-        from commfuse.runtime.symm import align
-        plan, sizes = {}, {}
+        """Each comm buffer's slice of its group's pool, packed by live range in the final
+        schedule (buffers never live together share bytes). A deterministic function of the
+        graph, so every rank places every buffer at the same offset; checked at first call."""
+        from commfuse.memory import Interval, pack_intervals
+        from commfuse.runtime.symm import ALIGN
+        step_of = {n.name: i for i, g in enumerate(self.sched.groups) for n in g.nodes}
+        last = {}
+        for i, g in enumerate(self.sched.groups):
+            for name in g.read_names:
+                last[name] = i
+        by_pool, info = {}, {}
         for name, (kind, group, *feeds) in self.graph.comm_buffers.items():
-            buf = self.graph.name_to_buffer[name]
             if name in self.sched.removed:
                 continue
+            buf = self.graph.name_to_buffer[name]
             key = (group, str(buf.get_device()))
-            pool, offset = sizes.get(key, (f"pool_{len(sizes)}", 0))
             nbytes = int(buf.layout.storage_numel()) * buf.get_dtype().itemsize
-            plan[name] = {"name": name, "group": group, "kind": kind, "pool": pool, "device": key[1],
-                          "offset": offset, "bytes": nbytes, "feeds": feeds[0] if feeds else None,
-                          "copy_in": name in self.graph.comm_copies}
-            sizes[key] = (pool, align(offset + nbytes))
-        self.pool_sizes = {v[0]: (k[0], k[1], v[1]) for k, v in sizes.items()}
-        return plan
+            start = step_of[name]
+            by_pool.setdefault(key, []).append(Interval(name, nbytes, start, max(last.get(name, start), start)))
+            info[name] = (kind, group, key, nbytes, feeds[0] if feeds else None)
+        plan, self.pool_sizes = {}, {}
+        for i, (key, items) in enumerate(sorted(by_pool.items())):
+            pool = f"pool_{i}"
+            offsets, total = pack_intervals(items, ALIGN)
+            self.pool_sizes[pool] = (key[0], key[1], total)
+            for it in items:
+                kind, group, _, nbytes, feeds = info[it.name]
+                plan[it.name] = {"name": it.name, "group": group, "kind": kind, "pool": pool, "device": key[1],
+                                 "offset": offsets[it.name], "bytes": nbytes, "live": [it.start, it.end],
+                                 "feeds": feeds, "copy_in": it.name in self.graph.comm_copies}
+        return dict(sorted(plan.items(), key=lambda kv: step_of[kv[0]]))
+
+    def pool_summary(self) -> list:
+        return [{"pool": p, "group": g, "device": d, "planned_bytes": n,
+                 "sum_of_buffers": sum(b["bytes"] for b in self.comm_plan.values() if b["pool"] == p)}
+                for p, (g, d, n) in self.pool_sizes.items()]
 
     def comm_setup(self) -> IndentedBuffer:
         code = IndentedBuffer()
@@ -278,17 +298,18 @@ class WrapperCodegen:
         code.writeline("def _setup_comm():")
         with code.indent():
             code.writeline("global _comm")
-            code.writeline("from commfuse.runtime.symm import get_pool")
-            code.writeline("_comm = {}")
-            for pool, (group, device, nbytes) in self.pool_sizes.items():
-                key = f"{self.graph.graph_id}:{group}:{device}"
-                code.writeline(f"_comm[{pool!r}] = get_pool({key!r}, {group!r}, {device!r}, {nbytes})")
+            code.writeline("from commfuse.runtime.symm import CommState")
+            pools = {p: (g, d, n) for p, (g, d, n) in self.pool_sizes.items()}
+            bufs = []
             for name, p in self.comm_plan.items():
                 lay = self.graph.name_to_buffer[name].layout
-                code.writeline(f"_comm[{name!r}] = _comm[{p['pool']!r}].view({p['offset']}, {self.shape(lay.size)}, "
-                               f"{self.shape(lay.stride)}, {lay.dtype})")
-                code.writeline(f"_comm['peers_' + {name!r}] = _comm[{p['pool']!r}].peer_views({p['offset']}, "
-                               f"{int(lay.numel())}, {lay.dtype})")
+                bufs.append(f"dict(name={name!r}, pool={p['pool']!r}, offset={p['offset']}, bytes={p['bytes']}, "
+                            f"size={self.shape(lay.size)}, stride={self.shape(lay.stride)}, "
+                            f"numel={int(lay.numel())}, dtype={lay.dtype})")
+            code.writeline(f"_comm = CommState({self.graph.graph_id!r}, {pools!r}, [")
+            with code.indent():
+                code.writelines(f"{b}," for b in bufs)
+            code.writeline("])")
         return code
 
     def comm_kernel(self, buf: ir.CommKernel, step: int, pool):
@@ -310,11 +331,11 @@ class WrapperCodegen:
             self.allocate(buf, pool)
         cfg = comm_codegen.launch_config(numel)
         p = plan["pool"]
-        peers = ", ".join(f"_comm['peers_{src}'][{r}]" for r in range(buf.world_size))
-        sigs = ", ".join(f"_comm[{p!r}].signals[{r}]" for r in range(buf.world_size))
+        peers = ", ".join(f"comm['peers_{src}'][{r}]" for r in range(buf.world_size))
+        sigs = ", ".join(f"comm[{p!r}].signals[{r}]" for r in range(buf.world_size))
         self.body.writeline(
-            f"{name}[({cfg['NPROG']},)]({peers}, {buf.name}, {sigs}, _comm[{p!r}].signals[_comm[{p!r}].rank], "
-            f"_comm[{p!r}].rank, {numel}, BLOCK={cfg['BLOCK']}, NPROG={cfg['NPROG']}, num_warps={cfg['num_warps']})")
+            f"{name}[({cfg['NPROG']},)]({peers}, {buf.name}, {sigs}, comm[{p!r}].signals[comm[{p!r}].rank], "
+            f"comm[{p!r}].rank, {numel}, BLOCK={cfg['BLOCK']}, NPROG={cfg['NPROG']}, num_warps={cfg['num_warps']})")
         self.kernel_info.append({"name": name, "reads": [src], "writes": [buf.name], "nodes": [buf.name],
                                  "reduction": False, "persistent": False, "tiled": False,
                                  "collective": buf.collective, "reduce_op": buf.reduce_op})

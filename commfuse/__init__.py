@@ -39,3 +39,9 @@ def _register() -> None:
 
 
 _register()
+
+
+def comm_report() -> dict:
+    """Symmetric pool bytes per process group and device in this process (also logged)."""
+    from .runtime.symm import comm_report as _report
+    return _report()

@@ -115,6 +115,7 @@ def _compile(gm, example_inputs, graph_id):
         "fallback_ops": graph.fallback_ops,
         "buffers": wrapper.allocations,
         "comm_buffers": list(wrapper.comm_plan.values()),
+        "comm_pools": wrapper.pool_summary(),
         "comm_fallbacks": graph.comm_fallbacks,
         "peak_memory_estimate": None,
         "compile_seconds": round(time.time() - t0, 3),

@@ -102,12 +102,74 @@ def _shm_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else os.environ.get("TMPDIR", "/tmp")
 
 
-_pools: dict = {}
+class SharedPools:
+    """One pool per (group, device) in the process, shared by every compiled graph.
+
+    Graphs run one after another, so each plans from offset 0 and the pool is as large as the
+    largest plan. Growing it replaces the allocation (generation + 1); graphs notice and re-take
+    their views. Growing is never done during CUDA-graph capture."""
+
+    def __init__(self):
+        self.pools: dict = {}
+        self.generation: dict = {}
+
+    def get(self, group_name: str, device, nbytes: int) -> SymmPool:
+        key = (group_name, str(torch.device(device)))
+        pool = self.pools.get(key)
+        if pool is None or pool.nbytes < nbytes:
+            if pool is not None and torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    f"commfuse: the symmetric pool of group {group_name} must grow from {pool.nbytes} to "
+                    f"{nbytes} bytes during CUDA-graph capture; run every compiled graph once before capturing")
+            self.pools[key] = pool = SymmPool(group_name, device, max(nbytes, pool.nbytes if pool else 0))
+            self.generation[key] = self.generation.get(key, 0) + 1
+        return pool
+
+    def gen(self, group_name: str, device) -> int:
+        return self.generation.get((group_name, str(torch.device(device))), 0)
+
+    def report(self) -> dict:
+        """{group: {device: bytes}} of the pools allocated in this process."""
+        out: dict = {}
+        for (group, device), pool in self.pools.items():
+            out.setdefault(group, {})[device] = pool.nbytes
+        return out
 
 
-def get_pool(key: str, group_name: str, device, nbytes: int) -> SymmPool:
-    """The pool `key` (one per compiled graph and group), made on first use."""
-    pool = _pools.get(key)
-    if pool is None or pool.nbytes < nbytes:
-        pool = _pools[key] = SymmPool(group_name, device, nbytes)
-    return pool
+shared_pools = SharedPools()
+
+
+class CommState:
+    """A compiled graph's view of its comm buffers: checked across ranks at the first call, then
+    the same tensors (same pool, same offsets) on every call."""
+
+    def __init__(self, graph_id: str, pools: dict, buffers: list):
+        self.graph_id, self.pools_needed, self.buffers = graph_id, pools, buffers
+        from .plan_check import check_plans_agree
+        check_plans_agree(graph_id, pools, buffers)
+        self.refresh()
+
+    def refresh(self):
+        self.pools = {name: shared_pools.get(g, d, n) for name, (g, d, n) in self.pools_needed.items()}
+        self.gens = {name: shared_pools.gen(g, d) for name, (g, d, _) in self.pools_needed.items()}
+        self.tensors = {}
+        for b in self.buffers:
+            pool = self.pools[b["pool"]]
+            self.tensors[b["name"]] = pool.view(b["offset"], b["size"], b["stride"], b["dtype"])
+            self.tensors["peers_" + b["name"]] = pool.peer_views(b["offset"], b["numel"], b["dtype"])
+
+    def current(self) -> "CommState":
+        if any(shared_pools.gen(g, d) != self.gens[name] for name, (g, d, _) in self.pools_needed.items()):
+            self.refresh()
+        return self
+
+    def __getitem__(self, name):
+        return self.tensors[name] if name in self.tensors else self.pools[name]
+
+
+def comm_report() -> dict:
+    """Pool bytes per process group and device, allocated so far in this process."""
+    import logging
+    report = shared_pools.report()
+    logging.getLogger("commfuse").info("commfuse: symmetric pools: %s", report)
+    return report

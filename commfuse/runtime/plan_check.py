@@ -1,0 +1,65 @@
+"""Cross-rank check of comm-buffer plans, at the first call of each compiled graph.
+
+Every rank publishes its plan under a per-group sequence number in the c10d store and reads the
+others'. Plans are deterministic functions of the graph and config, so they must be equal; if a rank
+compiled another graph (a rank-dependent branch) or another config, every rank raises an error that
+names the graph and the first differing buffer. A rank that never arrives (it took a branch with no
+collective) is reported after `comm.plan_check_timeout_s`, instead of a hang in the pool rendezvous.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+
+import torch.distributed as dist
+
+from commfuse import config
+
+_sequence: dict = {}
+
+
+def _describe(plan: dict) -> list:
+    return [(b["name"], b["pool"], b["offset"], b["bytes"], str(b["dtype"]), list(b["size"])) for b in plan["buffers"]]
+
+
+def check_plans_agree(graph_id: str, pools: dict, buffers: list) -> None:
+    from torch.distributed.distributed_c10d import _get_default_store
+    from .symm import group_of
+    plan = {"graph": graph_id.split("_", 1)[1], "buffers": buffers,
+            "pools": {k: [g, n] for k, (g, _d, n) in pools.items()}}
+    mine = json.dumps({"graph": plan["graph"], "buffers": _describe(plan), "pools": plan["pools"]})
+    for group_name in sorted({g for g, _, _ in pools.values()}):
+        group = group_of(group_name)
+        ranks = dist.get_process_group_ranks(group)
+        seq = _sequence[group_name] = _sequence.get(group_name, 0) + 1
+        store = _get_default_store()
+        prefix = f"commfuse/plan/{group_name}/{seq}"
+        me = dist.get_rank()
+        store.set(f"{prefix}/{me}", mine)
+        keys = [f"{prefix}/{r}" for r in ranks]
+        try:
+            store.wait(keys, datetime.timedelta(seconds=config.comm.plan_check_timeout_s))
+        except Exception as e:
+            missing = [r for r in ranks if not store.check([f"{prefix}/{r}"])]
+            raise RuntimeError(
+                f"commfuse: rank(s) {missing} did not reach the comm-buffer plan check of graph {graph_id} "
+                f"(group {group_name}, check #{seq}) within {config.comm.plan_check_timeout_s}s: the ranks "
+                f"are running different programs (e.g. a rank-dependent branch)") from e
+        for r in ranks:
+            theirs = store.get(f"{prefix}/{r}").decode()
+            if theirs != mine:
+                raise RuntimeError(f"commfuse: ranks disagree on the comm-buffer plan of graph {graph_id} "
+                                   f"(group {group_name}): {_first_difference(me, mine, r, theirs)}. The ranks "
+                                   "compiled different programs (e.g. a rank-dependent branch or config)")
+
+
+def _first_difference(me: int, mine: str, other: int, theirs: str) -> str:
+    a, b = json.loads(mine), json.loads(theirs)
+    if a["graph"] != b["graph"]:
+        return f"rank {me} runs graph {a['graph']}, rank {other} runs {b['graph']}"
+    for x, y in zip(a["buffers"], b["buffers"]):
+        if x != y:
+            return f"first differing buffer {x[0]}: rank {me} has {x}, rank {other} has {y}"
+    if len(a["buffers"]) != len(b["buffers"]):
+        return f"rank {me} has {len(a['buffers'])} comm buffers, rank {other} has {len(b['buffers'])}"
+    return f"pools differ: rank {me} {a['pools']}, rank {other} {b['pools']}"

@@ -1,0 +1,131 @@
+"""Comm-buffer planning: one pool per group shared by callsites and graphs, offsets by live range,
+identical on every rank, and a cross-rank check that turns divergent programs into clear errors."""
+import glob
+import json
+
+import pytest
+import torch
+
+from tests.dist_utils import device, run_ranks
+from tests.test_comm import _assert_disjoint_when_live_together
+
+
+def _summaries(dump_dir, rank):
+    return [json.load(open(p)) for p in sorted(glob.glob(f"{dump_dir}/rank{rank}/*/summary.json"))]
+
+
+def _tp_stack(rank, world, dump_dir, layers=8):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    import commfuse
+
+    class Stack(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up = torch.nn.ModuleList(torch.nn.Linear(16, 32) for _ in range(layers))
+            self.down = torch.nn.ModuleList(torch.nn.Linear(32, 16) for _ in range(layers))
+
+        def forward(self, x):
+            for up, down in zip(self.up, self.down):
+                x = x + down(torch.relu(up(x)))
+            return x
+
+    mesh = init_device_mesh(device().type, (world,))
+    torch.manual_seed(0)
+    ref, tp = Stack().to(device()), Stack().to(device())
+    tp.load_state_dict(ref.state_dict())
+    plan = {f"up.{i}": ColwiseParallel() for i in range(layers)}
+    plan.update({f"down.{i}": RowwiseParallel() for i in range(layers)})
+    parallelize_module(tp, mesh, plan)
+    compiled = torch.compile(tp, backend="commfuse", options={"dump_dir": dump_dir})
+    x = torch.randn(4, 16, device=device())
+    for _ in range(2):  # a second step reuses the same pool slices
+        xr, xt = x.clone().requires_grad_(), x.clone().requires_grad_()
+        out, want = compiled(xt), ref(xr)
+        torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)
+        g = torch.randn_like(want)
+        out.backward(g)
+        want.backward(g)
+        torch.testing.assert_close(xt.grad, xr.grad, atol=1e-4, rtol=1e-4)
+    return commfuse.comm_report()
+
+
+def test_tp_stack_plans_one_small_pool(tmp_path):
+    reports = run_ranks(_tp_stack, args=(str(tmp_path),))
+    s0, s1 = _summaries(tmp_path, 0), _summaries(tmp_path, 1)
+    assert len(s0) == 2  # forward and backward
+    callsite = 4 * 16 * 4  # one all-reduce: 4 x 16 fp32
+    for a, b in zip(s0, s1):
+        assert [(x["name"], x["offset"]) for x in a["comm_buffers"]] == \
+            [(x["name"], x["offset"]) for x in b["comm_buffers"]]
+        assert len(a["comm_buffers"]) >= 8, a["comm_buffers"]  # every layer's all-reduce
+        (pool,) = a["comm_pools"]
+        assert pool["sum_of_buffers"] >= 8 * callsite
+        assert pool["planned_bytes"] <= 2 * callsite, pool  # not L x
+        _assert_disjoint_when_live_together(a["comm_buffers"])
+    # forward and backward share the process-wide pool of the group
+    assert reports[0] == reports[1]
+    ((group, per_device),) = reports[0].items()
+    assert list(per_device.values()) == [max(s["comm_pools"][0]["planned_bytes"] for s in s0)]
+
+
+def _live_together(rank, world, dump_dir):
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    from commfuse import config
+    g = dist.group.WORLD
+
+    def fn(x):
+        a, b = x * 2, x * 3  # both produced before either is reduced
+        ra = funcol.all_reduce(a, "sum", g)
+        rb = funcol.all_reduce(b, "sum", g)
+        return ra * rb
+    x = torch.randn(32, device=device()) + rank
+    with config.patch(dump_dir=dump_dir):
+        torch.testing.assert_close(torch.compile(fn, backend="commfuse")(x), fn(x))
+    return True
+
+
+def test_buffers_live_together_get_disjoint_slices(tmp_path):
+    run_ranks(_live_together, args=(str(tmp_path),))
+    (s0,) = _summaries(tmp_path, 0)
+    a, b = s0["comm_buffers"]
+    assert a["live"][0] <= b["live"][1] and b["live"][0] <= a["live"][1]
+    assert a["offset"] + a["bytes"] <= b["offset"] or b["offset"] + b["bytes"] <= a["offset"]
+    assert s0["comm_pools"][0]["planned_bytes"] >= a["bytes"] + b["bytes"]
+
+
+def _divergent(rank, world, mode):
+    import time
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    from commfuse import config
+    g = dist.group.WORLD
+    x = torch.randn(64, device=device())
+    if mode == "branch":  # rank 1 reduces a slice: different comm buffers
+        fn = (lambda x: funcol.all_reduce(x * 2, "sum", g)) if rank == 0 else \
+            (lambda x: funcol.all_reduce(x[:16] * 2, "sum", g))
+    else:  # rank 1 takes a branch with no collective at all
+        fn = (lambda x: funcol.all_reduce(x * 2, "sum", g)) if rank == 0 else (lambda x: x * 2)
+    start = time.time()
+    try:
+        with config.patch({"comm.plan_check_timeout_s": 3}):
+            torch.compile(fn, backend="commfuse")(x)
+    except Exception as e:
+        return ("error", str(e), time.time() - start)
+    return ("ok", "", time.time() - start)
+
+
+def test_rank_divergent_branch_fails_on_every_rank():
+    results = run_ranks(_divergent, args=("branch",))
+    for status, message, seconds in results:
+        assert status == "error"
+        assert "ranks disagree on the comm-buffer plan" in message and "buf" in message, message
+        assert seconds < 30
+
+
+def test_missing_rank_is_reported_not_hung():
+    (s0, m0, t0), (s1, _, _) = run_ranks(_divergent, args=("missing",))
+    assert s0 == "error" and "did not reach the comm-buffer plan check" in m0 and "[1]" in m0, m0
+    assert t0 < 30
+    assert s1 == "ok"
