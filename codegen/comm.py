@@ -12,6 +12,8 @@ import torch
 
 from commfuse import config
 
+import dataclasses
+
 from .common import IndentedBuffer, triton_dtype
 
 COMBINE = {"sum": "{a} + {b}", "avg": "{a} + {b}", "max": "tl.maximum({a}, {b})",
@@ -64,3 +66,54 @@ def launch_config(numel: int) -> dict:
     block = config.comm.block
     nprog = max(1, min(config.comm.max_programs, -(-numel // block)))
     return {"BLOCK": block, "NPROG": nprog, "num_warps": 4}
+
+
+# ------------------------------------------------------------------------------- fused kernels
+# An all-reduce lowered as a loop body (`ops.peer_reduce`) fuses like any pointwise node: its
+# consumers (residual add, RMSNorm, casts...) run in the same kernel, right where the peers'
+# values are combined. The kernel then synchronizes with its peers as the one-shot kernel does.
+
+def peer_arg(name: str, rank: int) -> str:
+    return f"{name}@peer{rank}"
+
+
+def combine(loads: list[str], reduce_op: str, world: int) -> str:
+    acc = loads[0]
+    for b in loads[1:]:
+        acc = COMBINE[reduce_op].format(a=acc, b=b)
+    return f"({acc}) / {world}" if reduce_op == "avg" else acc
+
+
+@dataclasses.dataclass
+class KernelComm:
+    group: str
+    world: int
+
+    def sync_args(self) -> list[str]:
+        return [f"@sig{r}" for r in range(self.world)] + ["@sig_own", "@rank"]
+
+    def barrier(self, code: IndentedBuffer, params: dict) -> None:
+        sig = {r: params[f"@sig{r}"] for r in range(self.world)}
+        own, rank = params["@sig_own"], params["@rank"]
+        code.writeline(f"slot = tl.program_id(0) * {self.world}")
+        for p in range(self.world):
+            code.writeline(f"if {rank} != {p}:")
+            code.writeline(f"    while tl.atomic_cas({sig[p]} + slot + {rank}, 0, 1, sem=\"release\", scope=\"sys\") != 0:")
+            code.writeline("        pass")
+        for p in range(self.world):
+            code.writeline(f"if {rank} != {p}:")
+            code.writeline(f"    while tl.atomic_cas({own} + slot + {p}, 1, 0, sem=\"acquire\", scope=\"sys\") != 1:")
+            code.writeline("        pass")
+
+
+def arg_value(key: str, pool: str) -> str:
+    """Wrapper source for a comm kernel argument named by `peer_arg` / `KernelComm.sync_args`."""
+    if "@peer" in key:
+        name, r = key.split("@peer")
+        return f"comm['peers_{name}'][{r}]"
+    what = key[1:]
+    if what == "rank":
+        return f"comm[{pool!r}].rank"
+    if what == "sig_own":
+        return f"comm[{pool!r}].signals[comm[{pool!r}].rank]"
+    return f"comm[{pool!r}].signals[{what[3:]}]"

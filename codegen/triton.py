@@ -67,6 +67,7 @@ class TritonKernel:
         self.recompute = False
         self.uses_assert = False
         self.int64 = any(sizevars.hint(self._numel(n)) >= 2**31 for n in group.nodes)
+        self.comm = None                          # set by a peer read: the kernel synchronizes ranks
         self.new_section(loop=False)
 
     @staticmethod
@@ -121,8 +122,9 @@ class TritonKernel:
         return text
 
     def arg(self, name: str) -> str:
+        """The kernel parameter for a buffer (or for a comm argument, keyed with an '@')."""
         if name not in self.args:
-            self.args[name] = f"ptr_{name}"
+            self.args[name] = name.replace("@", "_").lstrip("_") if "@" in name else f"ptr_{name}"
         return self.args[name]
 
     # ------------------------------------------------------------------ node placement
@@ -194,6 +196,18 @@ class TritonKernel:
             v = f"{v}.to({triton_dtype(dtype)})"
         self.cur.body.writeline(f"tl.store({self.arg(name)} + ({self.index_str(index)}), {v}, {self.mask(loads=False)})")
         return value
+
+    def peer_reduce(self, name: str, index: sympy.Expr, reduce_op: str) -> Var:
+        """Every rank's copy of comm buffer `name` at `index`, combined: an all-reduce element."""
+        from . import comm as comm_codegen
+        group = V.graph.comm_buffers[name][1]
+        if self.comm is None:
+            self.comm = comm_codegen.KernelComm(group, choices.group_size(group))
+        assert self.comm.group == group, "one process group per kernel"
+        idx, mask = self.index_str(index), self.mask()
+        loads = [f"tl.load({self.arg(comm_codegen.peer_arg(name, r))} + ({idx}), {mask}, other=0).to(tl.float32)"
+                 for r in range(self.comm.world)]
+        return self.newvar(comm_codegen.combine(loads, reduce_op, self.comm.world), V.graph.get_dtype(name))
 
     # ------------------------------------------------------------------ reductions
     def reduction(self, dtype, src_dtype, rtype, value: Var) -> Var:
@@ -270,6 +284,9 @@ class TritonKernel:
     def render(self) -> tuple[str, dict]:
         for node in self.group.nodes:
             self.emit_node(node)
+        if self.comm is not None:
+            for a in self.comm.sync_args():
+                self.arg(a)
         params = list(self.args.values())
         syms = sorted(self.size_symbols, key=str)
         params += [str(s) for s in syms] + ["xnumel"] + (["rnumel"] if self.is_red else [])
@@ -287,6 +304,8 @@ class TritonKernel:
             else:
                 code.writeline("xindex = xoffset + tl.arange(0, XBLOCK)")
                 code.writeline("xmask = xindex < xnumel")
+            if self.comm is not None:  # every rank's input is written before anyone reads it
+                self.comm.barrier(code, self.args)
             for sec in self.sections:
                 if not sec.loop:
                     code.splice(sec.body)
@@ -308,8 +327,10 @@ class TritonKernel:
                     code.writeline("rmask = rindex < rnumel")
                     code.splice(sec.body)
                 code.splice(sec.final)
+            if self.comm is not None:  # nobody rewrites its input while a peer may still read it
+                self.comm.barrier(code, self.args)
         meta = {"params": params, "size_symbols": syms, "reduction": self.is_red,
-                "persistent": self.persistent, "tiled": self.tiled}
+                "persistent": self.persistent, "tiled": self.tiled, "comm": self.comm}
         return code.getvalue(), meta
 
 
@@ -328,6 +349,9 @@ class TritonOps:
 
     def reduction(self, dtype, src_dtype, rtype, value):
         return self.k.reduction(dtype, src_dtype, rtype, value)
+
+    def peer_reduce(self, name, index, reduce_op):
+        return self.k.peer_reduce(name, index, reduce_op)
 
     def store_reduction(self, name, index, value):
         return self.k.store_reduction(name, index, value)

@@ -195,6 +195,8 @@ class WrapperCodegen:
 
     def kernel(self, grp, step, pool):
         kind = "red" if grp.is_reduction() else "poi"
+        if any(n.name in self.graph.comm_results for n in grp.nodes):
+            kind = "allreduce"  # a one-shot all-reduce with its fused neighbours
         ops_names = "_".join(sorted({_short(n) for n in grp.nodes}))[:40]
         name = f"cf_{kind}_{ops_names}_{step}"
         tile = choose_tile(grp)
@@ -206,14 +208,19 @@ class WrapperCodegen:
             if n.name not in self.sched.internal:
                 self.allocate(n.buf, pool)
         X, R = k.X, k.R
+        comm = meta["comm"]
+        pool = comm and self.comm_plan[next(a.split("@")[0] for a in k.args if "@peer" in a)]["pool"]
         if meta["tiled"]:
             blocks = choices.tile_blocks(sizevars.hint(X), sizevars.hint(R))
+        elif comm:
+            blocks = choices.comm_kernel_blocks(int(X), int(R), meta["persistent"], meta["reduction"])
         elif meta["reduction"]:
             rn = sizevars.hint(R)
             blocks = choices.reduction_blocks(sizevars.hint(X), rn, meta["persistent"])
         else:
             blocks = choices.pointwise_block(sizevars.hint(X))
-        args = [self.ref(a) for a in k.args] + [self.expr(s) for s in meta["size_symbols"]]
+        args = [comm_codegen.arg_value(a, pool) if "@" in a else self.ref(a) for a in k.args]
+        args += [self.expr(s) for s in meta["size_symbols"]]
         args += [self.expr(X)] + ([self.expr(R)] if meta["reduction"] else [])
         consts = [f"XBLOCK={blocks['XBLOCK']}"] + ([f"RBLOCK={blocks['RBLOCK']}"] if meta["reduction"] else [])
         grid = f"(cdiv({self.expr(X)}, {blocks['XBLOCK']}),)" if not meta["tiled"] else \
@@ -228,11 +235,13 @@ class WrapperCodegen:
             with self.body.indent():
                 self.body.writeline(launch)
         writes = [n.name for n in grp.nodes if n.name not in self.sched.internal]
-        reads = sorted(n for n in k.args if n not in writes)
-        self.kernel_info.append({"name": name, "reads": reads, "writes": writes,
-                                 "nodes": grp.names, "reduction": grp.is_reduction(),
-                                 "persistent": meta["persistent"] and not meta["tiled"],
-                                 "tiled": meta["tiled"]})
+        reads = sorted({a.split("@")[0] for a in k.args if not a.startswith("@")} - set(writes))
+        info = {"name": name, "reads": reads, "writes": writes, "nodes": grp.names,
+                "reduction": grp.is_reduction(), "persistent": meta["persistent"] and not meta["tiled"],
+                "tiled": meta["tiled"]}
+        if comm:
+            info.update(collective="all_reduce", group=comm.group, fused_nodes=len(grp.nodes))
+        self.kernel_info.append(info)
 
     def extern(self, node, pool):
         buf = node.buf

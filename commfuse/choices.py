@@ -61,6 +61,18 @@ def reduction_blocks(xnumel: int, rnumel: int | None, persistent: bool) -> dict:
     return {"XBLOCK": 1, "RBLOCK": 2048, "num_warps": 8}
 
 
+def comm_kernel_blocks(xnumel: int, rnumel: int, persistent: bool, reduction: bool) -> dict:
+    """A kernel that reads peers synchronizes program by program with the same program on every
+    rank: keep the grid within `comm.max_programs` so all of them are resident at once."""
+    cap = config.comm.max_programs
+    if reduction:
+        blocks = reduction_blocks(xnumel, rnumel, persistent)
+        blocks["XBLOCK"] = max(blocks["XBLOCK"], next_pow2(-(-xnumel // cap)))
+        return blocks
+    xblock = max(config.comm.block, next_pow2(-(-xnumel // cap)))
+    return {"XBLOCK": xblock, "num_warps": 4 if xblock <= 1024 else 8}
+
+
 def is_persistent(rnumel) -> bool:
     """Whole rows in one block: static and short enough."""
     return rnumel is not None and rnumel <= config.persistent_reduction_max

@@ -47,6 +47,11 @@ class RecordingOps:
         self.reads.append(MemoryAccess(name, index, bool(index.free_symbols & self._indirect)))
         return self._emit(f"load({name}, {index})")
 
+    def peer_reduce(self, name, index, reduce_op):
+        # peers' copies: never taken from the producer's registers, so never fused with it
+        self.reads.append(MemoryAccess(name, index, indirect=True))
+        return self._emit(f"peer_reduce({name}, {index}, {reduce_op})")
+
     def store(self, name, index, value, mode=None):
         self.writes.append(MemoryAccess(name, index))
         self.lines.append(f"store({name}, {index}, {value}{', ' + mode if mode else ''})")

@@ -16,7 +16,7 @@ import torch
 
 from commfuse import choices, ir, sizevars
 from commfuse.ir import Pointwise, TensorBox
-from commfuse.virtualized import V
+from commfuse.virtualized import V, ops
 
 from . import register
 
@@ -55,11 +55,22 @@ def _all_reduce(x, reduce_op, group_name, inplace):
         log.info("commfuse: all_reduce on %s runs through c10d: %s", group_name, reason)
         return None
     buf = make_comm_buffer(x, group_name, "all_reduce")
+    if algorithm == "one_shot" and not inplace:
+        # a loop body reading every peer's copy: it fuses with its consumers like any pointwise node
+        name, layout = buf.name, buf.layout
+        result = TensorBox(Pointwise(x.get_device(), x.get_dtype(),
+                                     lambda idx: ops.peer_reduce(name, layout.index(idx), reduce_op),
+                                     list(x.get_size())))
+        out = result.realize()
+        graph.comm_buffers[buf.name] += (out.name,)
+        graph.comm_results.add(out.name)
+        return result
     layout = buf.layout if inplace else ir.contiguous_layout(x.get_device(), x.get_dtype(), x.get_size())
     kernel = graph.register_buffer(ir.CommKernel, layout=layout, collective="all_reduce",
                                    algorithm=algorithm, reduce_op=reduce_op, group_name=group_name,
                                    world_size=choices.group_size(group_name), input=buf, inplace=inplace)
     graph.comm_buffers[buf.name] += (kernel.name,)
+    graph.comm_results.add(kernel.name)
     return TensorBox(kernel)
 
 
@@ -76,6 +87,6 @@ def all_reduce_(x, reduce_op, group_name):
 @register(c10d.wait_tensor.default)
 def wait_tensor(x):
     """Our comm kernels are ordered on the stream: nothing to wait for."""
-    if isinstance(x, TensorBox) and isinstance(x.data, ir.CommKernel):
+    if isinstance(x, TensorBox) and isinstance(x.data, ir.Buffer) and x.data.name in V.graph.comm_results:
         return x
     return None  # a c10d collective: the aten wait runs where the graph waits

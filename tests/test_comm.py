@@ -154,11 +154,14 @@ def test_producers_write_into_the_pool(tmp_path):
     mm_buf = next(b["name"] for b in s0["comm_buffers"] if f"aten.mm.out(arg0_1, arg1_1, out={b['name']})"
                   in code0 or f"out={b['name']})" in code0)
     assert f"{mm_buf} = comm['{mm_buf}']" in code0
-    written = {w for k in s0["kernels"] if "collective" not in k for w in k["writes"]}
-    assert sum(b["name"] in written for b in s0["comm_buffers"]) == 2  # relu kernel + input copy
-    # (b) the one-shot kernel reads the peers' buffers
-    assert code0.count("def cf_one_shot_all_reduce_sum") == 3
-    assert "comm['peers_" in code0
+    written = {w for k in s0["kernels"] for w in k["writes"]}
+    # the first all-reduce's kernel computes relu(y + b) as its epilogue, straight into the second
+    # all-reduce's buffer; a copy kernel fills the third from the graph input
+    assert sum(b["name"] in written for b in s0["comm_buffers"]) == 2
+    # (b) one-shot all-reduce kernels read the peers' buffers
+    assert code0.count("def cf_allreduce_") == 3
+    assert len([k for k in s0["kernels"] if k.get("collective") == "all_reduce"]) == 3
+    assert "comm['peers_" in code0 and "_peer1 + (" in code0
     # (c) the same pool slices on both ranks
     assert [(b["name"], b["offset"], b["bytes"]) for b in s0["comm_buffers"]] == \
         [(b["name"], b["offset"], b["bytes"]) for b in s1["comm_buffers"]]
