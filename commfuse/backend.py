@@ -26,8 +26,10 @@ def commfuse_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | N
                      mode: str | None = None):
     """Entry point registered as `backend="commfuse"`."""
     options = dict(options or {})
-    if mode not in (None, "default"):
-        log.warning("commfuse: mode=%r is not supported yet; compiling with defaults", mode)
+    if mode == "reduce-overhead":
+        options.setdefault("cuda_graphs", True)
+    elif mode not in (None, "default"):
+        log.warning("commfuse: mode=%r is not supported; compiling with defaults", mode)
     settings = {**config.snapshot(), **_check_options(options)}
 
     def compiler(kind):
@@ -108,6 +110,9 @@ def _compile(gm, example_inputs, graph_id):
         source = wrapper.generate()
     check_triton_mode(graph.device_types)
     module, path = load_module(source, wrapper.constants)
+    if config.cuda_graphs and graph.device_types == {"cuda"}:
+        from .runtime.cudagraphs import CudaGraphed
+        module.call = CudaGraphed(module.call, graph_id)
     summary = {
         "graph_id": graph_id,
         "kernels": wrapper.kernel_info,

@@ -17,6 +17,10 @@ debug = False                 # log each compiled graph's summary
 dump_dir: str | None = None   # write per-rank dumps under this folder (COMMFUSE_DUMP_DIR)
 fallback_on_error = True      # a graph we fail to compile runs through aten instead of raising
 
+# Execution.
+cuda_graphs = False           # capture each compiled graph in a CUDA graph after warm-up, replay it
+                              # (also `mode="reduce-overhead"`)
+
 # Fusion.
 max_fusion_size = 64          # cap on the number of IR nodes in one fused kernel
 realize_reads_threshold = 4   # a value with more users than this is stored, not recomputed by each

@@ -1,0 +1,52 @@
+"""The all-reduce absorbs its epilogue: residual add + RMSNorm in the one-shot kernel."""
+import glob
+import json
+
+import torch
+
+from tests.dist_utils import device, run_ranks
+
+
+def rms_norm(x, w, eps=1e-6):
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
+
+
+def _ar_add_rmsnorm(rank, world, dump_dir):
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    from commfuse import config
+    tol = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
+    for dtype in (torch.float32, torch.bfloat16):
+        for op in ("sum", "avg"):
+            torch._dynamo.reset()
+
+            def step(x, w_down, res, norm_w):
+                y = funcol.all_reduce(x @ w_down, op, dist.group.WORLD)
+                h = y + res
+                return rms_norm(h, norm_w), h
+            torch.manual_seed(rank)
+            x = torch.randn(8, 32, device=device(), dtype=dtype)
+            w = torch.randn(32, 64, device=device(), dtype=dtype) / 8
+            torch.manual_seed(0)
+            res, norm_w = torch.randn(8, 64, device=device(), dtype=dtype), torch.randn(64, device=device(), dtype=dtype)
+            with config.patch(dump_dir=f"{dump_dir}/{dtype}_{op}".replace("torch.", "")):
+                out = torch.compile(step, backend="commfuse")(x, w, res, norm_w)
+            for o, r in zip(out, step(x, w, res, norm_w)):
+                torch.testing.assert_close(o, r, atol=tol[dtype], rtol=tol[dtype], msg=f"{op} {dtype}")
+    return True
+
+
+def test_all_reduce_residual_rmsnorm_is_one_kernel(tmp_path):
+    run_ranks(_ar_add_rmsnorm, args=(str(tmp_path),))
+    for path in glob.glob(f"{tmp_path}/*/rank0/*/summary.json"):
+        s = json.load(open(path))
+        code = open(path.replace("summary.json", "output_code.py")).read()
+        # producers: the mm writes the comm buffer; then exactly one kernel does the rest
+        assert s["extern_calls"] == ["aten.mm.out"], s["extern_calls"]
+        (kernel,) = s["kernels"]
+        assert kernel["collective"] == "all_reduce" and kernel["reduction"], kernel
+        assert len(kernel["writes"]) == 2  # the normalized output and the residual stream h
+        assert "_peer0 + (" in code and "_peer1 + (" in code
+        (buf,) = s["comm_buffers"]
+        assert not buf["copy_in"]
