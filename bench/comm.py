@@ -155,6 +155,8 @@ def decode_table(rank, world, group, B=8, H=4096, F=14336) -> list[dict]:
     except Exception as e:
         print("auto_select unavailable:", e, file=sys.stderr)
     variants["commfuse"] = torch.compile(step, backend="commfuse")
+    torch._dynamo.reset()
+    variants["commfuse cuda_graphs"] = torch.compile(step, backend="commfuse", options={"cuda_graphs": True})
     ref = step(x, res)
     rows = []
     for name, fn in variants.items():
@@ -162,6 +164,10 @@ def decode_table(rank, world, group, B=8, H=4096, F=14336) -> list[dict]:
         torch.testing.assert_close(out[0].float(), ref[0].float(), atol=5e-2, rtol=5e-2)
         row = {"variant": name}
         row["plain µs"] = eager_time_us(lambda: fn(x, res))
+        if name == "commfuse cuda_graphs":  # replays its own graph: its plain time is the graph time
+            row["cuda graph µs"] = None
+            rows.append(row)
+            continue
         try:
             row["cuda graph µs"] = cuda_graph_time_us(lambda: fn(x, res))
         except Exception as e:
@@ -169,6 +175,50 @@ def decode_table(rank, world, group, B=8, H=4096, F=14336) -> list[dict]:
             if rank == 0:
                 print(f"{name}: CUDA graph capture failed: {type(e).__name__}: {e}", file=sys.stderr)
         rows.append(row)
+    return rows
+
+
+def ar_norm_table(rank, world, group, batches=(1, 8, 32, 128), hiddens=(4096, 8192)) -> list[dict]:
+    """All-reduce + residual add + RMSNorm under CUDA graphs: commfuse (one fused kernel) vs Inductor
+    with auto_select vs NCCL + Inductor's fused add+norm kernel."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    rows = []
+    for H in hiddens:
+        norm_w = torch.ones(H, device=dev, dtype=torch.bfloat16)
+
+        def step(y, res):
+            h = funcol.all_reduce(y, "sum", group) + res
+            return rms_norm(h, norm_w), h
+
+        def produce(x):  # the all-reduce input comes from a producer in the graph, as after a matmul
+            return x * 1.0
+        variants = {}
+        torch._dynamo.reset()
+        variants["commfuse fused"] = torch.compile(lambda x, r: step(produce(x), r), backend="commfuse")
+        variants["NCCL + inductor"] = torch.compile(lambda x, r: step(produce(x), r))
+        try:
+            import torch._inductor.config as ic
+            ic._collective.auto_select = True
+            variants["inductor auto_select"] = torch.compile(lambda x, r: step(produce(x), r))
+        except Exception:
+            ic = None
+        for B in batches:
+            x = torch.randn(B, H, device=dev, dtype=torch.bfloat16)
+            res = torch.randn(B, H, device=dev, dtype=torch.bfloat16)
+            row = {"B": B, "H": H}
+            ref = step(produce(x), res)
+            for name, fn in variants.items():
+                try:
+                    out = fn(x, res)
+                    torch.testing.assert_close(out[0].float(), ref[0].float(), atol=5e-2, rtol=5e-2)
+                    row[name] = cuda_graph_time_us(lambda: fn(x, res))
+                except Exception as e:
+                    row[name] = None
+                    if rank == 0:
+                        print(f"{name} B={B} H={H}: {type(e).__name__}: {e}", file=sys.stderr)
+            rows.append(row)
+        if ic is not None:
+            ic._collective.auto_select = False
     return rows
 
 
@@ -190,6 +240,7 @@ def main():
     sizes = [4 << 10 << i for i in range(0, 15) if (4 << 10 << i) <= args.max_mib << 20]
     ar = all_reduce_table(sizes, rank, world, group)
     dec = [] if args.skip_decode else decode_table(rank, world, group)
+    norm = ar_norm_table(rank, world, group)
     if rank == 0:
         name = torch.cuda.get_device_name()
         lines = [f"All-reduce latency, {world}x {name}, bf16, CUDA graphs (µs per call, median):", "",
@@ -203,13 +254,20 @@ def main():
             lines += ["", f"TP MLP decode step (B=8, H=4096, F=14336/{world} per rank, bf16, all-reduce + residual "
                           f"+ RMSNorm), {world}x {name}:", "", "| variant | plain µs | CUDA graph µs |", "|---|---|---|"]
             lines += [f"| {r['variant']} | {fmt(r['plain µs'])} | {fmt(r['cuda graph µs'])} |" for r in dec]
+        lines += ["", f"All-reduce + residual + RMSNorm, {world}x {name}, bf16, CUDA graphs (µs):", "",
+                  "| B | H | commfuse fused | inductor auto_select | NCCL + inductor | vs auto_select |",
+                  "|---|---|---|---|---|---|"]
+        for r in norm:
+            c, a = r.get("commfuse fused"), r.get("inductor auto_select")
+            ratio = f"{a / c:.2f}" if c and a else "—"
+            lines.append(f"| {r['B']} | {r['H']} | {fmt(c)} | {fmt(a)} | {fmt(r.get('NCCL + inductor'))} | {ratio} |")
         text = "\n".join(lines)
         print(text)
         if args.out:
             with open(args.out, "w") as f:
                 f.write(text + "\n")
             with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
-                json.dump({"all_reduce": ar, "decode": dec, "device": name, "world": world}, f, indent=1)
+                json.dump({"all_reduce": ar, "decode": dec, "ar_norm": norm, "device": name, "world": world}, f, indent=1)
     dist.barrier()
     dist.destroy_process_group()
 
