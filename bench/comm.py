@@ -231,6 +231,7 @@ def main():
     ap.add_argument("--out")
     ap.add_argument("--max-mib", type=int, default=64)
     ap.add_argument("--skip-decode", action="store_true")
+    ap.add_argument("--only-norm", action="store_true", help="only the all-reduce + RMSNorm table")
     args = ap.parse_args()
     rank = int(os.environ["RANK"])
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
@@ -238,8 +239,8 @@ def main():
     world = dist.get_world_size()
     group = dist.group.WORLD
     sizes = [4 << 10 << i for i in range(0, 15) if (4 << 10 << i) <= args.max_mib << 20]
-    ar = all_reduce_table(sizes, rank, world, group)
-    dec = [] if args.skip_decode else decode_table(rank, world, group)
+    ar = [] if args.only_norm else all_reduce_table(sizes, rank, world, group)
+    dec = [] if args.skip_decode or args.only_norm else decode_table(rank, world, group)
     norm = ar_norm_table(rank, world, group)
     if rank == 0:
         name = torch.cuda.get_device_name()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import logging
+import re
 import time
 
 import torch
@@ -57,8 +58,10 @@ def _check_options(options: dict) -> dict:
 
 
 def graph_id_for(gm: torch.fx.GraphModule, kind: str) -> str:
-    """Stable across ranks running the same program: a counter plus the graph's code."""
-    digest = hashlib.sha256(gm.code.encode()).hexdigest()[:8]
+    """Stable across ranks running the same program: a counter plus the graph's code, with the
+    rank's own device index taken out (each rank runs on its own GPU)."""
+    code = re.sub(r"(cuda:)\d+|(index=)\d+", r"\1\2#", gm.code)
+    digest = hashlib.sha256(code.encode()).hexdigest()[:8]
     return f"g{next(_graph_counter):03d}_{kind}_{digest}"
 
 

@@ -68,6 +68,7 @@ def comm_kernel_blocks(xnumel: int, rnumel: int, persistent: bool, reduction: bo
     if reduction:
         blocks = reduction_blocks(xnumel, rnumel, persistent)
         blocks["XBLOCK"] = max(blocks["XBLOCK"], next_pow2(-(-xnumel // cap)))
+        blocks["num_warps"] = config.comm.num_warps  # few programs: each needs many loads in flight
         return blocks
     xblock = max(config.comm.block, next_pow2(-(-xnumel // cap)))
     return {"XBLOCK": xblock, "num_warps": 4 if xblock <= 1024 else 8}

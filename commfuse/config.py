@@ -46,6 +46,7 @@ class comm:
     groups: list | None = None     # only these group names (None: all)
     block = 1024                   # elements per program step of the comm kernels
     max_programs = 64              # programs of a comm kernel (each owns a barrier slot)
+    num_warps = 8                  # warps of a fused all-reduce kernel that reduces rows
     plan_check_timeout_s = 60      # how long the first call waits for every rank's plan
 
 
