@@ -62,6 +62,46 @@ def one_shot_all_reduce(name: str, world: int, reduce_op: str, dtype: torch.dtyp
     return code.getvalue()
 
 
+def two_shot_all_reduce(name: str, world: int, reduce_op: str, dtype: torch.dtype) -> str:
+    """Reduce-scatter then all-gather over symmetric memory: rank r reduces chunk r from every
+    peer into its own buffer (no peer reads chunk r of it), then everyone gathers the chunks.
+    Each rank moves 2N bytes instead of the one-shot's W*N."""
+    ins = [f"in{p}" for p in range(world)]
+    sigs = [f"sig{p}" for p in range(world)]
+    tdt = triton_dtype(dtype)
+    code = IndentedBuffer()
+    code.writeline("@triton.jit")
+    code.writeline(f"def {name}({', '.join(ins)}, out, {', '.join(sigs)}, sig_own, rank, numel, "
+                   "BLOCK: tl.constexpr, NPROG: tl.constexpr):")
+    with code.indent():
+        code.writeline("pid = tl.program_id(0)")
+        code.writeline(f"slot = pid * {world}")
+        code.writeline(f"chunk = tl.cdiv(numel, {world})")
+        _barrier(code, world)
+        code.writeline("for start in range(pid * BLOCK, chunk, NPROG * BLOCK):  # reduce my chunk")
+        with code.indent():
+            code.writeline("offs = rank * chunk + start + tl.arange(0, BLOCK)")
+            code.writeline("mask = (offs < numel) & (start + tl.arange(0, BLOCK) < chunk)")
+            code.writeline("acc = tl.load(in0 + offs, mask, other=0).to(tl.float32)")
+            for p in range(1, world):
+                code.writeline(f"acc = {COMBINE[reduce_op].format(a='acc', b=f'tl.load(in{p} + offs, mask, other=0).to(tl.float32)')}")
+            if reduce_op == "avg":
+                code.writeline(f"acc = acc / {world}")
+            for p in range(world):  # into my own buffer (in{rank}), where the peers will find it
+                code.writeline(f"if rank == {p}:")
+                code.writeline(f"    tl.store(in{p} + offs, acc.to({tdt}), mask)")
+        _barrier(code, world)
+        code.writeline("for start in range(pid * BLOCK, chunk, NPROG * BLOCK):  # gather every chunk")
+        with code.indent():
+            code.writeline("sub = start + tl.arange(0, BLOCK)")
+            for p in range(world):
+                code.writeline(f"offs = {p} * chunk + sub")
+                code.writeline("mask = (offs < numel) & (sub < chunk)")
+                code.writeline(f"tl.store(out + offs, tl.load(in{p} + offs, mask, other=0), mask)")
+        _barrier(code, world)
+    return code.getvalue()
+
+
 def launch_config(numel: int) -> dict:
     block = config.comm.block
     nprog = max(1, min(config.comm.max_programs, -(-numel // block)))

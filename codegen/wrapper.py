@@ -330,9 +330,17 @@ class WrapperCodegen:
                                 f"{buf.reduce_op!r}, {buf.group_name!r})")
             self.extern_calls.append("symm_mem.one_shot_all_reduce")
             return
-        name = f"cf_one_shot_all_reduce_{buf.reduce_op}_{step}"
-        self.kernels.splice(_lines(comm_codegen.one_shot_all_reduce(
-            name, buf.world_size, buf.reduce_op, buf.get_dtype(), buf.inplace)))
+        algorithm = buf.algorithm
+        if algorithm == "two_shot" and (buf.inplace or any(n.name != buf.name for g in self.sched.readers[src]
+                                                            for n in g.nodes if src in n.read_names)):
+            algorithm = "one_shot"  # two-shot reduces into its input: only when nobody else reads it
+        name = f"cf_{algorithm}_all_reduce_{buf.reduce_op}_{step}"
+        if algorithm == "two_shot":
+            src_code = comm_codegen.two_shot_all_reduce(name, buf.world_size, buf.reduce_op, buf.get_dtype())
+        else:
+            src_code = comm_codegen.one_shot_all_reduce(name, buf.world_size, buf.reduce_op, buf.get_dtype(),
+                                                        buf.inplace)
+        self.kernels.splice(_lines(src_code))
         self.kernels.writeline()
         if buf.inplace:
             self.body.writeline(f"{buf.name} = {src}  # reduced in place")
@@ -347,7 +355,8 @@ class WrapperCodegen:
             f"comm[{p!r}].rank, {numel}, BLOCK={cfg['BLOCK']}, NPROG={cfg['NPROG']}, num_warps={cfg['num_warps']})")
         self.kernel_info.append({"name": name, "reads": [src], "writes": [buf.name], "nodes": [buf.name],
                                  "reduction": False, "persistent": False, "tiled": False,
-                                 "collective": buf.collective, "reduce_op": buf.reduce_op})
+                                 "collective": buf.collective, "reduce_op": buf.reduce_op,
+                                 "algorithm": algorithm})
 
     def output(self, o) -> str:
         if isinstance(o, (ir.Buffer, ir.ReinterpretView)):

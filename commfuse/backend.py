@@ -125,6 +125,7 @@ def _compile(gm, example_inputs, graph_id):
         "comm_buffers": list(wrapper.comm_plan.values()),
         "comm_pools": wrapper.pool_summary(),
         "comm_fallbacks": graph.comm_fallbacks,
+        "comm_choices": graph.comm_choices,
         "peak_memory_estimate": None,
         "compile_seconds": round(time.time() - t0, 3),
     }

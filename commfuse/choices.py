@@ -135,11 +135,25 @@ def comm_choice(collective: str, x, reduce_op: str, group_name: str) -> tuple[st
     if not single:
         return "c10d", "group spans several hosts (no peer access)"
     nbytes = int(numel) * x.get_dtype().itemsize
-    limit = cfg.one_shot_max_bytes.get(world, min(cfg.one_shot_max_bytes.values()))
-    if nbytes > limit:
-        return "c10d", f"{nbytes} bytes over the one-shot threshold {limit} for {world} ranks"
     if cfg.algorithm == "torch":
-        if x.get_device().type != "cuda" or reduce_op != "sum":
-            return "one_shot", ""
-        return "torch_one_shot", ""
-    return "one_shot", ""
+        if x.get_device().type == "cuda" and reduce_op == "sum":
+            return "torch_one_shot", ""
+        return "one_shot", "torch's kernel needs CUDA and sum"
+    if cfg.algorithm in ("one_shot", "two_shot"):
+        return cfg.algorithm, "forced by config.comm.algorithm"
+    return all_reduce_algorithm(world, nbytes, x.get_device())
+
+
+def all_reduce_algorithm(world: int, nbytes: int, device) -> tuple[str, str]:
+    """From a tuned table that matches this host and covers the size, else built-in thresholds."""
+    from .tuning import lookup
+    best = lookup(world, nbytes, device)
+    if best is not None:
+        algo, table = best
+        return ("c10d" if algo == "c10d" else algo), f"{algo} is fastest at {nbytes} bytes in {table}"
+    cfg = config.comm
+    if nbytes <= cfg.one_shot_max_bytes.get(world, min(cfg.one_shot_max_bytes.values())):
+        return "one_shot", ""
+    if nbytes <= cfg.two_shot_max_bytes.get(world, 0):
+        return "two_shot", ""
+    return "c10d", f"{nbytes} bytes over the one-shot threshold and the two-shot threshold for {world} ranks"

@@ -40,9 +40,12 @@ max_block = 1024                       # largest pointwise block
 class comm:
     """Collectives (`config.patch({"comm.enabled": False})`, env `COMMFUSE_COMM_ENABLED=0`)."""
     enabled = True                 # lower eligible all-reduces to symmetric-memory kernels
-    algorithm = "auto"             # auto | ours | torch | c10d
+    algorithm = "auto"             # auto | one_shot | two_shot | torch | c10d
     # one-shot all-reduce up to this many bytes per world size (larger: c10d)
     one_shot_max_bytes = {2: 1 << 20, 4: 512 << 10, 8: 256 << 10}
+    # built-in thresholds when no tuned table matches: two-shot up to this many bytes
+    two_shot_max_bytes = {2: 0, 4: 8 << 20, 8: 8 << 20}
+    table: str | None = None       # a `commfuse.tune` JSON table (None: the shipped one for this host)
     groups: list | None = None     # only these group names (None: all)
     block = 1024                   # elements per program step of the comm kernels
     max_programs = 64              # programs of a comm kernel (each owns a barrier slot)

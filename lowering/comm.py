@@ -54,6 +54,8 @@ def _all_reduce(x, reduce_op, group_name, inplace):
         graph.comm_fallbacks.append({"op": "all_reduce", "reason": reason})
         log.info("commfuse: all_reduce on %s runs through c10d: %s", group_name, reason)
         return None
+    if reason:
+        graph.comm_choices.append({"op": "all_reduce", "algorithm": algorithm, "reason": reason})
     buf = make_comm_buffer(x, group_name, "all_reduce")
     if algorithm == "one_shot" and not inplace:
         # a loop body reading every peer's copy: it fuses with its consumers like any pointwise node

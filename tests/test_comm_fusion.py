@@ -85,3 +85,49 @@ def _replays(rank, world, steps):
 def test_one_thousand_cuda_graph_replays_match_nccl():
     worst = run_ranks(_replays, args=(1000,))
     assert max(worst) < 3e-2
+
+
+def _two_shot(rank, world, dump_dir, table):
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    from commfuse import config
+    g = dist.group.WORLD
+    for n in (1, 37, 4096):  # sizes not divisible by the world size included
+        for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+            for op in ("sum", "avg", "max"):
+                torch._dynamo.reset()
+                fn = lambda x: funcol.all_reduce(x * 2, op, g) - 1  # noqa: E731
+                torch.manual_seed(rank)
+                x = torch.randn(n, device=device(), dtype=dtype)
+                with config.patch({"comm.algorithm": "two_shot"}):
+                    out = torch.compile(fn, backend="commfuse")(x)
+                torch.testing.assert_close(out, fn(x), atol=tol, rtol=tol, msg=f"{n} {dtype} {op}")
+    # the choice follows the table given to it
+    torch._dynamo.reset()
+    fn = lambda x: funcol.all_reduce(x * 2, "sum", g)  # noqa: E731
+    with config.patch({"comm.table": table, "dump_dir": dump_dir}):
+        for n in (256, 8192):  # 1 KiB: one-shot is fastest in the table; 32 KiB: two-shot
+            x = torch.randn(n, device=device())
+            torch.testing.assert_close(torch.compile(fn, backend="commfuse", dynamic=False)(x), fn(x))
+    return True
+
+
+def test_two_shot_and_table_driven_choice(tmp_path):
+    table = tmp_path / "table.json"
+    table.write_text(json.dumps({"host": {"gpu": "NVIDIA H200" if device_is_cuda() else "cpu", "world": 2},
+                                 "measurements": [
+                                     {"bytes": 1024, "one_shot": 5.0, "two_shot": 9.0, "c10d": 20.0},
+                                     {"bytes": 32768, "one_shot": 9.0, "two_shot": 7.0, "c10d": 20.0}]}))
+    run_ranks(_two_shot, args=(str(tmp_path / "dumps"), str(table)))
+    algos = []
+    for path in sorted(glob.glob(f"{tmp_path}/dumps/rank0/*/summary.json")):
+        s = json.load(open(path))
+        comm = [k for k in s["kernels"] if k.get("collective")]
+        algos.append(comm[0].get("algorithm", "one_shot (fused)"))
+        if "two_shot" in algos[-1]:
+            assert "table.json" in s["comm_choices"][0]["reason"]
+    assert algos == ["one_shot (fused)", "two_shot"], algos
+
+
+def device_is_cuda():
+    return torch.cuda.is_available() and torch.cuda.device_count() >= 2
