@@ -24,31 +24,7 @@ import commfuse  # noqa: E402,F401
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed._functional_collectives as funcol  # noqa: E402
-
-
-def cuda_graph_time_us(fn, iters=200, reps=5) -> float:
-    """Median per-call µs of `fn` replayed from a CUDA graph of `iters` calls."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(iters):
-            fn()
-    times = []
-    for _ in range(reps):
-        dist.barrier()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        g.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / iters)
-    return sorted(times)[len(times) // 2]
+from commfuse.tune import cuda_graph_time_us, launcher  # noqa: E402  (one timing method for both)
 
 
 def eager_time_us(fn, iters=200, reps=5) -> float:
@@ -69,14 +45,10 @@ def eager_time_us(fn, iters=200, reps=5) -> float:
 
 
 def all_reduce_table(sizes, rank, world, group) -> list[dict]:
-    import triton  # noqa: F401
     import torch.distributed._symmetric_memory as symm_mem
-    from codegen import comm as comm_codegen
-    from commfuse.runtime.loader import load_module
     from commfuse.runtime.symm import SymmPool
-    src = "import triton\nimport triton.language as tl\nconstants = {}\n" + \
-        comm_codegen.one_shot_all_reduce("ar", world, "sum", torch.bfloat16, False)
-    kernel = load_module(src, {})[0].ar
+    from commfuse.tune import kernels
+    kernel = kernels(world, torch.bfloat16)["one_shot"]
     rows = []
     dev = torch.device("cuda", torch.cuda.current_device())
     pool = SymmPool(group.group_name, dev, max(sizes))
@@ -84,15 +56,9 @@ def all_reduce_table(sizes, rank, world, group) -> list[dict]:
     symm_mem.rendezvous(tsym, group.group_name)
     for nbytes in sizes:
         numel = nbytes // 2
-        peers = pool.peer_views(0, numel, torch.bfloat16)
-        peers[rank].normal_()
         out = torch.empty(numel, dtype=torch.bfloat16, device=dev)
-        cfg = comm_codegen.launch_config(numel)
-        sigs = pool.signals
-
-        def ours():
-            kernel[(cfg["NPROG"],)](*peers, out, *sigs, sigs[rank], rank, numel,
-                                    BLOCK=cfg["BLOCK"], NPROG=cfg["NPROG"], num_warps=cfg["num_warps"])
+        ours, peers = launcher(kernel, pool, numel, out, torch.bfloat16)
+        peers[rank].normal_()
         ours()
         ref = peers[rank].float().clone()
         dist.all_reduce(ref, group=group)

@@ -33,6 +33,11 @@ def _barrier(code: IndentedBuffer, world: int) -> None:
             code.writeline("    pass")
 
 
+def _reduce_peers(code: IndentedBuffer, world: int, reduce_op: str) -> None:
+    """acc = every peer's `offs` elements, combined in fp32."""
+    code.writeline(f"acc = {combine([f'tl.load(in{p} + offs, mask, other=0).to(tl.float32)' for p in range(world)], reduce_op, world)}")
+
+
 def one_shot_all_reduce(name: str, world: int, reduce_op: str, dtype: torch.dtype, inplace: bool) -> str:
     ins = [f"in{p}" for p in range(world)]
     sigs = [f"sig{p}" for p in range(world)]
@@ -49,11 +54,7 @@ def one_shot_all_reduce(name: str, world: int, reduce_op: str, dtype: torch.dtyp
             code.writeline("offs = start + tl.arange(0, BLOCK)")
             code.writeline("mask = offs < numel")
             acc = "acc"
-            code.writeline(f"acc = tl.load(in0 + offs, mask, other=0).to(tl.float32)")
-            for p in range(1, world):
-                code.writeline(f"acc = {COMBINE[reduce_op].format(a='acc', b=f'tl.load(in{p} + offs, mask, other=0).to(tl.float32)')}")
-            if reduce_op == "avg":
-                code.writeline(f"acc = acc / {world}")
+            _reduce_peers(code, world, reduce_op)
             if inplace:  # every peer has read this chunk of our buffer before we overwrite it
                 _barrier(code, world)
             code.writeline(f"tl.store(out + offs, {acc}.to({triton_dtype(dtype)}), mask)")
@@ -82,11 +83,7 @@ def two_shot_all_reduce(name: str, world: int, reduce_op: str, dtype: torch.dtyp
         with code.indent():
             code.writeline("offs = rank * chunk + start + tl.arange(0, BLOCK)")
             code.writeline("mask = (offs < numel) & (start + tl.arange(0, BLOCK) < chunk)")
-            code.writeline("acc = tl.load(in0 + offs, mask, other=0).to(tl.float32)")
-            for p in range(1, world):
-                code.writeline(f"acc = {COMBINE[reduce_op].format(a='acc', b=f'tl.load(in{p} + offs, mask, other=0).to(tl.float32)')}")
-            if reduce_op == "avg":
-                code.writeline(f"acc = acc / {world}")
+            _reduce_peers(code, world, reduce_op)
             for p in range(world):  # into my own buffer (in{rank}), where the peers will find it
                 code.writeline(f"if rank == {p}:")
                 code.writeline(f"    tl.store(in{p} + offs, acc.to({tdt}), mask)")
