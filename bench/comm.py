@@ -188,6 +188,51 @@ def ar_norm_table(rank, world, group, batches=(1, 8, 32, 128), hiddens=(4096, 81
     return rows
 
 
+def tp_stack_table(rank, world, layers=8, B=8, H=1024, F=4096) -> dict:
+    """An L-layer tensor-parallel MLP stack, forward + backward: step time (eager vs commfuse) and
+    the planned symmetric pool vs one buffer per all-reduce callsite."""
+    import glob
+    import tempfile
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    import commfuse
+
+    class Stack(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up = torch.nn.ModuleList(torch.nn.Linear(H, F, bias=False) for _ in range(layers))
+            self.down = torch.nn.ModuleList(torch.nn.Linear(F, H, bias=False) for _ in range(layers))
+
+        def forward(self, x):
+            for up, down in zip(self.up, self.down):
+                x = x + down(torch.nn.functional.silu(up(x)))
+            return x
+    dev = torch.device("cuda", torch.cuda.current_device())
+    mesh = init_device_mesh("cuda", (world,))
+    plan = {f"up.{i}": ColwiseParallel() for i in range(layers)}
+    plan.update({f"down.{i}": RowwiseParallel() for i in range(layers)})
+    torch.manual_seed(0)
+    model = parallelize_module(Stack().to(dev, torch.bfloat16), mesh, plan)
+    x = torch.randn(B, H, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    dump = tempfile.mkdtemp() if rank == 0 else None
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="commfuse", options={"dump_dir": dump})
+
+    def step(fn):
+        def run():
+            fn(x).sum().backward()
+        return run
+    out = {"layers": layers, "B": B, "H": H, "F": F}
+    out["eager µs"] = eager_time_us(step(model), iters=20)
+    out["commfuse µs"] = eager_time_us(step(compiled), iters=20)
+    if rank == 0:
+        pools = [p for path in glob.glob(f"{dump}/rank0/*/summary.json") for p in json.load(open(path))["comm_pools"]]
+        out["planned bytes (largest graph)"] = max((p["planned_bytes"] for p in pools), default=0)
+        out["per-callsite bytes (all graphs)"] = sum(p["sum_of_buffers"] for p in pools)
+        out["process pool bytes"] = sum(v for d in commfuse.comm_report().values() for v in d.values())
+    return out
+
+
 def fmt(v):
     return "—" if v is None else f"{v:.1f}"
 
@@ -198,6 +243,7 @@ def main():
     ap.add_argument("--max-mib", type=int, default=64)
     ap.add_argument("--skip-decode", action="store_true")
     ap.add_argument("--only-norm", action="store_true", help="only the all-reduce + RMSNorm table")
+    ap.add_argument("--only-stack", action="store_true", help="only the L-layer TP stack (planning)")
     args = ap.parse_args()
     rank = int(os.environ["RANK"])
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
@@ -205,9 +251,11 @@ def main():
     world = dist.get_world_size()
     group = dist.group.WORLD
     sizes = [4 << 10 << i for i in range(0, 15) if (4 << 10 << i) <= args.max_mib << 20]
-    ar = [] if args.only_norm else all_reduce_table(sizes, rank, world, group)
-    dec = [] if args.skip_decode or args.only_norm else decode_table(rank, world, group)
-    norm = ar_norm_table(rank, world, group)
+    only = args.only_norm or args.only_stack
+    ar = [] if only else all_reduce_table(sizes, rank, world, group)
+    dec = [] if args.skip_decode or only else decode_table(rank, world, group)
+    norm = [] if args.only_stack else ar_norm_table(rank, world, group)
+    stack = tp_stack_table(rank, world) if args.only_stack or not only else None
     if rank == 0:
         name = torch.cuda.get_device_name()
         lines = [f"All-reduce latency, {world}x {name}, bf16, CUDA graphs (µs per call, median):", "",
@@ -228,13 +276,17 @@ def main():
             c, a = r.get("commfuse fused"), r.get("inductor auto_select")
             ratio = f"{a / c:.2f}" if c and a else "—"
             lines.append(f"| {r['B']} | {r['H']} | {fmt(c)} | {fmt(a)} | {fmt(r.get('NCCL + inductor'))} | {ratio} |")
+        if stack:
+            lines += ["", f"{stack['layers']}-layer TP MLP stack, forward + backward, {world}x {name} "
+                          f"(B={stack['B']}, H={stack['H']}, F={stack['F']}/{world}, bf16):", ""]
+            lines += [f"- {k}: {fmt(v) if isinstance(v, float) else v}" for k, v in stack.items()]
         text = "\n".join(lines)
         print(text)
         if args.out:
             with open(args.out, "w") as f:
                 f.write(text + "\n")
             with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
-                json.dump({"all_reduce": ar, "decode": dec, "ar_norm": norm, "device": name, "world": world}, f, indent=1)
+                json.dump({"all_reduce": ar, "decode": dec, "ar_norm": norm, "tp_stack": stack, "device": name, "world": world}, f, indent=1)
     dist.barrier()
     dist.destroy_process_group()
 
