@@ -51,6 +51,17 @@ def read_bytes_exceeded(reads) -> bool:
     return limit is not None and memory.owned_bytes(reads) > limit
 
 
+# ----------------------------------------------------------------------------- memory
+def peak_memory_orders() -> tuple[str, ...]:
+    """Topological orders tried besides the program order (commfuse/memory.py: ORDERS); the
+    lowest estimated peak wins, the program order on ties."""
+    return ("least_peak_first", "bfs", "dfs") if config.reorder_for_peak_memory else ()
+
+
+def inplace_buffers() -> bool:
+    return config.inplace_buffers
+
+
 # ----------------------------------------------------------------------------- kernel shape
 def reduction_split(xnumel: int, rnumel: int) -> int:
     """Split a long reduction over few rows across programs (two kernels)."""

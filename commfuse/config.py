@@ -25,6 +25,10 @@ realize_acc_reads_threshold = 8         # realize a pointwise value that inlines
 realize_acc_reads_size_threshold: int | None = None  # ... or reads more bytes than this; no fusion
                                                      # reads more either (None: off)
 
+# Memory.
+reorder_for_peak_memory = True  # try memory-aware kernel orders, keep the lowest estimated peak
+inplace_buffers = True          # a kernel may write its output over an input it is last to read
+
 # Reductions.
 persistent_reduction_max = 4096   # rows up to this length are reduced in one block
 split_reduction_min = 32768       # reductions longer than this with few rows are split across programs

@@ -200,6 +200,7 @@ class ExternKernel(Buffer):
     mutates: list = dataclasses.field(default_factory=list)  # buffers the op writes in place
     aliases: bool = False       # outputs may alias inputs: never reuse the inputs' memory
     side_effect: bool = False   # no output; never dead code
+    out_view: "ReinterpretView | None" = None  # writes into this slice of another buffer (a cat)
 
     def inputs(self) -> list:
         leaves = torch.utils._pytree.tree_leaves((self.args, self.kwargs))

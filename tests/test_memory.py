@@ -1,8 +1,10 @@
-"""Memory-aware fusion and scheduling: read-accumulation limits."""
+"""Memory-aware fusion and scheduling: read-accumulation limits, in-place updates, peak-memory
+orders and the estimate, buffer reuse."""
 import re
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from tests.common import DEVICE, compile_and_run
 
@@ -12,6 +14,12 @@ F32 = torch.float32.itemsize
 
 def _mm_outputs(code: str) -> set:
     return set(re.findall(r"aten\.mm\.out\(.*out=(buf\d+)\)", code))
+
+
+def _launches(code: str) -> list:
+    """Kernel launches and extern calls of `call`, in order."""
+    body = code.split("def call(args):")[1]
+    return [line.strip() for line in body.splitlines() if re.match(r"\s+(cf_\w+\[|aten\.)", line)]
 
 
 # ----------------------------------------------------------------------------- read accumulation
@@ -49,3 +57,121 @@ def test_accumulation_count_threshold_alone_still_fuses(tmp_path):
     # realizing by count bounds inlined bodies; the scheduler fuses the pieces back (no memory cost)
     reads = _accumulation(tmp_path, realize_acc_reads_threshold=3)
     assert [len(r) for r in reads] == [10]
+
+
+# ----------------------------------------------------------------------------- in-place updates
+def _in_place(summary) -> dict:
+    return {b["name"]: b["in_place_of"] for b in summary["buffers"] if "in_place_of" in b}
+
+
+def test_matmul_then_layer_norm_writes_over_the_matmul_output(tmp_path):
+    a, b = torch.randn(8, 24, device=DEVICE), torch.randn(24, 32, device=DEVICE)
+    w, bias = torch.randn(32, device=DEVICE), torch.randn(32, device=DEVICE)
+    fn = lambda a, b, w, bias: F.layer_norm(a @ b, (32,), w, bias)  # noqa: E731
+    out, dumps = compile_and_run(fn, a, b, w, bias, tmp_path=tmp_path)
+    torch.testing.assert_close(out, fn(a, b, w, bias), atol=1e-5, rtol=1e-5)
+    summary, code = dumps.only()
+    (mm,) = _mm_outputs(code)
+    assert len(summary["kernels"]) == 1
+    (kernel,) = summary["kernels"]
+    assert _in_place(summary) == {kernel["writes"][0]: mm}
+    assert f"{kernel['writes'][0]} = {mm}  # in place over {mm}" in code
+
+
+def test_layer_norm_reading_at_another_index_is_not_in_place(tmp_path):
+    # the kernel reads the matmul output transposed: writing row x over it would clobber
+    # elements that other rows still have to read
+    a, b = torch.randn(32, 24, device=DEVICE), torch.randn(24, 32, device=DEVICE)
+    fn = lambda a, b: F.layer_norm((a @ b).t() * 2, (32,))  # noqa: E731
+    out, dumps = compile_and_run(fn, a, b, tmp_path=tmp_path)
+    torch.testing.assert_close(out, fn(a, b), atol=1e-5, rtol=1e-5)
+    summary, code = dumps.only()
+    assert len(summary["kernels"]) == 1
+    assert _in_place(summary) == {}
+    assert "in place" not in code
+
+
+def test_no_in_place_over_a_buffer_read_later(tmp_path):
+    a, b = torch.randn(N, N, device=DEVICE), torch.randn(N, N, device=DEVICE)
+    def fn(a, b):
+        y = a @ b
+        return y.relu() @ y
+    out, dumps = compile_and_run(fn, a, b, tmp_path=tmp_path)
+    torch.testing.assert_close(out, fn(a, b), atol=1e-4, rtol=1e-4)
+    summary, _ = dumps.only()
+    assert _in_place(summary) == {}
+
+
+# ----------------------------------------------------------------------------- peak memory order
+M = 64
+BIG, ROW = M * M * F32, M * F32   # a matmul output, a row sum
+
+
+def two_branches(x, w1, w2):
+    a = x @ w1      # M x M: BIG
+    b = x @ w2      # M x 2M: 2 BIG (the two row sums cannot fuse: different row lengths)
+    return a.sum(1) + b.sum(1)
+
+
+def _branch_inputs():
+    return torch.randn(M, M, device=DEVICE), torch.randn(M, M, device=DEVICE), torch.randn(M, 2 * M, device=DEVICE)
+
+
+def test_order_finishes_one_branch_before_starting_the_next(tmp_path):
+    x, w1, w2 = _branch_inputs()
+    out, dumps = compile_and_run(two_branches, x, w1, w2, tmp_path=tmp_path)
+    torch.testing.assert_close(out, two_branches(x, w1, w2), atol=1e-3, rtol=1e-4)
+    summary, code = dumps.only()
+    assert [s.startswith("aten.mm") for s in _launches(code)] == [True, False, True, False], code
+    # program order: mm a, mm b (BIG + 2 BIG alive), sum a (+ ROW), sum b + add
+    assert summary["peak_memory_by_order"]["original"] == 3 * BIG + ROW
+    # chosen: mm a (BIG), sum a (BIG + ROW), mm b (ROW + 2 BIG), sum b + add written over the
+    # row sum of a (2 BIG + ROW)
+    assert summary["peak_memory_estimate"] == 2 * BIG + ROW
+
+
+def test_program_order_kept_without_reordering(tmp_path):
+    x, w1, w2 = _branch_inputs()
+    out, dumps = compile_and_run(two_branches, x, w1, w2, tmp_path=tmp_path, reorder_for_peak_memory=False)
+    torch.testing.assert_close(out, two_branches(x, w1, w2), atol=1e-3, rtol=1e-4)
+    summary, code = dumps.only()
+    assert [s.startswith("aten.mm") for s in _launches(code)] == [True, True, False, False], code
+    assert summary["peak_memory_estimate"] == 3 * BIG + ROW
+    assert summary["peak_memory_by_order"] == {"original": 3 * BIG + ROW}
+
+
+def test_estimate_of_a_chain_by_hand(tmp_path):
+    # mm (BIG) -> relu in place over it -> mm (BIG, the relu output still read) -> sum(1) (ROW)
+    x, w = torch.randn(M, M, device=DEVICE), torch.randn(M, M, device=DEVICE)
+    fn = lambda x, w: ((x @ w).relu() @ w).sum(1)  # noqa: E731
+    out, dumps = compile_and_run(fn, x, w, tmp_path=tmp_path)
+    torch.testing.assert_close(out, fn(x, w), atol=1e-3, rtol=1e-4)
+    summary, _ = dumps.only()
+    assert len(_in_place(summary)) == 1
+    assert summary["peak_memory_estimate"] == 2 * BIG
+
+
+# ----------------------------------------------------------------------------- buffer reuse
+def test_freed_buffer_reused_by_another_shape_of_the_same_bytes(tmp_path):
+    a, b, d = torch.randn(8, 4, device=DEVICE), torch.randn(4, 16, device=DEVICE), torch.randn(8, 8, device=DEVICE)
+    fn = lambda a, b, d: (a @ b).relu().t() @ d  # noqa: E731  (8, 16) freed, then (16, 8) allocated
+    out, dumps = compile_and_run(fn, a, b, d, tmp_path=tmp_path, inplace_buffers=False)
+    torch.testing.assert_close(out, fn(a, b, d), atol=1e-5, rtol=1e-5)
+    summary, code = dumps.only()
+    (mm0, mm1) = sorted(_mm_outputs(code), key=lambda n: int(n[3:]))
+    assert re.search(rf"{mm1} = reinterpret_tensor\({mm0}, \(16, 8\), \(8, 1\), 0\); del {mm0}  # reuse", code), code
+
+
+def test_buffer_aliased_by_an_extern_output_is_never_reused(tmp_path):
+    x, m = torch.randn(64, device=DEVICE), torch.randn(4, 4, device=DEVICE)
+
+    def fn(x, m):
+        u = (x * 2).unfold(0, 4, 4)   # aten returns a view of the buffer holding x * 2
+        return u @ m                  # allocated after that buffer's last reader: same bytes
+    out, dumps = compile_and_run(fn, x, m, tmp_path=tmp_path)
+    torch.testing.assert_close(out, fn(x, m))
+    summary, code = dumps.only()
+    assert "aten.unfold" in code
+    assert not any("reuses" in b or "in_place_of" in b for b in summary["buffers"])
+    # the estimate keeps the viewed buffer alive as long as its view
+    assert summary["peak_memory_estimate"] == 2 * 64 * F32
