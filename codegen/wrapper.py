@@ -39,6 +39,7 @@ class WrapperCodegen:
         self.bound: set = set()
         self.comm_plan = self.plan_comm_buffers()
         self.names: dict[str, str] = {}     # buffer -> variable holding it (after reuse)
+        self.allocated: set = set()
 
     # ------------------------------------------------------------------ helpers
     def expr(self, e) -> str:
@@ -174,6 +175,7 @@ class WrapperCodegen:
                                 f"[{self.comm_plan[buf.name]['offset']}, +{self.comm_plan[buf.name]['bytes']})")
             return
         nbytes = lay.nbytes_hint()
+        self.allocated.add(buf.name)
         if buf.name in self.sched.inplace:
             old = self.sched.inplace[buf.name]
             self.body.writeline(f"{buf.name} = {self.view_as(self.ref(old), old, buf)}  # in place over {old}")
@@ -188,6 +190,10 @@ class WrapperCodegen:
         self.body.writeline(f"{buf.name} = empty_strided({self.shape(lay.size)}, {self.shape(lay.stride)}, "
                             f"device={self.value(lay.device)}, dtype={lay.dtype})")
         self.allocations.append({"name": buf.name, "bytes": nbytes})
+
+    def allocate_once(self, buf: ir.Buffer, pool):
+        if buf.name not in self.allocated:
+            self.allocate(buf, pool)
 
     def view_as(self, var: str, old: str, buf: ir.Buffer) -> str:
         """`var` (holding buffer `old`'s memory) seen with `buf`'s size and strides."""
@@ -242,13 +248,21 @@ class WrapperCodegen:
         if isinstance(buf, ir.MultiOutput):
             self.body.writeline(f"{buf.name} = {self.ref(buf.parent.name)}[{buf.index}]")
             return
+        if isinstance(buf, ir.ConcatBuffer):
+            self.allocate_once(buf, pool)
+            self.body.writeline(f"# {buf.name}: cat written in place by {', '.join(p.name for p in buf.parts)}")
+            return
         op = buf.op
         call = _op_path(op) if _is_aten(op) else self.value(op)
         args = ", ".join([self.value(a) for a in buf.args] +
                          [f"{k}={self.value(v)}" for k, v in buf.kwargs.items()])
         self.extern_calls.append(str(op))
         if buf.out_variant:
-            self.allocate(buf, pool)
+            if buf.out_view is not None:  # its slice of a cat
+                self.allocate_once(buf.out_view.base, pool)
+                self.body.writeline(f"{buf.name} = {self.value(buf.out_view)}  # slice of {buf.out_view.base.name}")
+            else:
+                self.allocate(buf, pool)
             self.body.writeline(f"{call}({args}{', ' if args else ''}out={buf.name})")
         elif buf.side_effect:
             self.body.writeline(f"{call}({args})")

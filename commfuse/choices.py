@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from . import config, memory
+from . import config, ir, memory, sizevars
 
 
 def next_pow2(n: int) -> int:
@@ -60,6 +60,23 @@ def peak_memory_orders() -> tuple[str, ...]:
 
 def inplace_buffers() -> bool:
     return config.inplace_buffers
+
+
+MATMULS = (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm)
+
+
+def extern_writes_slice(kernel, slice_layout) -> bool:
+    """May an out-variant extern write its output straight into a slice of a cat buffer? When the
+    slice has the strides the op would give its output anyway (then `out=` changes nothing), or,
+    for a matmul, when its columns are contiguous (BLAS writes rows at a leading-dimension stride;
+    slices of a dense cat never overlap)."""
+    if not kernel.out_variant or kernel.multi_output or kernel.out_view is not None \
+            or isinstance(kernel.layout, ir.CommLayout):
+        return False
+    own, size = kernel.layout.stride, kernel.layout.size
+    if all(n == 1 or sizevars.equal(a, b) for n, a, b in zip(size, own, slice_layout.stride)):
+        return True
+    return kernel.op.overloadpacket in MATMULS and sizevars.equal(slice_layout.stride[-1], 1)
 
 
 # ----------------------------------------------------------------------------- kernel shape

@@ -211,6 +211,18 @@ class ExternKernel(Buffer):
 
 
 @dataclasses.dataclass(eq=False)
+class ConcatBuffer(Buffer):
+    """A cat whose inputs write their own slices of it (extern kernels through `out=`): no copy."""
+    parts: list = dataclasses.field(default_factory=list)  # ExternKernels, each with an `out_view`
+
+    def inputs(self) -> list:
+        return list(self.parts)
+
+    def __str__(self):
+        return f"{self.name}: ConcatBuffer{list(self.layout.size)} written by {', '.join(p.name for p in self.parts)}"
+
+
+@dataclasses.dataclass(eq=False)
 class CommKernel(Buffer):
     """A collective over symmetric memory, run by our own Triton kernel (or torch's).
 

@@ -1,5 +1,5 @@
-"""Memory-aware fusion and scheduling: read-accumulation limits, in-place updates, peak-memory
-orders and the estimate, buffer reuse."""
+"""Memory-aware fusion and scheduling: read-accumulation limits, in-place updates, matmuls written
+into their cat, peak-memory orders and the estimate, buffer reuse."""
 import re
 
 import pytest
@@ -100,6 +100,42 @@ def test_no_in_place_over_a_buffer_read_later(tmp_path):
     torch.testing.assert_close(out, fn(a, b), atol=1e-4, rtol=1e-4)
     summary, _ = dumps.only()
     assert _in_place(summary) == {}
+
+
+# ----------------------------------------------------------------------------- matmul into cat
+@pytest.mark.parametrize("dim", [0, 1, -1])
+def test_cat_of_matmuls_has_no_copy_kernel(tmp_path, dim):
+    a, b = torch.randn(8, 16, device=DEVICE), torch.randn(16, 12, device=DEVICE)
+    c, d = torch.randn(8, 16, device=DEVICE), torch.randn(16, 12, device=DEVICE)
+    fn = lambda a, b, c, d: torch.cat([a @ b, c @ d], dim)  # noqa: E731
+    out, dumps = compile_and_run(fn, a, b, c, d, tmp_path=tmp_path)
+    torch.testing.assert_close(out, fn(a, b, c, d), atol=1e-5, rtol=1e-5)
+    summary, code = dumps.only()
+    assert summary["kernels"] == []
+    assert len(summary["buffers"]) == 1  # the cat, allocated once
+    cat = summary["buffers"][0]["name"]
+    assert code.count(f"= reinterpret_tensor({cat}, (8, 12)") == 2
+    assert len(_mm_outputs(code)) == 2
+
+
+def test_cat_of_matmul_and_other_value_copies(tmp_path):
+    a, b, x = torch.randn(8, 16, device=DEVICE), torch.randn(16, 12, device=DEVICE), torch.randn(8, 12, device=DEVICE)
+    fn = lambda a, b, x: torch.cat([a @ b, x.sin()], 1)  # noqa: E731
+    out, dumps = compile_and_run(fn, a, b, x, tmp_path=tmp_path)
+    torch.testing.assert_close(out, fn(a, b, x), atol=1e-5, rtol=1e-5)
+    summary, _ = dumps.only()
+    assert len(summary["kernels"]) == 1
+
+
+def test_matmul_with_other_users_is_not_placed_in_the_cat(tmp_path):
+    a, b, c = torch.randn(8, 16, device=DEVICE), torch.randn(16, 12, device=DEVICE), torch.randn(16, 12, device=DEVICE)
+
+    def fn(a, b, c):
+        y = a @ b
+        return torch.cat([y, a @ c], 1), y.relu()
+    out, dumps = compile_and_run(fn, a, b, c, tmp_path=tmp_path)
+    for o, r in zip(out, fn(a, b, c)):
+        torch.testing.assert_close(o, r, atol=1e-5, rtol=1e-5)
 
 
 # ----------------------------------------------------------------------------- peak memory order
