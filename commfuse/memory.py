@@ -163,21 +163,21 @@ def _same_storage_size(a: str, b: str) -> bool:
 
 
 # ----------------------------------------------------------------------------- orders
-def reorder_for_peak_memory(sched, order: list, inplace: dict) -> list:
-    """Try memory-aware topological orders and keep the one with the lowest estimated peak
-    (with the in-place updates each allows: `inplace_candidates`); the given order wins ties,
-    so the result is never worse than it."""
+def reorder_for_peak_memory(sched, order: list, inplace: dict) -> tuple[list, dict]:
+    """(order, {method: estimated peak}): tries memory-aware topological orders and keeps the one
+    with the lowest estimated peak, counting the in-place updates each allows (`inplace` from
+    `inplace_candidates`); the given order wins ties, so the result is never worse than it."""
     def estimate(o):
         return peak_memory(sched, o, inplace_updates(o, inplace))
     best, best_peak = order, estimate(order)
-    sched.peak_memory_by_order = {"original": best_peak}
+    peaks = {"original": best_peak}
     for method in choices.peak_memory_orders():
         candidate = ORDERS[method](sched, order)
         _check_order(sched, candidate, order)
-        peak = sched.peak_memory_by_order[method] = estimate(candidate)
-        if peak < best_peak:
-            best, best_peak = candidate, peak
-    return best
+        peaks[method] = estimate(candidate)
+        if peaks[method] < best_peak:
+            best, best_peak = candidate, peaks[method]
+    return best, peaks
 
 
 def _check_order(sched, candidate, order):

@@ -152,7 +152,8 @@ class Scheduler:
         self.fuse()
         self.compute_buffer_users()
         inplace = memory.inplace_candidates(self)
-        self.groups = memory.reorder_for_peak_memory(self, self.topological_order(self.groups), inplace)
+        self.groups, self.peak_memory_by_order = memory.reorder_for_peak_memory(
+            self, self.topological_order(self.groups), inplace)
         self.inplace = memory.inplace_updates(self.groups, inplace)  # output -> input it overwrites
         self.peak_memory = memory.peak_memory(self, self.groups, self.inplace)
 

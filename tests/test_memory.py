@@ -78,6 +78,22 @@ def test_matmul_then_layer_norm_writes_over_the_matmul_output(tmp_path):
     assert f"{kernel['writes'][0]} = {mm}  # in place over {mm}" in code
 
 
+@pytest.mark.parametrize("case", ["tiled", "looped_softmax", "looped_layer_norm"])
+def test_in_place_in_tiled_and_multi_pass_kernels(tmp_path, case):
+    fn, shapes = {
+        "tiled": (lambda a, b, c: (a @ b) + c.t(), [(64, 32), (32, 64), (64, 64)]),
+        # rows longer than persistent_reduction_max: the kernel reads the row in several passes
+        "looped_softmax": (lambda a, b, c: torch.softmax(a @ b, -1) + c, [(4, 32), (32, 6000), (1, 6000)]),
+        "looped_layer_norm": (lambda a, b, c: F.layer_norm(a @ b, (6000,)) * c, [(4, 32), (32, 6000), (1, 6000)]),
+    }[case]
+    args = [torch.randn(*s, device=DEVICE) for s in shapes]
+    out, dumps = compile_and_run(fn, *args, tmp_path=tmp_path)
+    torch.testing.assert_close(out, fn(*args), atol=1e-4, rtol=1e-4)
+    summary, code = dumps.only()
+    (mm,) = _mm_outputs(code)
+    assert list(_in_place(summary).values()) == [mm]
+
+
 def test_layer_norm_reading_at_another_index_is_not_in_place(tmp_path):
     # the kernel reads the matmul output transposed: writing row x over it would clobber
     # elements that other rows still have to read
@@ -185,6 +201,24 @@ def test_estimate_of_a_chain_by_hand(tmp_path):
     summary, _ = dumps.only()
     assert len(_in_place(summary)) == 1
     assert summary["peak_memory_estimate"] == 2 * BIG
+
+
+def test_gpt_block_order_never_worse_than_program_order(tmp_path):
+    from tests.test_models import Block
+    torch.manual_seed(0)
+    model, ref = Block().to(DEVICE), Block().to(DEVICE)
+    ref.load_state_dict(model.state_dict())
+    tokens, targets = torch.randint(0, 64, (2, 8), device=DEVICE), torch.randint(0, 64, (2, 8), device=DEVICE)
+    loss, dumps = compile_and_run(model, tokens, targets, tmp_path=tmp_path)
+    loss.backward()
+    ref(tokens, targets).backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-4, msg=name)
+    for graph in dumps.graphs():
+        summary = dumps.summary(graph)
+        by_order = summary["peak_memory_by_order"]
+        assert set(by_order) == {"original", "least_peak_first", "bfs", "dfs"}
+        assert summary["peak_memory_estimate"] == min(by_order.values()) <= by_order["original"]
 
 
 # ----------------------------------------------------------------------------- buffer reuse
