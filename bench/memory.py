@@ -31,7 +31,6 @@ sys.path.insert(0, REPO_ROOT)  # for tests.test_models.Block
 import commfuse  # noqa: E402,F401  (before torch._dynamo imports triton: picks the interpreter on CPU)
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 BACKENDS = ("eager", "inductor", "commfuse")
 
@@ -177,7 +176,8 @@ def main() -> int:
                 if args.verbose:
                     traceback.print_exc()
         rows.append(row)
-    head = ["workload"] + [f"{b} MiB" for b in backends] + ["commfuse estimate MiB", "commfuse / eager", "commfuse / inductor"]
+    head = ["workload"] + [f"{b} MiB" for b in backends]
+    head += ["commfuse estimate MiB", "commfuse / eager", "commfuse / inductor"]
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     for row in rows:
         peaks = {b: row[b]["peak"] for b in backends}

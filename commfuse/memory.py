@@ -210,8 +210,8 @@ def _pinned(g) -> bool:
     if not isinstance(buf, ir.ExternKernel):
         return False
     op = buf.op
-    return buf.side_effect or bool(buf.mutates) or isinstance(op, torch._ops.OpOverload) and (
-        torch.Tag.nondeterministic_seeded in op.tags or op.namespace == "_c10d_functional")
+    return buf.side_effect or bool(buf.mutates) or (isinstance(op, torch._ops.OpOverload) and (
+        torch.Tag.nondeterministic_seeded in op.tags or op.namespace == "_c10d_functional"))
 
 
 def _stored(sched, order) -> tuple[dict, dict]:

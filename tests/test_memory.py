@@ -192,6 +192,23 @@ def test_program_order_kept_without_reordering(tmp_path):
     assert summary["peak_memory_by_order"] == {"original": 3 * BIG + ROW}
 
 
+def test_random_ops_keep_their_order(tmp_path):
+    # drawing ra first would lower the peak (rb is big and read last), but must not change
+    # which numbers each draw gets
+    def fn(x, w):
+        rb = torch.rand(M, 4 * M, device=x.device)
+        ra = torch.rand(M, M, device=x.device)
+        return (x @ w * ra).sum(1) + rb.sum(1)
+    x, w = torch.randn(M, M, device=DEVICE), torch.randn(M, M, device=DEVICE)
+    torch.manual_seed(1)
+    ref = fn(x, w)
+    torch.manual_seed(1)
+    out, dumps = compile_and_run(fn, x, w, tmp_path=tmp_path)
+    torch.testing.assert_close(out, ref, atol=1e-3, rtol=1e-4)
+    _, code = dumps.only()
+    assert re.findall(r"aten\.rand\.default\(\[(\d+, \d+)\]", code) == ["64, 256", "64, 64"]
+
+
 def test_estimate_of_a_chain_by_hand(tmp_path):
     # mm (BIG) -> relu in place over it -> mm (BIG, the relu output still read) -> sum(1) (ROW)
     x, w = torch.randn(M, M, device=DEVICE), torch.randn(M, M, device=DEVICE)
