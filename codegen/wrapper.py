@@ -7,7 +7,7 @@ import collections
 import sympy
 import torch
 
-from commfuse import choices, ir, sizevars
+from commfuse import choices, ir, memory, sizevars
 from commfuse.scheduler import Scheduler
 
 from .common import IndentedBuffer, pexpr
@@ -39,6 +39,7 @@ class WrapperCodegen:
         self.bound: set = set()
         self.comm_plan = self.plan_comm_buffers()
         self.names: dict[str, str] = {}     # buffer -> variable holding it (after reuse)
+        self.allocated: set = set()
 
     # ------------------------------------------------------------------ helpers
     def expr(self, e) -> str:
@@ -98,8 +99,7 @@ class WrapperCodegen:
             self.body.writeline(f"{sym} = {self.value(fn)}({call_args})")
         last_use = self.last_uses()
         pool = collections.defaultdict(list)
-        no_reuse = {n for grp in self.sched.groups for nd in grp.nodes
-                    if getattr(nd.buf, "aliases", False) for n in nd.read_names}
+        recyclable = memory.recyclable(self.sched) - set(self.sched.inplace.values())
         for step, grp in enumerate(self.sched.groups):
             if isinstance(grp.nodes[0].buf, ir.CommKernel):
                 self.comm_kernel(grp.nodes[0].buf, step, pool)
@@ -109,19 +109,12 @@ class WrapperCodegen:
                 self.kernel(grp, step, pool)
             for name in last_use.get(step, []):
                 if name in self.sched.output_names or name in self.sched.internal \
-                        or name not in g.name_to_buffer:
+                        or name not in g.name_to_buffer or getattr(g.name_to_buffer[name], "side_effect", False):
                     continue
-                buf = g.name_to_buffer[name]
-                if getattr(buf, "side_effect", False):
-                    continue
-                if name in no_reuse or isinstance(buf, ir.MultiOutput) or isinstance(buf.layout, ir.CommLayout) \
-                        or isinstance(buf, ir.ExternKernel) and not buf.out_variant:
-                    self.body.writeline(f"del {self.ref(name)}")
-                else:
-                    pool[self.alloc_key(buf)].append(self.ref(name))
-        for names in pool.values():
-            for n in names:
-                self.body.writeline(f"del {n}")
+                self.body.writeline(f"del {self.ref(name)}")
+                if name in recyclable:  # the del goes if a later buffer takes the memory over
+                    pool[self.alloc_key(g.name_to_buffer[name])].append((self.ref(name), len(self.body.lines) - 1))
+        self.body.lines = [line for line in self.body.lines if line is not None]
         outs = [self.output(o) for o in g.graph_outputs]
         self.body.writeline(f"return ({', '.join(outs)}{',' if len(outs) == 1 else ''})")
         code = IndentedBuffer()
@@ -172,8 +165,9 @@ class WrapperCodegen:
 
     @staticmethod
     def alloc_key(buf):
+        """Freed buffers are reused by any buffer of the same device, dtype and bytes."""
         lay = buf.layout
-        return (str(lay.device), lay.dtype, tuple(map(str, lay.size)), tuple(map(str, lay.stride)))
+        return str(lay.device), lay.dtype, str(sizevars.simplify(lay.storage_numel()))
 
     def allocate(self, buf: ir.Buffer, pool):
         lay = buf.layout
@@ -181,17 +175,33 @@ class WrapperCodegen:
             p = self.comm_plan[buf.name]
             self.body.writeline(f"{buf.name} = comm[{buf.name!r}]  # {p['pool']} [{p['offset']}, +{p['bytes']})")
             return
-        key = self.alloc_key(buf)
-        nbytes = sizevars.hint(lay.storage_numel()) * lay.dtype.itemsize
-        if pool.get(key):
-            old = pool[key].pop()
-            self.body.writeline(f"{buf.name} = {old}; del {old}  # reuse")
+        nbytes = lay.nbytes_hint()
+        self.allocated.add(buf.name)
+        if buf.name in self.sched.inplace:
+            old = self.sched.inplace[buf.name]
+            self.body.writeline(f"{buf.name} = {self.view_as(self.ref(old), old, buf)}  # in place over {old}")
+            self.allocations.append({"name": buf.name, "bytes": nbytes, "in_place_of": old})
+            return
+        if pool.get(self.alloc_key(buf)):
+            old, free_line = pool[self.alloc_key(buf)].pop()
+            self.body.lines[free_line] = None
+            self.body.writeline(f"{buf.name} = {self.view_as(old, old, buf)}; del {old}  # reuse")
             self.allocations.append({"name": buf.name, "bytes": nbytes, "reuses": old})
             return
-        size = list(lay.size)
-        self.body.writeline(f"{buf.name} = empty_strided({self.shape(size)}, {self.shape(lay.stride)}, "
+        self.body.writeline(f"{buf.name} = empty_strided({self.shape(lay.size)}, {self.shape(lay.stride)}, "
                             f"device={self.value(lay.device)}, dtype={lay.dtype})")
         self.allocations.append({"name": buf.name, "bytes": nbytes})
+
+    def allocate_once(self, buf: ir.Buffer, pool):
+        if buf.name not in self.allocated:
+            self.allocate(buf, pool)
+
+    def view_as(self, var: str, old: str, buf: ir.Buffer) -> str:
+        """`var` (holding buffer `old`'s memory) seen with `buf`'s size and strides."""
+        a, b = self.graph.get_buffer(old).layout, buf.layout
+        if [str(x) for x in a.size + a.stride] == [str(x) for x in b.size + b.stride]:
+            return var
+        return f"reinterpret_tensor({var}, {self.shape(b.size)}, {self.shape(b.stride)}, 0)"
 
     def kernel(self, grp, step, pool):
         kind = "red" if grp.is_reduction() else "poi"
@@ -248,13 +258,21 @@ class WrapperCodegen:
         if isinstance(buf, ir.MultiOutput):
             self.body.writeline(f"{buf.name} = {self.ref(buf.parent.name)}[{buf.index}]")
             return
+        if isinstance(buf, ir.ConcatBuffer):
+            self.allocate_once(buf, pool)
+            self.body.writeline(f"# {buf.name}: cat written in place by {', '.join(p.name for p in buf.parts)}")
+            return
         op = buf.op
         call = _op_path(op) if _is_aten(op) else self.value(op)
         args = ", ".join([self.value(a) for a in buf.args] +
                          [f"{k}={self.value(v)}" for k, v in buf.kwargs.items()])
         self.extern_calls.append(str(op))
         if buf.out_variant:
-            self.allocate(buf, pool)
+            if buf.out_view is not None:  # its slice of a cat
+                self.allocate_once(buf.out_view.base, pool)
+                self.body.writeline(f"{buf.name} = {self.value(buf.out_view)}  # slice of {buf.out_view.base.name}")
+            else:
+                self.allocate(buf, pool)
             self.body.writeline(f"{call}({args}{', ' if args else ''}out={buf.name})")
         elif buf.side_effect:
             self.body.writeline(f"{call}({args})")

@@ -126,7 +126,8 @@ def _compile(gm, example_inputs, graph_id):
         "comm_pools": wrapper.pool_summary(),
         "comm_fallbacks": graph.comm_fallbacks,
         "comm_choices": graph.comm_choices,
-        "peak_memory_estimate": None,
+        "peak_memory_estimate": sched.peak_memory,
+        "peak_memory_by_order": sched.peak_memory_by_order,
         "compile_seconds": round(time.time() - t0, 3),
     }
     post_fusion = "\n".join(f"{g!r}\n" + "\n".join(f"    {n.buf}" for n in g.nodes) for g in sched.groups)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from . import config
+from . import config, ir, memory, sizevars
 
 
 def next_pow2(n: int) -> int:
@@ -19,6 +19,9 @@ def can_fuse(a, b) -> tuple[bool, str]:
         return False, f"group would exceed max_fusion_size={config.max_fusion_size}"
     if a.device != b.device:
         return False, "different devices"
+    reads = (a.read_names | b.read_names) - a.write_names - b.write_names
+    if read_bytes_exceeded(reads):
+        return False, f"reads would exceed realize_acc_reads_size_threshold={config.realize_acc_reads_size_threshold}"
     return True, ""
 
 
@@ -29,14 +32,51 @@ def score_fusion(a, b, shared_bytes: int, vertical: bool) -> tuple:
 
 
 def should_realize(loops, users: int) -> bool:
-    """Store a pointwise value with several users instead of inlining it into each of them."""
+    """Store a pointwise value instead of inlining it into its users: when several users would
+    each recompute it at too high a cost, or when it has accumulated too many reads."""
     from .dependencies import trace_body
-    if users > config.realize_reads_threshold:
-        return True
     trace = trace_body(loops)
+    if users > 1 and (users > config.realize_reads_threshold
+                      or len(trace.text.split("; ")) > config.realize_opcount_threshold):
+        return True
     reads = {r.name for r in trace.reads}
-    return len(trace.text.split("; ")) > config.realize_opcount_threshold or \
-        len(reads) > config.realize_acc_reads_threshold
+    return len(reads) > config.realize_acc_reads_threshold or read_bytes_exceeded(reads)
+
+
+def read_bytes_exceeded(reads) -> bool:
+    """One value (or kernel) reading these buffers keeps them all alive until it runs, where
+    eager would have freed each after its own op: bound what it holds. Buffers the graph does not
+    own (inputs, comm buffers) are alive anyway and do not count."""
+    limit = config.realize_acc_reads_size_threshold
+    return limit is not None and memory.owned_bytes(reads) > limit
+
+
+# ----------------------------------------------------------------------------- memory
+def peak_memory_orders() -> tuple[str, ...]:
+    """Topological orders tried besides the program order (commfuse/memory.py: ORDERS); the
+    lowest estimated peak wins, the program order on ties."""
+    return ("least_peak_first", "bfs", "dfs") if config.reorder_for_peak_memory else ()
+
+
+def inplace_buffers() -> bool:
+    return config.inplace_buffers
+
+
+MATMULS = (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm)
+
+
+def extern_writes_slice(kernel, slice_layout) -> bool:
+    """May an out-variant extern write its output straight into a slice of a cat buffer? When the
+    slice has the strides the op would give its output anyway (then `out=` changes nothing), or,
+    for a matmul, when its columns are contiguous (BLAS writes rows at a leading-dimension stride;
+    slices of a dense cat never overlap)."""
+    if not kernel.out_variant or kernel.multi_output or kernel.out_view is not None \
+            or isinstance(kernel.layout, ir.CommLayout):
+        return False
+    own, size = kernel.layout.stride, kernel.layout.size
+    if all(n == 1 or sizevars.equal(a, b) for n, a, b in zip(size, own, slice_layout.stride)):
+        return True
+    return kernel.op.overloadpacket in MATMULS and sizevars.equal(slice_layout.stride[-1], 1)
 
 
 # ----------------------------------------------------------------------------- kernel shape

@@ -26,7 +26,12 @@ max_fusion_size = 64          # cap on the number of IR nodes in one fused kerne
 realize_reads_threshold = 4   # a value with more users than this is stored, not recomputed by each
 realize_opcount_threshold = 30  # ... or whose body has more ops than this
 realize_acc_reads_threshold = 8         # realize a pointwise value that inlines more buffer reads
-realize_acc_reads_size_threshold: int | None = None  # ... or reads more bytes than this (None: off)
+realize_acc_reads_size_threshold: int | None = None  # ... or reads more bytes than this; no fusion
+                                                     # reads more either (None: off)
+
+# Memory.
+reorder_for_peak_memory = True  # try memory-aware kernel orders, keep the lowest estimated peak
+inplace_buffers = True          # a kernel may write its output over an input it is last to read
 
 # Reductions.
 persistent_reduction_max = 4096   # rows up to this length are reduced in one block

@@ -142,6 +142,7 @@ class GraphLowering(torch.fx.Interpreter):
         result = None
         lowering_fn = lowerings.get(target)
         if lowering_fn is not None and not _touches_complex(args, kwargs, val):
+            self._bound_read_bytes(args, kwargs)
             try:
                 result = lowering_fn(*args, **kwargs)
             except ir.Unsupported as e:
@@ -160,11 +161,29 @@ class GraphLowering(torch.fx.Interpreter):
 
     def _maybe_realize(self, node, result):
         """A value with several users is recomputed by each (free inside one kernel, and a
-        saved round trip through memory across kernels) unless recomputing costs too much."""
+        saved round trip through memory across kernels) unless recomputing costs too much;
+        a value that has accumulated too many reads is stored whatever its users."""
         from . import choices
-        if isinstance(result, TensorBox) and isinstance(result.data, ir.Pointwise) and len(node.users) > 1:
+        if isinstance(result, TensorBox) and isinstance(result.data, ir.Pointwise):
             if choices.should_realize(result.data, len(node.users)):
                 result.realize()
+
+    def _bound_read_bytes(self, args, kwargs):
+        """Store pointwise operands, the heaviest first, while a value built from them would read
+        more bytes than choices allows: it then starts from stored values instead of keeping every
+        buffer its chain of inlined ops reads alive until one kernel at the end."""
+        from . import choices, memory
+        if config.realize_acc_reads_size_threshold is None:
+            return
+        boxes = [_root_box(x) for x in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(x, TensorBox)]
+        reads = {id(b): inlined_reads(b) for b in boxes}
+        while choices.read_bytes_exceeded(set().union(*reads.values())):
+            pointwise = [b for b in boxes if isinstance(b.data, ir.Pointwise) and memory.owned_bytes(reads[id(b)])]
+            if not pointwise:
+                return
+            heaviest = max(pointwise, key=lambda b: memory.owned_bytes(reads[id(b)]))
+            heaviest.realize()
+            reads[id(heaviest)] = {heaviest.data.name}
 
     def output(self, target, args, kwargs):
         vals = self.current_node.args[0]
@@ -176,6 +195,23 @@ class GraphLowering(torch.fx.Interpreter):
                 value = realize_output(value, meta)
             self.graph_outputs.append(value)
         return self.graph_outputs
+
+
+def _root_box(box: TensorBox) -> TensorBox:
+    """The box a chain of views reads from."""
+    while isinstance(box.data, ir.View):
+        box = box.data.base
+    return box
+
+
+def inlined_reads(box: TensorBox) -> set:
+    """Buffers that inlining this value into a user makes the user read."""
+    d = _root_box(box).data
+    if isinstance(d, ir.Loops):
+        return ir.body_reads(d)
+    if isinstance(d, ir.ReinterpretView):
+        return {d.base.name}
+    return {d.name} if isinstance(d, ir.Buffer) else set()
 
 
 def _touches_complex(args, kwargs, meta) -> bool:

@@ -200,6 +200,7 @@ class ExternKernel(Buffer):
     mutates: list = dataclasses.field(default_factory=list)  # buffers the op writes in place
     aliases: bool = False       # outputs may alias inputs: never reuse the inputs' memory
     side_effect: bool = False   # no output; never dead code
+    out_view: "ReinterpretView | None" = None  # writes into this slice of another buffer (a cat)
 
     def inputs(self) -> list:
         leaves = torch.utils._pytree.tree_leaves((self.args, self.kwargs))
@@ -207,6 +208,18 @@ class ExternKernel(Buffer):
 
     def __str__(self):
         return f"{self.name}: ExternKernel {self.op}({', '.join(map(_arg_str, self.args))})"
+
+
+@dataclasses.dataclass(eq=False)
+class ConcatBuffer(Buffer):
+    """A cat whose inputs write their own slices of it (extern kernels through `out=`): no copy."""
+    parts: list = dataclasses.field(default_factory=list)  # ExternKernels, each with an `out_view`
+
+    def inputs(self) -> list:
+        return list(self.parts)
+
+    def __str__(self):
+        return f"{self.name}: ConcatBuffer{list(self.layout.size)} written by {', '.join(p.name for p in self.parts)}"
 
 
 @dataclasses.dataclass(eq=False)

@@ -15,7 +15,7 @@ import itertools
 
 import sympy
 
-from . import choices, config, ir, sizevars
+from . import choices, config, ir, memory, sizevars
 from .dependencies import index_vars, trace_body
 from .sizevars import index_symbol
 
@@ -125,9 +125,11 @@ class Group:
     def names(self):
         return [n.name for n in self.nodes]
 
-    def kernel_accesses(self):
-        """Reads/writes of each node with indices in kernel coordinates."""
+    def kernel_accesses(self, names=None):
+        """Reads/writes of each node with indices in kernel coordinates (of nodes touching `names`)."""
         for n in self.nodes:
+            if names is not None and not (n.read_names | n.write_names) & names:
+                continue
             m = n.kernel_index_map(self.X, self.R)
             for acc in n.reads:
                 yield n, "read", acc.name, (None if acc.indirect else sizevars.simplify(acc.index.subs(m)))
@@ -148,8 +150,12 @@ class Scheduler:
         self.groups = [self._single(n) for n in self.nodes]
         self.group_of = {n.name: g for g in self.groups for n in g.nodes}
         self.fuse()
-        self.groups = self.topological_order(self.groups)
         self.compute_buffer_users()
+        inplace = memory.inplace_candidates(self)
+        self.groups, self.peak_memory_by_order = memory.reorder_for_peak_memory(
+            self, self.topological_order(self.groups), inplace)
+        self.inplace = memory.inplace_updates(self.groups, inplace)  # output -> input it overwrites
+        self.peak_memory = memory.peak_memory(self, self.groups, self.inplace)
 
     # ------------------------------------------------------------------ setup
     def _single(self, n: SchedulerNode) -> Group:

@@ -241,6 +241,9 @@ def cat(tensors, dim=0):
         offsets.append(acc)
         acc = acc + t.get_size()[dim]
     size[dim] = acc
+    placed = _cat_by_out_views(tensors, dim, offsets, dtype)
+    if placed is not None:
+        return placed
     loaders = [t.make_loader() for t in tensors]
 
     def inner(idx):
@@ -258,6 +261,29 @@ def cat(tensors, dim=0):
                                   here, value)
         return value
     return TensorBox(Pointwise(tensors[0].get_device(), dtype, inner, size))
+
+
+def _cat_by_out_views(tensors, dim, offsets, dtype):
+    """A cat of extern outputs (matmuls) that feed only the cat: allocate the cat once and let each
+    op write its slice through `out=`, instead of copying every input in a kernel."""
+    from commfuse import choices
+    from commfuse.graph import meta_layout
+    node = V.graph.current_node
+    parts = [t.data for t in tensors]
+    if node is None or len(node.args[0]) != len(parts) or len({id(p) for p in parts}) < len(parts) \
+            or any(not isinstance(p, ir.ExternKernel) or p.get_dtype() != dtype for p in parts) \
+            or any(not isinstance(n, torch.fx.Node) or len(n.users) != 1 for n in node.args[0]):
+        return None  # another reader would see the op's output at the cat's strides
+    layout = meta_layout(node.meta["val"])
+    slices = [ir.FixedLayout(layout.device, dtype, list(p.get_size()), list(layout.stride), off * layout.stride[dim])
+              for p, off in zip(parts, offsets)]
+    if not all(choices.extern_writes_slice(p, s) for p, s in zip(parts, slices)):
+        return None
+    buf = V.graph.register_buffer(ir.ConcatBuffer, layout=layout, parts=parts)
+    for p, s in zip(parts, slices):
+        p.out_view = ir.ReinterpretView(buf, s)
+        p.layout = ir.FixedLayout(s.device, s.dtype, s.size, s.stride)  # its name holds the slice
+    return TensorBox(buf)
 
 
 def _in_range(i, lo, hi):

@@ -1,0 +1,264 @@
+"""Memory-aware fusion and scheduling: read-accumulation limits, in-place updates, matmuls written
+into their cat, peak-memory orders and the estimate, buffer reuse."""
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.common import DEVICE, compile_and_run
+
+N = 16
+F32 = torch.float32.itemsize
+
+
+def _mm_outputs(code: str) -> set:
+    return set(re.findall(r"aten\.mm\.out\(.*out=(buf\d+)\)", code))
+
+
+def _launches(code: str) -> list:
+    """Kernel launches and extern calls of `call`, in order."""
+    body = code.split("def call(args):")[1]
+    return [line.strip() for line in body.splitlines() if re.match(r"\s+(cf_\w+\[|aten\.)", line)]
+
+
+# ----------------------------------------------------------------------------- read accumulation
+def accumulate(x, ws):
+    total = x
+    for w in ws:
+        total = total + x @ w
+    return total
+
+
+def _accumulation(tmp_path, **options):
+    torch.manual_seed(0)
+    x, ws = torch.randn(N, N, device=DEVICE), [torch.randn(N, N, device=DEVICE) for _ in range(10)]
+    out, dumps = compile_and_run(accumulate, x, ws, tmp_path=tmp_path, **options)
+    torch.testing.assert_close(out, accumulate(x, ws), atol=1e-4, rtol=1e-4)
+    summary, code = dumps.only()
+    mms = _mm_outputs(code)
+    assert len(mms) == 10
+    return [set(k["reads"]) & mms for k in summary["kernels"]]
+
+
+def test_accumulation_without_thresholds_is_one_kernel(tmp_path):
+    reads = _accumulation(tmp_path, realize_acc_reads_threshold=1000, realize_acc_reads_size_threshold=None)
+    assert [len(r) for r in reads] == [10]  # one kernel keeps all ten matmul outputs alive
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_accumulation_size_threshold_bounds_reads_per_kernel(tmp_path, k):
+    reads = _accumulation(tmp_path, realize_acc_reads_size_threshold=k * N * N * F32)
+    assert max(len(r) for r in reads) <= k, reads
+    assert len(set().union(*reads)) == 10
+
+
+def test_accumulation_count_threshold_alone_still_fuses(tmp_path):
+    # realizing by count bounds inlined bodies; the scheduler fuses the pieces back (no memory cost)
+    reads = _accumulation(tmp_path, realize_acc_reads_threshold=3)
+    assert [len(r) for r in reads] == [10]
+
+
+# ----------------------------------------------------------------------------- in-place updates
+def _in_place(summary) -> dict:
+    return {b["name"]: b["in_place_of"] for b in summary["buffers"] if "in_place_of" in b}
+
+
+def test_matmul_then_layer_norm_writes_over_the_matmul_output(tmp_path):
+    a, b = torch.randn(8, 24, device=DEVICE), torch.randn(24, 32, device=DEVICE)
+    w, bias = torch.randn(32, device=DEVICE), torch.randn(32, device=DEVICE)
+    fn = lambda a, b, w, bias: F.layer_norm(a @ b, (32,), w, bias)  # noqa: E731
+    out, dumps = compile_and_run(fn, a, b, w, bias, tmp_path=tmp_path)
+    torch.testing.assert_close(out, fn(a, b, w, bias), atol=1e-5, rtol=1e-5)
+    summary, code = dumps.only()
+    (mm,) = _mm_outputs(code)
+    assert len(summary["kernels"]) == 1
+    (kernel,) = summary["kernels"]
+    assert _in_place(summary) == {kernel["writes"][0]: mm}
+    assert f"{kernel['writes'][0]} = {mm}  # in place over {mm}" in code
+
+
+@pytest.mark.parametrize("case", ["tiled", "looped_softmax", "looped_layer_norm"])
+def test_in_place_in_tiled_and_multi_pass_kernels(tmp_path, case):
+    fn, shapes = {
+        "tiled": (lambda a, b, c: (a @ b) + c.t(), [(64, 32), (32, 64), (64, 64)]),
+        # rows longer than persistent_reduction_max: the kernel reads the row in several passes
+        "looped_softmax": (lambda a, b, c: torch.softmax(a @ b, -1) + c, [(4, 32), (32, 6000), (1, 6000)]),
+        "looped_layer_norm": (lambda a, b, c: F.layer_norm(a @ b, (6000,)) * c, [(4, 32), (32, 6000), (1, 6000)]),
+    }[case]
+    args = [torch.randn(*s, device=DEVICE) for s in shapes]
+    out, dumps = compile_and_run(fn, *args, tmp_path=tmp_path)
+    torch.testing.assert_close(out, fn(*args), atol=1e-4, rtol=1e-4)
+    summary, code = dumps.only()
+    (mm,) = _mm_outputs(code)
+    assert list(_in_place(summary).values()) == [mm]
+
+
+def test_layer_norm_reading_at_another_index_is_not_in_place(tmp_path):
+    # the kernel reads the matmul output transposed: writing row x over it would clobber
+    # elements that other rows still have to read
+    a, b = torch.randn(32, 24, device=DEVICE), torch.randn(24, 32, device=DEVICE)
+    fn = lambda a, b: F.layer_norm((a @ b).t() * 2, (32,))  # noqa: E731
+    out, dumps = compile_and_run(fn, a, b, tmp_path=tmp_path)
+    torch.testing.assert_close(out, fn(a, b), atol=1e-5, rtol=1e-5)
+    summary, code = dumps.only()
+    assert len(summary["kernels"]) == 1
+    assert _in_place(summary) == {}
+    assert "in place" not in code
+
+
+def test_no_in_place_over_a_buffer_read_later(tmp_path):
+    a, b = torch.randn(N, N, device=DEVICE), torch.randn(N, N, device=DEVICE)
+    def fn(a, b):
+        y = a @ b
+        return y.relu() @ y
+    out, dumps = compile_and_run(fn, a, b, tmp_path=tmp_path)
+    torch.testing.assert_close(out, fn(a, b), atol=1e-4, rtol=1e-4)
+    summary, _ = dumps.only()
+    assert _in_place(summary) == {}
+
+
+# ----------------------------------------------------------------------------- matmul into cat
+@pytest.mark.parametrize("dim", [0, 1, -1])
+def test_cat_of_matmuls_has_no_copy_kernel(tmp_path, dim):
+    a, b = torch.randn(8, 16, device=DEVICE), torch.randn(16, 12, device=DEVICE)
+    c, d = torch.randn(8, 16, device=DEVICE), torch.randn(16, 12, device=DEVICE)
+    fn = lambda a, b, c, d: torch.cat([a @ b, c @ d], dim)  # noqa: E731
+    out, dumps = compile_and_run(fn, a, b, c, d, tmp_path=tmp_path)
+    torch.testing.assert_close(out, fn(a, b, c, d), atol=1e-5, rtol=1e-5)
+    summary, code = dumps.only()
+    assert summary["kernels"] == []
+    assert len(summary["buffers"]) == 1  # the cat, allocated once
+    cat = summary["buffers"][0]["name"]
+    assert code.count(f"= reinterpret_tensor({cat}, (8, 12)") == 2
+    assert len(_mm_outputs(code)) == 2
+
+
+def test_cat_of_matmul_and_other_value_copies(tmp_path):
+    a, b, x = torch.randn(8, 16, device=DEVICE), torch.randn(16, 12, device=DEVICE), torch.randn(8, 12, device=DEVICE)
+    fn = lambda a, b, x: torch.cat([a @ b, x.sin()], 1)  # noqa: E731
+    out, dumps = compile_and_run(fn, a, b, x, tmp_path=tmp_path)
+    torch.testing.assert_close(out, fn(a, b, x), atol=1e-5, rtol=1e-5)
+    summary, _ = dumps.only()
+    assert len(summary["kernels"]) == 1
+
+
+def test_matmul_with_other_users_is_not_placed_in_the_cat(tmp_path):
+    a, b, c = torch.randn(8, 16, device=DEVICE), torch.randn(16, 12, device=DEVICE), torch.randn(16, 12, device=DEVICE)
+
+    def fn(a, b, c):
+        y = a @ b
+        return torch.cat([y, a @ c], 1), y.relu()
+    out, dumps = compile_and_run(fn, a, b, c, tmp_path=tmp_path)
+    for o, r in zip(out, fn(a, b, c)):
+        torch.testing.assert_close(o, r, atol=1e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- peak memory order
+M = 64
+BIG, ROW = M * M * F32, M * F32   # a matmul output, a row sum
+
+
+def two_branches(x, w1, w2):
+    a = x @ w1      # M x M: BIG
+    b = x @ w2      # M x 2M: 2 BIG (the two row sums cannot fuse: different row lengths)
+    return a.sum(1) + b.sum(1)
+
+
+def _branch_inputs():
+    return torch.randn(M, M, device=DEVICE), torch.randn(M, M, device=DEVICE), torch.randn(M, 2 * M, device=DEVICE)
+
+
+def test_order_finishes_one_branch_before_starting_the_next(tmp_path):
+    x, w1, w2 = _branch_inputs()
+    out, dumps = compile_and_run(two_branches, x, w1, w2, tmp_path=tmp_path)
+    torch.testing.assert_close(out, two_branches(x, w1, w2), atol=1e-3, rtol=1e-4)
+    summary, code = dumps.only()
+    assert [s.startswith("aten.mm") for s in _launches(code)] == [True, False, True, False], code
+    # program order: mm a, mm b (BIG + 2 BIG alive), sum a (+ ROW), sum b + add
+    assert summary["peak_memory_by_order"]["original"] == 3 * BIG + ROW
+    # chosen: mm a (BIG), sum a (BIG + ROW), mm b (ROW + 2 BIG), sum b + add written over the
+    # row sum of a (2 BIG + ROW)
+    assert summary["peak_memory_estimate"] == 2 * BIG + ROW
+
+
+def test_program_order_kept_without_reordering(tmp_path):
+    x, w1, w2 = _branch_inputs()
+    out, dumps = compile_and_run(two_branches, x, w1, w2, tmp_path=tmp_path, reorder_for_peak_memory=False)
+    torch.testing.assert_close(out, two_branches(x, w1, w2), atol=1e-3, rtol=1e-4)
+    summary, code = dumps.only()
+    assert [s.startswith("aten.mm") for s in _launches(code)] == [True, True, False, False], code
+    assert summary["peak_memory_estimate"] == 3 * BIG + ROW
+    assert summary["peak_memory_by_order"] == {"original": 3 * BIG + ROW}
+
+
+def test_random_ops_keep_their_order(tmp_path):
+    # drawing ra first would lower the peak (rb is big and read last), but must not change
+    # which numbers each draw gets
+    def fn(x, w):
+        rb = torch.rand(M, 4 * M, device=x.device)
+        ra = torch.rand(M, M, device=x.device)
+        return (x @ w * ra).sum(1) + rb.sum(1)
+    x, w = torch.randn(M, M, device=DEVICE), torch.randn(M, M, device=DEVICE)
+    torch.manual_seed(1)
+    ref = fn(x, w)
+    torch.manual_seed(1)
+    out, dumps = compile_and_run(fn, x, w, tmp_path=tmp_path)
+    torch.testing.assert_close(out, ref, atol=1e-3, rtol=1e-4)
+    _, code = dumps.only()
+    assert re.findall(r"aten\.rand\.default\(\[(\d+, \d+)\]", code) == ["64, 256", "64, 64"]
+
+
+def test_estimate_of_a_chain_by_hand(tmp_path):
+    # mm (BIG) -> relu in place over it -> mm (BIG, the relu output still read) -> sum(1) (ROW)
+    x, w = torch.randn(M, M, device=DEVICE), torch.randn(M, M, device=DEVICE)
+    fn = lambda x, w: ((x @ w).relu() @ w).sum(1)  # noqa: E731
+    out, dumps = compile_and_run(fn, x, w, tmp_path=tmp_path)
+    torch.testing.assert_close(out, fn(x, w), atol=1e-3, rtol=1e-4)
+    summary, _ = dumps.only()
+    assert len(_in_place(summary)) == 1
+    assert summary["peak_memory_estimate"] == 2 * BIG
+
+
+def test_gpt_block_order_never_worse_than_program_order(tmp_path):
+    from tests.test_models import Block
+    torch.manual_seed(0)
+    model, ref = Block().to(DEVICE), Block().to(DEVICE)
+    ref.load_state_dict(model.state_dict())
+    tokens, targets = torch.randint(0, 64, (2, 8), device=DEVICE), torch.randint(0, 64, (2, 8), device=DEVICE)
+    loss, dumps = compile_and_run(model, tokens, targets, tmp_path=tmp_path)
+    loss.backward()
+    ref(tokens, targets).backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-4, msg=name)
+    for graph in dumps.graphs():
+        summary = dumps.summary(graph)
+        by_order = summary["peak_memory_by_order"]
+        assert set(by_order) == {"original", "least_peak_first", "bfs", "dfs"}
+        assert summary["peak_memory_estimate"] == min(by_order.values()) <= by_order["original"]
+
+
+# ----------------------------------------------------------------------------- buffer reuse
+def test_freed_buffer_reused_by_another_shape_of_the_same_bytes(tmp_path):
+    a, b, d = torch.randn(8, 4, device=DEVICE), torch.randn(4, 16, device=DEVICE), torch.randn(8, 8, device=DEVICE)
+    fn = lambda a, b, d: (a @ b).relu().t() @ d  # noqa: E731  (8, 16) freed, then (16, 8) allocated
+    out, dumps = compile_and_run(fn, a, b, d, tmp_path=tmp_path, inplace_buffers=False)
+    torch.testing.assert_close(out, fn(a, b, d), atol=1e-5, rtol=1e-5)
+    summary, code = dumps.only()
+    (mm0, mm1) = sorted(_mm_outputs(code), key=lambda n: int(n[3:]))
+    assert re.search(rf"{mm1} = reinterpret_tensor\({mm0}, \(16, 8\), \(8, 1\), 0\); del {mm0}  # reuse", code), code
+
+
+def test_buffer_aliased_by_an_extern_output_is_never_reused(tmp_path):
+    x, m = torch.randn(64, device=DEVICE), torch.randn(4, 4, device=DEVICE)
+
+    def fn(x, m):
+        u = (x * 2).unfold(0, 4, 4)   # aten returns a view of the buffer holding x * 2
+        return u @ m                  # allocated after that buffer's last reader: same bytes
+    out, dumps = compile_and_run(fn, x, m, tmp_path=tmp_path)
+    torch.testing.assert_close(out, fn(x, m))
+    summary, code = dumps.only()
+    assert "aten.unfold" in code
+    assert not any("reuses" in b or "in_place_of" in b for b in summary["buffers"])
+    # the estimate keeps the viewed buffer alive as long as its view
+    assert summary["peak_memory_estimate"] == 2 * 64 * F32
