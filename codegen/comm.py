@@ -38,16 +38,22 @@ def _reduce_peers(code: IndentedBuffer, world: int, reduce_op: str) -> None:
     code.writeline(f"acc = {combine([f'tl.load(in{p} + offs, mask, other=0).to(tl.float32)' for p in range(world)], reduce_op, world)}")
 
 
-def one_shot_all_reduce(name: str, world: int, reduce_op: str, dtype: torch.dtype, inplace: bool) -> str:
-    ins = [f"in{p}" for p in range(world)]
-    sigs = [f"sig{p}" for p in range(world)]
+def _signature(name: str, world: int) -> IndentedBuffer:
+    """The shared head of the standalone all-reduce kernels: peers' inputs, output, signal pads."""
     code = IndentedBuffer()
     code.writeline("@triton.jit")
-    code.writeline(f"def {name}({', '.join(ins)}, out, {', '.join(sigs)}, sig_own, rank, numel, "
+    code.writeline(f"def {name}({', '.join(f'in{p}' for p in range(world))}, out, "
+                   f"{', '.join(f'sig{p}' for p in range(world))}, sig_own, rank, numel, "
                    "BLOCK: tl.constexpr, NPROG: tl.constexpr):")
     with code.indent():
         code.writeline("pid = tl.program_id(0)")
         code.writeline(f"slot = pid * {world}")
+    return code
+
+
+def one_shot_all_reduce(name: str, world: int, reduce_op: str, dtype: torch.dtype, inplace: bool) -> str:
+    code = _signature(name, world)
+    with code.indent():
         _barrier(code, world)
         code.writeline("for start in range(pid * BLOCK, numel, NPROG * BLOCK):")
         with code.indent():
@@ -67,16 +73,9 @@ def two_shot_all_reduce(name: str, world: int, reduce_op: str, dtype: torch.dtyp
     """Reduce-scatter then all-gather over symmetric memory: rank r reduces chunk r from every
     peer into its own buffer (no peer reads chunk r of it), then everyone gathers the chunks.
     Each rank moves 2N bytes instead of the one-shot's W*N."""
-    ins = [f"in{p}" for p in range(world)]
-    sigs = [f"sig{p}" for p in range(world)]
     tdt = triton_dtype(dtype)
-    code = IndentedBuffer()
-    code.writeline("@triton.jit")
-    code.writeline(f"def {name}({', '.join(ins)}, out, {', '.join(sigs)}, sig_own, rank, numel, "
-                   "BLOCK: tl.constexpr, NPROG: tl.constexpr):")
+    code = _signature(name, world)
     with code.indent():
-        code.writeline("pid = tl.program_id(0)")
-        code.writeline(f"slot = pid * {world}")
         code.writeline(f"chunk = tl.cdiv(numel, {world})")
         _barrier(code, world)
         code.writeline("for start in range(pid * BLOCK, chunk, NPROG * BLOCK):  # reduce my chunk")

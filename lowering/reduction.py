@@ -125,22 +125,23 @@ def _check(x):
         raise ir.Unsupported("complex reductions")
 
 
-@register(aten.sum.dim_IntList, aten.sum.default, prims.sum.default)
-def sum_(x, dims=None, keepdim=False, *, dtype=None, output_dtype=None):
+def _accumulate(x, dims, keepdim, kind, dtype):
+    """sum / prod: integers and bools accumulate in int64, like torch."""
     _check(x)
-    dtype = _sum_dtype(x, dtype or output_dtype)
+    dtype = _sum_dtype(x, dtype)
     if x.get_dtype() != dtype:
         x = make_pointwise(lambda v: v, [x], out_dtype=dtype, compute_dtype=dtype)
-    return reduce(x, dims, keepdim, "sum", dtype)
+    return reduce(x, dims, keepdim, kind, dtype)
+
+
+@register(aten.sum.dim_IntList, aten.sum.default, prims.sum.default)
+def sum_(x, dims=None, keepdim=False, *, dtype=None, output_dtype=None):
+    return _accumulate(x, dims, keepdim, "sum", dtype or output_dtype)
 
 
 @register(aten.prod.dim_int, aten.prod.default, prims.prod.default)
 def prod(x, dim=None, keepdim=False, *, dtype=None, output_dtype=None):
-    _check(x)
-    dtype = _sum_dtype(x, dtype or output_dtype)
-    if x.get_dtype() != dtype:
-        x = make_pointwise(lambda v: v, [x], out_dtype=dtype, compute_dtype=dtype)
-    return reduce(x, dim, keepdim, "prod", dtype)
+    return _accumulate(x, dim, keepdim, "prod", dtype or output_dtype)
 
 
 @register(aten.mean.dim, aten.mean.default)
