@@ -37,6 +37,7 @@ class Section:
         self.body = IndentedBuffer()
         self.final = IndentedBuffer()
         self.cache: dict[str, Var] = {}
+        self.row_values: dict[tuple, Var] = {}  # (reduction, source) -> row value already computed
 
 
 class TritonKernel:
@@ -187,26 +188,15 @@ class TritonKernel:
 
     # ------------------------------------------------------------------ reductions
     def reduction(self, dtype, src_dtype, rtype, value: Var) -> Var:
-        acc_dtype = compute_dtype(dtype) if rtype not in ("argmax", "argmin") else compute_dtype(src_dtype)
+        if rtype in ("argmax", "argmin"):
+            return self._arg_reduction(src_dtype, rtype, value)
+        if rtype == "softmax_sum":
+            return self._softmax_sum(dtype, value)
+        acc_dtype = compute_dtype(dtype)
         tacc = triton_dtype(acc_dtype)
         ident = self._identity(rtype, acc_dtype if rtype not in ("any", "all") else torch.bool)
         sec = self.cur
         masked = f"tl.where({self.mask()}, {value}, {ident})"
-        out = Var(f"tmp{next(self.tmp)}", dtype)
-        if rtype in ("argmax", "argmin"):
-            combine = f"triton_helpers.{rtype}_combine"
-            if self.persistent:
-                sec.body.writeline(f"_, {out} = tl.reduce(({masked}, rindex + tl.zeros([XBLOCK, RBLOCK], tl.int32)), 1, {combine})")
-            else:
-                av, ai = f"{out}_val", f"{out}_idx"
-                sec.init.writeline(f"{av} = tl.full([XBLOCK, RBLOCK], {ident}, {tacc})")
-                sec.init.writeline(f"{ai} = tl.full([XBLOCK, RBLOCK], 2147483647, tl.int32)")
-                sec.body.writeline(f"{av}_n, {ai}_n = {combine}({av}, {ai}, {masked}, rindex + tl.zeros([XBLOCK, RBLOCK], tl.int32))")
-                sec.body.writeline(f"{av} = {av}_n")
-                sec.body.writeline(f"{ai} = {ai}_n")
-                sec.final.writeline(f"_, {out} = tl.reduce(({av}, {ai}), 1, {combine})")
-            self._finish(sec, f"{out} = {out}[:, None].to(tl.int64)")
-            return out
         reduce_fn = {
             "sum": "tl.sum({}, 1)", "prod": "tl.reduce({}, 1, triton_helpers.prod_combine)",
             "max": "tl.reduce({}, 1, triton_helpers.max_nan)", "min": "tl.reduce({}, 1, triton_helpers.min_nan)",
@@ -217,16 +207,63 @@ class TritonKernel:
             "min": "triton_helpers.min_nan({a}, {b})", "any": "{a} | {b}", "all": "{a} & {b}",
         }[rtype]
         src = masked if value.dtype == acc_dtype or rtype in ("any", "all") else f"{masked}.to({tacc})"
+        if self.persistent:  # through the CSE cache: equal reductions of one row are computed once
+            return self.newvar(f"{reduce_fn.format(src)}[:, None]", dtype)
+        if (rtype, src) in sec.row_values:
+            return sec.row_values[(rtype, src)]
+        out = Var(f"tmp{next(self.tmp)}", dtype)
+        acc = f"{out}_acc"
+        tinit = tacc if rtype not in ("any", "all") else "tl.int1"
+        sec.init.writeline(f"{acc} = tl.full([XBLOCK, RBLOCK], {ident}, {tinit})")
+        sec.body.writeline(f"{acc} = {combine.format(a=acc, b=src)}")
+        sec.final.writeline(f"{out} = {reduce_fn.format(acc)}[:, None]")
+        return out
+
+    def _arg_reduction(self, src_dtype, rtype, value: Var) -> Var:
+        acc_dtype = compute_dtype(src_dtype)
+        tacc = triton_dtype(acc_dtype)
+        ident = self._identity(rtype, acc_dtype)
+        sec = self.cur
+        masked = f"tl.where({self.mask()}, {value}, {ident})"
+        out = Var(f"tmp{next(self.tmp)}", torch.int64)
+        combine = f"triton_helpers.{rtype}_combine"
         if self.persistent:
-            self._finish(sec, f"{out} = {reduce_fn.format(src)}[:, None]")
+            sec.body.writeline(f"_, {out} = tl.reduce(({masked}, rindex + tl.zeros([XBLOCK, RBLOCK], tl.int32)), 1, {combine})")
         else:
-            acc = f"{out}_acc"
-            tinit = tacc if rtype not in ("any", "all") else "tl.int1"
-            sec.init.writeline(f"{acc} = tl.full([XBLOCK, RBLOCK], {ident}, {tinit})")
-            sec.body.writeline(f"{acc} = {combine.format(a=acc, b=src)}")
-            self._finish(sec, f"{out} = {reduce_fn.format(acc)}[:, None]")
-        if rtype in ("any", "all") or compute_dtype(dtype) == acc_dtype:
-            return out
+            av, ai = f"{out}_val", f"{out}_idx"
+            sec.init.writeline(f"{av} = tl.full([XBLOCK, RBLOCK], {ident}, {tacc})")
+            sec.init.writeline(f"{ai} = tl.full([XBLOCK, RBLOCK], 2147483647, tl.int32)")
+            sec.body.writeline(f"{av}_n, {ai}_n = {combine}({av}, {ai}, {masked}, rindex + tl.zeros([XBLOCK, RBLOCK], tl.int32))")
+            sec.body.writeline(f"{av} = {av}_n")
+            sec.body.writeline(f"{ai} = {ai}_n")
+            sec.final.writeline(f"_, {out} = tl.reduce(({av}, {ai}), 1, {combine})")
+        self._finish(sec, f"{out} = {out}[:, None].to(tl.int64)")
+        return out
+
+    def _softmax_sum(self, dtype, value: Var) -> Var:
+        """sum(exp(v - max(v))) over the row. A whole row in registers: its max, then the sum.
+        A looped row: one pass keeping per lane a running max and the sum rescaled to it
+        (online softmax), combined across lanes at the end."""
+        tacc = triton_dtype(compute_dtype(dtype))
+        sec = self.cur
+        src = f"tl.where({self.mask()}, {value}, float(\"-inf\"))"
+        if value.dtype != compute_dtype(dtype):
+            src = f"{src}.to({tacc})"
+        if self.persistent:
+            m = self.newvar(f"tl.reduce({src}, 1, triton_helpers.max_nan)[:, None]", dtype)
+            v = self.newvar(src, dtype)
+            return self.newvar(f"tl.sum(triton_helpers.exp_shifted({v}, {m}), 1)[:, None]", dtype)
+        out = Var(f"tmp{next(self.tmp)}", dtype)
+        m, s = f"{out}_max", f"{out}_sum"
+        sec.init.writeline(f"{m} = tl.full([XBLOCK, RBLOCK], float(\"-inf\"), {tacc})")
+        sec.init.writeline(f"{s} = tl.zeros([XBLOCK, RBLOCK], {tacc})")
+        sec.body.writeline(f"{m}_n, {s}_n = triton_helpers.online_softmax_update({m}, {s}, {src})")
+        sec.body.writeline(f"{m} = {m}_n")
+        sec.body.writeline(f"{s} = {s}_n")
+        rowmax = Var(f"{out}_rowmax", dtype)
+        sec.final.writeline(f"{rowmax} = tl.reduce({m}, 1, triton_helpers.max_nan)[:, None]")
+        sec.final.writeline(f"{out} = tl.sum(triton_helpers.online_softmax_rescale({s}, {m}, {rowmax}), 1)[:, None]")
+        sec.row_values[("max", src)] = rowmax  # a max of the same values in this pass is this one
         return out
 
     def _finish(self, sec: Section, line: str):

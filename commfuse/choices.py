@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from . import config
+from . import config, sizevars
 
 
 def next_pow2(n: int) -> int:
@@ -45,6 +45,16 @@ def reduction_split(xnumel: int, rnumel: int) -> int:
     if rnumel < config.split_reduction_min or xnumel >= 64:
         return 1
     return max(2, min(128, next_pow2(rnumel) // 8192))
+
+
+def use_online_softmax(xnumel, rnumel) -> bool:
+    """Softmax's row max and sum of exp in one pass (running max, rescaled sum). Not where the
+    reduction would be split: partial results would need both values."""
+    if not config.online_softmax:
+        return False
+    if sizevars.is_static(xnumel) and sizevars.is_static(rnumel):
+        return reduction_split(int(xnumel), int(rnumel)) == 1
+    return True
 
 
 def pointwise_block(numel: int) -> dict:

@@ -27,6 +27,7 @@ realize_acc_reads_size_threshold: int | None = None  # ... or reads more bytes t
 # Reductions.
 persistent_reduction_max = 4096   # rows up to this length are reduced in one block
 split_reduction_min = 32768       # reductions longer than this with few rows are split across programs
+online_softmax = True             # softmax's max and sum of exp in one pass over a looped row
 
 # Code generation.
 triton_interpret: bool | None = None  # None: Triton's interpreter exactly when CUDA is absent (set at import)
