@@ -43,6 +43,7 @@ class Section:
 class TritonKernel:
     def __init__(self, group, scheduler, name: str, tile=None):
         self.group, self.scheduler, self.name = group, scheduler, name
+        self.internal = scheduler.kernel_internal(group.nodes)  # values never stored
         self.X, self.R = tile or (group.X, group.R)
         self.tiled = tile is not None   # a 2-D pointwise tile: rows x columns across programs
         self.is_red = group.is_reduction() or self.tiled
@@ -177,7 +178,7 @@ class TritonKernel:
 
     def store(self, name: str, index: sympy.Expr, value: Var):
         self.values[name] = (self.cur.id, value, index)
-        if self.recompute or name in self.scheduler.internal:
+        if self.recompute or name in self.internal:
             return value
         dtype = V.graph.get_buffer(name).get_dtype()
         v = value.name
@@ -282,7 +283,7 @@ class TritonKernel:
     def store_reduction(self, name, index, value: Var):
         # the reduced value is a row-level value, valid from the end of this pass on
         sid = self.cur.id
-        if not self.recompute and name not in self.scheduler.internal:
+        if not self.recompute and name not in self.internal:
             dtype = V.graph.get_buffer(name).get_dtype()
             v = f"{value}.to({triton_dtype(dtype)})" if dtype != compute_dtype(dtype) or dtype != value.dtype else str(value)
             was = self.cur.loop
@@ -338,6 +339,14 @@ class TritonKernel:
         meta = {"params": params, "size_symbols": syms, "reduction": self.is_red,
                 "persistent": self.persistent, "tiled": self.tiled}
         return code.getvalue(), meta
+
+
+def debug_code(scheduler, group) -> str:
+    """The Triton kernel a group (or a node alone) becomes: the scheduler's code renderer."""
+    if group.is_extern():
+        return f"# extern: {group.nodes[0].buf}"
+    name = "cf_" + "_".join(group.names)[:60]
+    return TritonKernel(group, scheduler, name, choose_tile(group)).render()[0]
 
 
 def choose_tile(group):

@@ -12,7 +12,7 @@ from commfuse.scheduler import Scheduler
 
 from .common import IndentedBuffer, pexpr
 from . import comm as comm_codegen
-from .triton import TritonKernel, choose_tile
+from .triton import TritonKernel, choose_tile, debug_code
 
 HEADER = """\
 # commfuse generated code: graph {graph_id}
@@ -30,6 +30,7 @@ constants = {{}}  # filled by the loader: tensor constants and non-tensor object
 class WrapperCodegen:
     def __init__(self, graph, scheduler: Scheduler):
         self.graph, self.sched = graph, scheduler
+        scheduler.code_renderer = debug_code
         self.kernels = IndentedBuffer()
         self.body = IndentedBuffer(1)
         self.kernel_info: list[dict] = []   # for the summary

@@ -106,6 +106,7 @@ def _compile(gm, example_inputs, graph_id):
         sched = Scheduler(graph)
         wrapper = WrapperCodegen(graph, sched)
         source = wrapper.generate()
+        post_fusion = sched.debug_str() if config.dump_dir else ""
     check_triton_mode(graph.device_types)
     module, path = load_module(source, wrapper.constants)
     summary = {
@@ -119,10 +120,9 @@ def _compile(gm, example_inputs, graph_id):
         "peak_memory_estimate": None,
         "compile_seconds": round(time.time() - t0, 3),
     }
-    post_fusion = "\n".join(f"{g!r}\n" + "\n".join(f"    {n.buf}" for n in g.nodes) for g in sched.groups)
     dump.write(graph_id, {"fx_graph.txt": gm.print_readable(print_output=False),
                           "ir_pre_fusion.txt": pre_fusion + "\n",
-                          "ir_post_fusion.txt": post_fusion + "\n",
+                          "ir_post_fusion.txt": post_fusion,
                           "output_code.py": source}, summary)
     if config.debug:
         log.warning("commfuse: %s: %d kernels, %d extern calls -> %s", graph_id,

@@ -141,6 +141,7 @@ class Group:
 class Scheduler:
     def __init__(self, graph):
         self.graph = graph
+        self.code_renderer = None  # installed by the codegen backend: (scheduler, group) -> source
         self.nodes = [SchedulerNode(b, i) for i, b in enumerate(graph.buffers)]
         self.output_names = _output_names(graph)
         self.remove_dead_nodes()
@@ -329,9 +330,13 @@ class Scheduler:
     def compute_buffer_users(self):
         """Which groups read each buffer; buffers used only inside their own kernel are not stored."""
         self.readers = collections.defaultdict(list)
+        self.node_readers = collections.defaultdict(set)
         for g in self.groups:
             for name in g.read_names:
                 self.readers[name].append(g)
+            for n in g.nodes:
+                for name in n.read_names:
+                    self.node_readers[name].add(n.name)
         self.internal = set()
         for g in self.groups:
             if g.is_extern():
@@ -342,6 +347,32 @@ class Scheduler:
                 users = self.readers.get(n.name, [])
                 if all(u is g for u in users):
                     self.internal.add(n.name)
+
+
+    def kernel_internal(self, nodes) -> set:
+        """Buffers written by `nodes` that a kernel of exactly these nodes need not store."""
+        names = {n.name for n in nodes}
+        return {n for n in names & self.internal if self.node_readers[n] <= names}
+
+    # ------------------------------------------------------------------ debug
+    def debug_code(self, item) -> str:
+        """The code the codegen backend would generate for a group, or for one node alone."""
+        if self.code_renderer is None:
+            return ""
+        return self.code_renderer(self, item if isinstance(item, Group) else self._single(item))
+
+    def debug_str(self) -> str:
+        """Each group with its nodes' IR and the code each node and the group would generate."""
+        def code(item):
+            text = self.debug_code(item).rstrip("\n")
+            return "".join(f"\n        | {line}" for line in text.split("\n")) if text else ""
+        out = []
+        for g in self.groups:
+            out.append(repr(g))
+            for n in g.nodes:
+                out.append(f"    {n.buf}" + (code(n) if len(g.nodes) > 1 else ""))
+            out.append("    kernel:" + code(g))
+        return "\n".join(out) + "\n"
 
 
 def _output_names(graph) -> set:

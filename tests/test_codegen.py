@@ -116,3 +116,24 @@ def test_dump_layout_and_summary(tmp_path):
     spec.loader.exec_module(mod)
     (res,) = mod.call([x.clone()])
     torch.testing.assert_close(res, fn(x))
+
+
+def test_post_fusion_dump_shows_code_per_node_and_group(tmp_path):
+    fn = lambda x: torch.softmax(x, -1) + torch.mm(x, x).sum()  # noqa: E731
+    x = torch.randn(8, 8, device=DEVICE)
+    out, dumps = compile_and_run(fn, x, tmp_path=tmp_path)
+    torch.testing.assert_close(out, fn(x), atol=1e-5, rtol=1e-5)
+    (graph,) = dumps.graphs()
+    text = open(os.path.join(graph, "ir_post_fusion.txt")).read()
+    summary, code = dumps.only()
+    fused = [k for k in summary["kernels"] if len(k["nodes"]) > 1]
+    assert fused
+    for k in fused:  # each node of a fused group renders its own kernel, then the group's
+        for name in k["nodes"]:
+            assert f"| def cf_{name}(" in text
+        assert f"| def cf_{'_'.join(k['nodes'])}(" in text
+    assert "# extern: " in text and "aten.mm" in text
+    # the group's rendering is its kernel in output_code.py, up to the kernel's name
+    group = text.split(f"| def cf_{'_'.join(fused[0]['nodes'])}(")[1].split("\n    kernel:")[0]
+    body = [line.split("| ", 1)[1] for line in group.splitlines()[1:] if "| " in line]
+    assert "\n".join(body) in code
