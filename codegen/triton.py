@@ -15,7 +15,7 @@ import sympy
 import torch
 
 from commfuse import choices, sizevars
-from commfuse.dependencies import index_vars, run_node_body
+from commfuse.dependencies import run_node_body
 from commfuse.scheduler import RSYM, XSYM
 from commfuse.virtualized import V
 
@@ -130,7 +130,7 @@ class TritonKernel:
             elif not row and (not self.in_loop() or self._reads_open_reduction(node)):
                 self.new_section(loop=True)
         m = node.kernel_index_map(self.X, self.R)
-        index = [sympy.sympify(v).subs(m) for v in index_vars("i", node.ranges)]
+        index = node.body_index(m)
         rindex = [RSYM] if node.is_reduction() else None
         old, self.recompute = self.recompute, recompute
         masks = len(self.mask_stack)
@@ -350,26 +350,28 @@ def debug_code(scheduler, group) -> str:
 
 
 def choose_tile(group):
-    """(rows, columns) for a pointwise group that reads some buffer transposed to how it
-    writes: tiling both axes keeps loads and stores coalesced. None keeps it 1-D."""
+    """(rows, columns) for a pointwise group that walks one buffer along the rows and another
+    along the columns (a transposed read or write): tiling both axes keeps every access
+    coalesced. None keeps it 1-D."""
     if group.is_reduction() or group.is_extern():
         return None
     ranges = group.nodes[0].ranges
+    produced = set(group.names)
     for k in range(1, len(ranges)):
         X, R = sizevars.product(ranges[:k]), sizevars.product(ranges[k:])
         if X == 1 or R == 1 or any(n.kernel_index_map(X, R) is None for n in group.nodes):
             continue
         g = type(group)(group.nodes, X, R, group.order)
-        reads_t = writes_c = False
-        for _, kind, _, index in g.kernel_accesses():
+        along_rows = along_columns = False
+        for _, kind, name, index in g.kernel_accesses():
+            if kind == "read" and name in produced:  # a value in registers
+                continue
             aff = index is not None and sizevars.affine_coefficients(index, [XSYM, RSYM])
             if not aff:
                 continue
             (cx, cr), _ = aff
-            if kind == "read" and cx == 1 and cr != 1:
-                reads_t = True
-            if kind == "write" and cr == 1:
-                writes_c = True
-        if reads_t and writes_c and choices.should_tile(sizevars.hint(X), sizevars.hint(R)):
+            along_rows |= cx == 1 and cr not in (0, 1)
+            along_columns |= cr == 1
+        if along_rows and along_columns and choices.should_tile(sizevars.hint(X), sizevars.hint(R)):
             return X, R
     return None

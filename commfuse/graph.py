@@ -192,6 +192,10 @@ def realize_output(box: TensorBox, meta) -> ir.IRNode:
         # pool memory is rewritten by the next call: an output gets its own copy
         box = TensorBox(ir.Pointwise(d.get_device(), d.get_dtype(), d.make_loader(), list(d.get_size())))
         d = box.data
+    if isinstance(d, ir.View) and isinstance(meta, torch.Tensor) and ir.as_strided_view(box) is None:
+        # a view of values not stored yet (e.g. `y.t()` of a pointwise y): computed in its
+        # logical order and stored with eager's strides
+        box.data = d = ir.Pointwise(d.get_device(), d.get_dtype(), d.make_loader(), list(d.get_size()))
     if isinstance(d, ir.Loops) and isinstance(meta, torch.Tensor):
         layout = meta_layout(meta)
         if _is_dense(layout):

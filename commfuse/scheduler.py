@@ -15,7 +15,7 @@ import itertools
 
 import sympy
 
-from . import choices, config, ir, sizevars
+from . import choices, config, ir, loop_order, sizevars
 from .dependencies import index_vars, trace_body
 from .sizevars import index_symbol
 
@@ -34,14 +34,38 @@ class SchedulerNode:
             trace = trace_body(data, buf.name, buf.layout)
             self.reads = trace.reads
             self.writes = trace.writes
-            self.ranges = list(data.ranges)
+            self.body_ranges = list(data.ranges)
             self.rranges = list(data.reduction_ranges) if buf.is_reduction() else []
         else:
             self.reads = [_whole(n) for n in _extern_reads(buf)]
             self.writes = [_whole(buf.name)] + [_whole(n) for n in getattr(buf, "mutates", [])]
-            self.ranges, self.rranges = [], []
+            self.body_ranges, self.rranges = [], []
         self.read_names = {r.name for r in self.reads}
         self.write_names = {w.name for w in self.writes}
+        self.reorder_loops(self._storage_order())
+
+    def _storage_order(self) -> list:
+        """Loops of a pointwise node in the order its output is stored (outermost: largest
+        stride), so that its writes are contiguous; identity for reductions and externs."""
+        dims = list(range(len(self.body_ranges)))
+        if self.is_extern() or self.rranges:
+            return dims
+        return sorted(dims, key=lambda d: -sizevars.hint(self.buf.layout.stride[d]))
+
+    def reorder_loops(self, order: list) -> None:
+        """Iterate the body's dims in `order` (outermost first); accesses keep their indices."""
+        self.loop_order = list(order)
+        self.ranges = [self.body_ranges[d] for d in order]
+        self._index_maps = {}  # placements computed for the old order are stale
+
+    def loop_vars(self) -> list:
+        """The body's index variable of each loop, outermost first (0 for loops of size 1)."""
+        ivars = index_vars("i", self.body_ranges)
+        return [ivars[d] for d in self.loop_order]
+
+    def body_index(self, m) -> list:
+        """The index the body is run at, with its variables placed by `m` (kernel_index_map)."""
+        return [sympy.sympify(v).subs(m) for v in index_vars("i", self.body_ranges)]
 
     def is_extern(self):
         return not isinstance(self.buf, ir.ComputedBuffer)
@@ -54,7 +78,13 @@ class SchedulerNode:
 
     def kernel_index_map(self, X, R):
         """{own index var: expression in x, r} placing this node in a (X, R) kernel, or None."""
-        ivars = index_vars("i", self.ranges)
+        key = (X, R)
+        if key not in self._index_maps:
+            self._index_maps[key] = self._kernel_index_map(X, R)
+        return self._index_maps[key]
+
+    def _kernel_index_map(self, X, R):
+        ivars = self.loop_vars()
         if self.is_reduction():
             if not (sizevars.equal(self.numel(), X) and sizevars.equal(self.rranges[0], R)):
                 return None
@@ -250,10 +280,42 @@ class Scheduler:
         ok, why = choices.can_fuse(a, b)
         if not ok:
             return None
+        if self._path_between(a, b) or self._path_between(b, a):
+            return None
+        merged = self._merge(a, b)
+        if config.loop_ordering_after_fusion and (merged is None or self._walked_apart(merged, a, b)):
+            return self._merge_reordered(a, b) or merged
+        return merged
+
+    def _merge_reordered(self, a: Group, b: Group):
+        """Fuse after permuting the loops of one side so that both walk a shared buffer alike."""
+        shared = (a.read_names | a.write_names) & (b.read_names | b.write_names)
+        shared = sorted(shared, key=lambda n: -self._bytes(n))
+        for p, o in ((b, a), (a, b)):
+            order = loop_order.matching_order(p, o, shared)
+            if order is None:
+                continue
+            undo = loop_order.reorder(p, order)
+            merged = self._merge(a, b)
+            if merged is not None and not self._walked_apart(merged, a, b):
+                return merged
+            undo()
+        return None
+
+    @staticmethod
+    def _walked_apart(merged: Group, a: Group, b: Group) -> bool:
+        """Do `a` and `b` access some buffer they share at different kernel indices?"""
+        seen = collections.defaultdict(dict)
+        side = {id(n): 0 if n in a.nodes else 1 for n in merged.nodes}
+        for node, _, name, index in merged.kernel_accesses():
+            if index is not None:
+                seen[name].setdefault(side[id(node)], index)
+        return any(len(ix) == 2 and not sizevars.equal(ix[0], ix[1]) for ix in seen.values())
+
+    def _merge(self, a: Group, b: Group):
+        """The fused group of `a` and `b` if their nodes fit one kernel with agreeing indices."""
         shape = self._fused_shape(a, b)
         if shape is None:
-            return None
-        if self._path_between(a, b) or self._path_between(b, a):
             return None
         nodes = sorted(a.nodes + b.nodes, key=lambda n: n.order)
         merged = Group(nodes, shape[0], shape[1], min(a.order, b.order))
