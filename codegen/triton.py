@@ -14,11 +14,12 @@ import itertools
 import sympy
 import torch
 
-from commfuse import choices, sizevars
+from commfuse import choices, config, sizevars
 from commfuse.dependencies import run_node_body
 from commfuse.scheduler import RSYM, XSYM
 from commfuse.virtualized import V
 
+from .block_ptr import Axis, block_ptr
 from .common import IndentedBuffer, compute_dtype, literal, texpr, triton_dtype
 from .triton_ops import TritonOps, Var
 
@@ -58,6 +59,7 @@ class TritonKernel:
         self.mask_stack: list[str] = []
         self.recompute = False
         self.uses_assert = False
+        self.block_ptr_accesses: set[str] = set()
         self.int64 = any(sizevars.hint(self._numel(n)) >= 2**31 for n in group.nodes)
         self.new_section(loop=False)
 
@@ -101,16 +103,47 @@ class TritonKernel:
             self.cur.cache[key] = v
         return v
 
-    def index_str(self, index: sympy.Expr) -> str:
-        index = sizevars.simplify(index)
+    def simplify_index(self, index: sympy.Expr) -> sympy.Expr:
+        """Simplified knowing the kernel's ranges; size symbols it uses become parameters."""
+        index = sizevars.simplify_with_ranges(index, {XSYM: self.X, RSYM: self.R})
         for s in index.free_symbols:
             if s not in (XSYM, RSYM) and not s.name.startswith("tmp"):
                 self.size_symbols.add(s)
+        return index
+
+    def index_str(self, index: sympy.Expr) -> str:
+        index = self.simplify_index(index)
         text = texpr(index.subs({XSYM: XNAME, RSYM: RNAME}))
         want = {XSYM, RSYM} if self.in_loop() else {XSYM}
         if not want <= index.free_symbols:
             text = f"({text}) + tl.zeros({self.shape()}, tl.{'int64' if self.int64 else 'int32'})"
         return text
+
+    def block_ptr(self, index: sympy.Expr, store=False):
+        """The N-D box this access addresses, where block pointers are on and apply."""
+        if not config.use_block_ptr or self.mask_stack or not (sizevars.is_static(self.X) and
+                                                                sizevars.is_static(self.R)):
+            return None
+        index = self.simplify_index(index)
+        if any(s.name.startswith("tmp") for s in index.free_symbols):  # indirect
+            return None
+        blocks = choices.kernel_config(self.kind, int(self.X), int(self.R))
+        axes = [Axis(XSYM, int(self.X), "XBLOCK", "xoffset", blocks["XBLOCK"])]
+        if not self.is_red:
+            target = ["XBLOCK"]
+        elif self.in_loop():
+            roffset = "roffset" if not self.persistent or self.tiled else "0"
+            axes.append(Axis(RSYM, int(self.R), "RBLOCK", roffset, blocks["RBLOCK"]))
+            target = ["XBLOCK", "RBLOCK"]
+        else:
+            target = ["XBLOCK", "1"]
+        return block_ptr(index, axes, target, store)
+
+    @property
+    def kind(self) -> str:
+        if self.tiled:
+            return "tiled"
+        return "pointwise" if not self.is_red else "persistent" if self.persistent else "looped"
 
     def arg(self, name: str) -> str:
         if name not in self.args:
@@ -156,7 +189,12 @@ class TritonKernel:
             return self._internal_value(name)
         dtype = V.graph.get_dtype(name)
         ptr = self.arg(name)
-        text = f"tl.load({ptr} + ({self.index_str(index)}), {self.mask()}, other=0)"
+        bp = self.block_ptr(index)
+        if bp:
+            text = bp.load(ptr)
+            self.block_ptr_accesses.add(text)
+        else:
+            text = f"tl.load({ptr} + ({self.index_str(index)}), {self.mask()}, other=0)"
         if dtype == torch.bool:
             text += ".to(tl.int1)"
         elif compute_dtype(dtype) != dtype:
@@ -184,7 +222,13 @@ class TritonKernel:
         v = value.name
         if dtype != value.dtype or compute_dtype(dtype) != dtype:
             v = f"{v}.to({triton_dtype(dtype)})"
-        self.cur.body.writeline(f"tl.store({self.arg(name)} + ({self.index_str(index)}), {v}, {self.mask(loads=False)})")
+        bp = self.block_ptr(index, store=True)
+        if bp:
+            line = bp.store(self.arg(name), v)
+            self.block_ptr_accesses.add(line)
+        else:
+            line = f"tl.store({self.arg(name)} + ({self.index_str(index)}), {v}, {self.mask(loads=False)})"
+        self.cur.body.writeline(line)
         return value
 
     # ------------------------------------------------------------------ reductions
@@ -320,7 +364,8 @@ class TritonKernel:
                     code.splice(sec.body)
                     continue
                 if self.tiled:
-                    code.writeline("rindex = tl.program_id(1) * RBLOCK + rbase")
+                    code.writeline("roffset = tl.program_id(1) * RBLOCK")
+                    code.writeline("rindex = roffset + rbase")
                     code.writeline("rmask = rindex < rnumel")
                     code.splice(sec.body)
                     continue
@@ -336,8 +381,9 @@ class TritonKernel:
                     code.writeline("rmask = rindex < rnumel")
                     code.splice(sec.body)
                 code.splice(sec.final)
-        meta = {"params": params, "size_symbols": syms, "reduction": self.is_red,
-                "persistent": self.persistent, "tiled": self.tiled}
+        meta = {"params": params, "size_symbols": syms, "reduction": self.is_red, "kind": self.kind,
+                "persistent": self.persistent, "tiled": self.tiled,
+                "block_ptrs": len(self.block_ptr_accesses)}
         return code.getvalue(), meta
 
 

@@ -206,13 +206,7 @@ class WrapperCodegen:
             if n.name not in self.sched.internal:
                 self.allocate(n.buf, pool)
         X, R = k.X, k.R
-        if meta["tiled"]:
-            blocks = choices.tile_blocks(sizevars.hint(X), sizevars.hint(R))
-        elif meta["reduction"]:
-            rn = sizevars.hint(R)
-            blocks = choices.reduction_blocks(sizevars.hint(X), rn, meta["persistent"])
-        else:
-            blocks = choices.pointwise_block(sizevars.hint(X))
+        blocks = choices.kernel_config(meta["kind"], sizevars.hint(X), sizevars.hint(R))
         args = [self.ref(a) for a in k.args] + [self.expr(s) for s in meta["size_symbols"]]
         args += [self.expr(X)] + ([self.expr(R)] if meta["reduction"] else [])
         consts = [f"XBLOCK={blocks['XBLOCK']}"] + ([f"RBLOCK={blocks['RBLOCK']}"] if meta["reduction"] else [])
@@ -232,7 +226,7 @@ class WrapperCodegen:
         self.kernel_info.append({"name": name, "reads": reads, "writes": writes,
                                  "nodes": grp.names, "reduction": grp.is_reduction(),
                                  "persistent": meta["persistent"] and not meta["tiled"],
-                                 "tiled": meta["tiled"]})
+                                 "tiled": meta["tiled"], "block_ptrs": meta["block_ptrs"]})
 
     def extern(self, node, pool):
         buf = node.buf

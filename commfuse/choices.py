@@ -71,6 +71,15 @@ def reduction_blocks(xnumel: int, rnumel: int | None, persistent: bool) -> dict:
     return {"XBLOCK": 1, "RBLOCK": 2048, "num_warps": 8}
 
 
+def kernel_config(kind: str, xnumel: int, rnumel: int) -> dict:
+    """Blocks and warps of a kernel of this kind: pointwise, tiled, persistent or looped."""
+    if kind == "pointwise":
+        return pointwise_block(xnumel)
+    if kind == "tiled":
+        return tile_blocks(xnumel, rnumel)
+    return reduction_blocks(xnumel, rnumel, kind == "persistent")
+
+
 def is_persistent(rnumel) -> bool:
     """Whole rows in one block: static and short enough."""
     return rnumel is not None and rnumel <= config.persistent_reduction_max

@@ -34,6 +34,7 @@ online_softmax = True             # softmax's max and sum of exp in one pass ove
 # Code generation.
 triton_interpret: bool | None = None  # None: Triton's interpreter exactly when CUDA is absent (set at import)
 max_block = 1024                       # largest pointwise block
+use_block_ptr = False                  # N-D block pointers for affine div/mod indices
 
 
 class comm:
