@@ -15,7 +15,6 @@ import sympy
 import torch
 
 from commfuse import choices, config, sizevars
-from commfuse.dependencies import run_node_body
 from commfuse.scheduler import RSYM, XSYM
 from commfuse.virtualized import V
 
@@ -168,7 +167,7 @@ class TritonKernel:
         old, self.recompute = self.recompute, recompute
         masks = len(self.mask_stack)
         with V.set_ops(TritonOps(self)):
-            result = run_node_body(node.buf, index, rindex)
+            result = node.run_body(index, rindex)
         del self.mask_stack[masks:]  # bounds masks of indirect indices end with their node
         self.recompute = old
         return result
@@ -224,6 +223,8 @@ class TritonKernel:
             v = f"{v}.to({triton_dtype(dtype)})"
         bp = self.block_ptr(index, store=True)
         if bp:
+            if dtype == torch.bool:  # block pointers take the stored type exactly: bools are bytes
+                v = f"{v}.to(tl.int8)"
             line = bp.store(self.arg(name), v)
             self.block_ptr_accesses.add(line)
         else:

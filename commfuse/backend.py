@@ -95,6 +95,7 @@ def _aten_fallback(gm):
 def _compile(gm, example_inputs, graph_id):
     from codegen.wrapper import WrapperCodegen
     from .graph import GraphLowering
+    from .remat import cross_kernel_bytes
     from .runtime.loader import check_triton_mode, load_module
     from .scheduler import Scheduler
     from .virtualized import V
@@ -118,6 +119,8 @@ def _compile(gm, example_inputs, graph_id):
         "comm_buffers": list(wrapper.comm_plan.values()),
         "comm_fallbacks": graph.comm_fallbacks,
         "peak_memory_estimate": None,
+        "cross_kernel_bytes": cross_kernel_bytes(sched),
+        "rematerialized": sched.remat_log,
         "compile_seconds": round(time.time() - t0, 3),
     }
     dump.write(graph_id, {"fx_graph.txt": gm.print_readable(print_output=False),

@@ -39,6 +39,15 @@ def should_realize(loops, users: int) -> bool:
         len(reads) > config.realize_acc_reads_threshold
 
 
+def can_recompute(loops) -> bool:
+    """May another kernel recompute this stored pointwise value instead of reading it? Cheap
+    bodies only, and no data-dependent (gathered) reads."""
+    from .dependencies import trace_body
+    trace = trace_body(loops)
+    return not any(r.indirect for r in trace.reads) and \
+        len(trace.text.split("; ")) <= config.realize_opcount_threshold
+
+
 # ----------------------------------------------------------------------------- kernel shape
 def reduction_split(xnumel: int, rnumel: int) -> int:
     """Split a long reduction over few rows across programs (two kernels)."""

@@ -23,6 +23,8 @@ realize_reads_threshold = 4   # a value with more users than this is stored, not
 realize_opcount_threshold = 30  # ... or whose body has more ops than this
 realize_acc_reads_threshold = 8         # realize a pointwise value that inlines more buffer reads
 realize_acc_reads_size_threshold: int | None = None  # ... or reads more bytes than this (None: off)
+rematerialize = True              # a kernel recomputes pointwise values of other kernels where
+                                  # that reads fewer bytes than loading them (min-cut, remat.py)
 loop_ordering_after_fusion = True  # permute a pointwise group's loops so it fuses with a group
                                    # that walks a shared buffer in another order (read it once)
 

@@ -15,9 +15,10 @@ import itertools
 
 import sympy
 
-from . import choices, config, ir, loop_order, sizevars
-from .dependencies import index_vars, trace_body
+from . import choices, config, ir, loop_order, remat, sizevars
+from .dependencies import InlineLoads, index_vars, run_node_body, trace_body
 from .sizevars import index_symbol
+from .virtualized import V
 
 XSYM = index_symbol("x", 0)   # the kernel's row index
 RSYM = index_symbol("r", 0)   # the kernel's reduction (inner) index
@@ -29,28 +30,43 @@ class SchedulerNode:
     def __init__(self, buf: ir.Buffer, order: int):
         self.buf, self.name, self.order = buf, buf.name, order
         self.device = buf.get_device()
+        self.inlined: dict = {}  # stored buffers whose loads this node recomputes (remat.py)
         if isinstance(buf, ir.ComputedBuffer):
-            data = buf.data
-            trace = trace_body(data, buf.name, buf.layout)
-            self.reads = trace.reads
-            self.writes = trace.writes
-            self.body_ranges = list(data.ranges)
-            self.rranges = list(data.reduction_ranges) if buf.is_reduction() else []
+            self.body_ranges = list(buf.data.ranges)
+            self.rranges = list(buf.data.reduction_ranges) if buf.is_reduction() else []
+            self._trace()
         else:
             self.reads = [_whole(n) for n in _extern_reads(buf)]
             self.writes = [_whole(buf.name)] + [_whole(n) for n in getattr(buf, "mutates", [])]
             self.body_ranges, self.rranges = [], []
+            self.read_names = {r.name for r in self.reads}
+            self.write_names = {w.name for w in self.writes}
+        self.reorder_loops(self._storage_order())
+
+    def _trace(self):
+        trace = trace_body(self.buf.data, self.name, self.buf.layout, self.inlined)
+        self.reads, self.writes = trace.reads, trace.writes
         self.read_names = {r.name for r in self.reads}
         self.write_names = {w.name for w in self.writes}
-        self.reorder_loops(self._storage_order())
+
+    def inline(self, buffers: dict) -> None:
+        """Recompute these stored buffers where the body loads them, instead of loading them."""
+        self.inlined = {**self.inlined, **buffers}
+        self._trace()
+
+    def run_body(self, index, rindex=None):
+        """Run the body at `index` under the active ops handler, recomputing inlined buffers."""
+        if not self.inlined:
+            return run_node_body(self.buf, index, rindex)
+        with V.set_ops(InlineLoads(V.ops, self.inlined)):
+            return run_node_body(self.buf, index, rindex)
 
     def _storage_order(self) -> list:
         """Loops of a pointwise node in the order its output is stored (outermost: largest
         stride), so that its writes are contiguous; identity for reductions and externs."""
-        dims = list(range(len(self.body_ranges)))
         if self.is_extern() or self.rranges:
-            return dims
-        return sorted(dims, key=lambda d: -sizevars.hint(self.buf.layout.stride[d]))
+            return list(range(len(self.body_ranges)))
+        return self.buf.layout.stride_order()
 
     def reorder_loops(self, order: list) -> None:
         """Iterate the body's dims in `order` (outermost first); accesses keep their indices."""
@@ -176,9 +192,15 @@ class Scheduler:
         self.output_names = _output_names(graph)
         self.remove_dead_nodes()
         self.compute_dependencies()
+        self.node_of = {n.name: n for n in self.nodes}
         self.groups = [self._single(n) for n in self.nodes]
         self.group_of = {n.name: g for g in self.groups for n in g.nodes}
         self.fuse()
+        self.remat_log = remat.rematerialize(self) if config.rematerialize else []
+        if self.remat_log:  # kernels now read other buffers: some values died, groups may fuse
+            self.compute_dependencies()
+            self.remove_dead_nodes()
+            self.fuse()
         self.groups = self.topological_order(self.groups)
         self.compute_buffer_users()
 
@@ -200,8 +222,12 @@ class Scheduler:
             if n.name in needed or n.write_names & needed:
                 keep.append(n)
                 needed |= n.read_names
-        self.removed = {n.name for n in self.nodes} - {n.name for n in keep}
+        self.removed = getattr(self, "removed", set()) | {n.name for n in self.nodes} - {n.name for n in keep}
         self.nodes = list(reversed(keep))
+        if hasattr(self, "groups"):  # after fusion: drop the dead nodes from their groups
+            for g in self.groups:
+                g.nodes = [n for n in g.nodes if n.name not in self.removed]
+            self.groups = [g for g in self.groups if g.nodes]
 
     def compute_dependencies(self):
         """In program order: read-after-write, and for in-place writes (mutated inputs, in-place
@@ -432,7 +458,8 @@ class Scheduler:
         for g in self.groups:
             out.append(repr(g))
             for n in g.nodes:
-                out.append(f"    {n.buf}" + (code(n) if len(g.nodes) > 1 else ""))
+                recomputes = f"\n        recomputes {', '.join(sorted(n.inlined))}" if n.inlined else ""
+                out.append(f"    {n.buf}{recomputes}" + (code(n) if len(g.nodes) > 1 else ""))
             out.append("    kernel:" + code(g))
         return "\n".join(out) + "\n"
 
