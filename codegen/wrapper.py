@@ -30,7 +30,8 @@ constants = {{}}  # filled by the loader: tensor constants and non-tensor object
 class WrapperCodegen:
     def __init__(self, graph, scheduler: Scheduler):
         self.graph, self.sched = graph, scheduler
-        scheduler.code_renderer = debug_code
+        scheduler.code_renderer = self.debug_code
+        self.kernel_sources: dict[int, str] = {}  # group id -> its kernel, as generated
         self.kernels = IndentedBuffer()
         self.body = IndentedBuffer(1)
         self.kernel_info: list[dict] = []   # for the summary
@@ -200,6 +201,7 @@ class WrapperCodegen:
         tile = choose_tile(grp)
         k = TritonKernel(grp, self.sched, name, tile)
         src, meta = k.render()
+        self.kernel_sources[id(grp)] = src
         self.kernels.splice(_lines(src))
         self.kernels.writeline()
         for n in grp.nodes:
@@ -227,6 +229,10 @@ class WrapperCodegen:
                                  "nodes": grp.names, "reduction": grp.is_reduction(),
                                  "persistent": meta["persistent"] and not meta["tiled"],
                                  "tiled": meta["tiled"], "block_ptrs": meta["block_ptrs"]})
+
+    def debug_code(self, scheduler, group) -> str:
+        """The scheduler's code renderer: a generated kernel as is, anything else rendered."""
+        return self.kernel_sources.get(id(group)) or debug_code(scheduler, group)
 
     def extern(self, node, pool):
         buf = node.buf
