@@ -35,11 +35,11 @@ class FloorDiv(sympy.Function):
         if a.is_Add:
             q, rest = [], []
             for t in a.args:
-                c = sympy.simplify(t / b)
+                c = sympy.cancel(t / b)
                 (q if _is_index_like(c) else rest).append(c if _is_index_like(c) else t)
             if q:
                 return sympy.Add(*q) + FloorDiv(sympy.Add(*rest), b)
-        c = sympy.simplify(a / b)
+        c = sympy.cancel(a / b)
         if _is_index_like(c):
             return c
 
@@ -56,10 +56,10 @@ class Mod(sympy.Function):
         if a.is_Integer and b.is_Integer:
             return sympy.Integer(int(a) % int(b))
         if a.is_Add:
-            keep = [t for t in a.args if not _is_index_like(sympy.simplify(t / b))]
+            keep = [t for t in a.args if not _is_index_like(sympy.cancel(t / b))]
             if len(keep) < len(a.args):
                 return Mod(sympy.Add(*keep), b)
-        if _is_index_like(sympy.simplify(a / b)):
+        if _is_index_like(sympy.cancel(a / b)):
             return sympy.Integer(0)
 
 
