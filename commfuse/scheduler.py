@@ -188,6 +188,7 @@ class Scheduler:
     def __init__(self, graph):
         self.graph = graph
         self.code_renderer = None  # installed by the codegen backend: (scheduler, group) -> source
+        self.groups, self.removed = [], set()
         self.nodes = [SchedulerNode(b, i) for i, b in enumerate(graph.buffers)]
         self.output_names = _output_names(graph)
         self.remove_dead_nodes()
@@ -213,6 +214,7 @@ class Scheduler:
         return Group([n], n.numel(), sympy.Integer(1), n.order)
 
     def remove_dead_nodes(self):
+        """Drop the nodes whose values nobody needs (from their groups too, once fused)."""
         needed = set(self.output_names)
         for n in self.nodes:
             if getattr(n.buf, "side_effect", False) or getattr(n.buf, "mutates", None):
@@ -222,12 +224,12 @@ class Scheduler:
             if n.name in needed or n.write_names & needed:
                 keep.append(n)
                 needed |= n.read_names
-        self.removed = getattr(self, "removed", set()) | {n.name for n in self.nodes} - {n.name for n in keep}
+        dead = {n.name for n in self.nodes} - {n.name for n in keep}
+        self.removed |= dead
         self.nodes = list(reversed(keep))
-        if hasattr(self, "groups"):  # after fusion: drop the dead nodes from their groups
-            for g in self.groups:
-                g.nodes = [n for n in g.nodes if n.name not in self.removed]
-            self.groups = [g for g in self.groups if g.nodes]
+        for g in self.groups:
+            g.nodes = [n for n in g.nodes if n.name not in dead]
+        self.groups = [g for g in self.groups if g.nodes]
 
     def compute_dependencies(self):
         """In program order: read-after-write, and for in-place writes (mutated inputs, in-place
@@ -435,7 +437,6 @@ class Scheduler:
                 users = self.readers.get(n.name, [])
                 if all(u is g for u in users):
                     self.internal.add(n.name)
-
 
     def kernel_internal(self, nodes) -> set:
         """Buffers written by `nodes` that a kernel of exactly these nodes need not store."""

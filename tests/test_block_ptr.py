@@ -80,3 +80,19 @@ def test_off_by_default(tmp_path):
     out, dumps = compile_and_run(lambda x: x.permute(0, 2, 1).contiguous(), x, tmp_path=tmp_path)
     summary, code = dumps.only()
     assert summary["kernels"][0]["block_ptrs"] == 0 and "tl.make_block_ptr" not in code
+
+
+def test_identity_wrappers_are_normalized_away():
+    """x // 4096 and x % 4096 over x < 2048 are 0 and x: without the kernel's ranges the match
+    fails on them; with them it finds the same 2-D box as for the plain index."""
+    from codegen.block_ptr import Axis, block_ptr
+    from commfuse.scheduler import XSYM as x
+    from commfuse.sizevars import FloorDiv, Mod, simplify_with_ranges
+    axes = [Axis(x, 2048, "XBLOCK", "xoffset", 1024)]
+    plain = 160 * FloorDiv(x, 64) + Mod(x, 64)
+    wrapped = 160 * FloorDiv(Mod(x, 4096), 64) + Mod(Mod(x, 4096), 64) + 7 * FloorDiv(x, 4096)
+    assert block_ptr(wrapped, axes, ["XBLOCK"]) is None
+    normalized = simplify_with_ranges(wrapped, {x: 2048})
+    assert normalized == plain
+    box = block_ptr(normalized, axes, ["XBLOCK"])
+    assert [(d.size, d.inner, d.stride) for d in box.dims] == [(32, 64, 160), (64, 1, 1)]
