@@ -33,7 +33,7 @@ def test_looped_softmax_passes_and_values(tmp_path, fn, online):
 def test_online_softmax_bf16(tmp_path):
     x = torch.randn(3, 4, 200, device=DEVICE, dtype=torch.bfloat16)
     fn = lambda x: torch.softmax(x, -1)  # noqa: E731
-    out, dumps = compile_and_run(fn, x, tmp_path=tmp_path, **LOOPED)
+    out, dumps = compile_and_run(fn, x, tmp_path=tmp_path, online_softmax=True, **LOOPED)
     torch.testing.assert_close(out, fn(x))
     assert dumps.only()[1].count(LOOP) == 2
 
