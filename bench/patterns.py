@@ -51,6 +51,20 @@ def add_rms_norm(x, r, w):  # the residual stream is returned too, as in a trans
     return h, rms_norm(h, w)
 
 
+def loaf(x):  # loop ordering after fusion: one kernel reads x for both the row sums and z
+    return torch.sum(torch.sum(x, dim=-1)), (x / 10.0).t().contiguous().t()
+
+
+def fuser_2473(x, w, dy):  # rematerialization: a, rs, g are recomputed by the column reductions
+    xf, dyf = x.float(), dy.float()
+    a = xf * w
+    rs = torch.rsqrt(a.pow(2).mean(-1, keepdim=True) + 1e-6)
+    g = dyf * a * rs
+    s1, s2 = (g * a).sum(-1, keepdim=True), (g * rs).sum(-1, keepdim=True)
+    dx = (g - a * s1 * rs * rs / x.shape[-1] - s2 * rs).to(x.dtype)
+    return dx, (g * xf).sum(0), (a * rs).sum(0), (g * g).sum(0)
+
+
 @dataclass
 class Pattern:
     name: str
@@ -91,6 +105,13 @@ PATTERNS = [
                                    torch.randint(0, N, (M,), device=dev)),
             lambda M, N, e: M * N * e + M * 8 + e, "logits, int64 targets, scalar loss: M·N·e + 8·M + e",
             wide=True),
+    Pattern("loaf", loaf,
+            lambda M, N, dt, dev: (_rand(M, N, dtype=dt, device=dev),),
+            lambda M, N, e: 2 * M * N * e, "read x once + write z (transposed): 2·M·N·e"),
+    Pattern("fuser_2473", fuser_2473,
+            lambda M, N, dt, dev: (_rand(M, N, dtype=dt, device=dev), _rand(N, dtype=torch.float32, device=dev),
+                                   _rand(M, N, dtype=dt, device=dev)),
+            lambda M, N, e: 3 * M * N * e + 4 * N * 4, "x, dy, dx; w and 3 fp32 column sums: 3·M·N·e + 16·N"),
     Pattern("transpose_add", lambda a, b: a + b.t(),
             lambda M, N, dt, dev: (_rand(M, N, dtype=dt, device=dev), _rand(N, M, dtype=dt, device=dev)),
             lambda M, N, e: 3 * M * N * e, "a (M×N), b (N×M, read transposed), y: 3·M·N·e"),
@@ -174,7 +195,9 @@ def run_pattern(p: Pattern, M: int, N: int, args) -> dict:
                 fn = p.fn
             else:
                 torch._dynamo.reset()
-                fn = torch.compile(lambda *a, _f=p.fn: _f(*a), backend=resolve_backend(backend), dynamic=False)
+                options = args.options if backend == "commfuse" and args.options else None
+                fn = torch.compile(lambda *a, _f=p.fn: _f(*a), backend=resolve_backend(backend), dynamic=False,
+                                   options=options)
             row["check"][backend] = "ok" if backend == "eager" else check(fn(*inputs), ref, args.atol, args.rtol)
             row["us"][backend] = 1e3 * time_ms(lambda: fn(*inputs), args.device, args.warmup, args.rep)
         except Exception as e:  # report and go on with the other backends and patterns
@@ -223,7 +246,8 @@ def markdown(rows, args, meta) -> str:
         f"{meta['device_name']}, torch {meta['torch']}, triton {meta['triton']}, dtype {args.dtype}, "
         f"commit {meta['commit']}. Times: median µs per call ({meta['timer']}). "
         "Ratios: t_other / t_commfuse (above 1: commfuse faster). "
-        "GB/s: minimal bytes / commfuse time (e = bytes per element):",
+        "GB/s: minimal bytes / commfuse time (e = bytes per element):"
+        + (f" commfuse options {meta['commfuse_options']}." if meta["commfuse_options"] else ""),
         "",
     ]
     notes += [f"- {r['pattern']}: {r['bytes_formula']}" for r in rows]
@@ -246,9 +270,18 @@ def main() -> int:
     ap.add_argument("--commit", help="commit to record (default: git rev-parse, where .git exists)")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on CPU, one call each: checks the script")
     ap.add_argument("--verbose", action="store_true", help="print tracebacks of failures")
+    ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                    help="a commfuse option for this run, e.g. --set use_block_ptr=1 (repeatable)")
     args = ap.parse_args()
 
     args.backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    args.options = {}
+    for item in args.set:
+        from commfuse import config
+        name, _, value = item.partition("=")
+        if name not in config.snapshot():
+            ap.error(f"unknown commfuse option {name!r}")
+        args.options[name] = config._coerce(value, config.get(name))
     unknown = set(args.backends) - set(BACKENDS)
     if unknown:
         ap.error(f"unknown backends {sorted(unknown)}; choose from {BACKENDS}")
@@ -283,7 +316,7 @@ def main() -> int:
         "torch": torch.__version__, "triton": triton_version, "commit": commit,
         "timer": "one call, not a measurement" if args.device == "cpu"
         else ("triton.testing.do_bench" if triton_version != "none" else "CUDA events"),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"), "commfuse_options": args.options,
     }
 
     rows = []

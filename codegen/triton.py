@@ -9,33 +9,23 @@ stored.
 """
 from __future__ import annotations
 
-import dataclasses
 import itertools
 
 import sympy
 import torch
 
-from commfuse import choices, config, ir, sizevars
-from commfuse.dependencies import index_vars, run_node_body
+from commfuse import choices, config, sizevars
 from commfuse.scheduler import RSYM, XSYM
-from commfuse.sizevars import index_symbol
 from commfuse.virtualized import V
 
+from .block_ptr import Axis, block_ptr
 from .common import IndentedBuffer, compute_dtype, literal, texpr, triton_dtype
+from .triton_ops import TritonOps, Var
 
 XNAME, RNAME = sympy.Symbol("xindex", integer=True, nonnegative=True), \
     sympy.Symbol("rindex", integer=True, nonnegative=True)
 
 IDENTITY = {"sum": 0, "prod": 1, "any": False, "all": True}
-
-
-@dataclasses.dataclass
-class Var:
-    name: str
-    dtype: torch.dtype   # logical dtype; low-precision floats are held as fp32
-
-    def __str__(self):
-        return self.name
 
 
 class Section:
@@ -47,11 +37,13 @@ class Section:
         self.body = IndentedBuffer()
         self.final = IndentedBuffer()
         self.cache: dict[str, Var] = {}
+        self.row_values: dict[tuple, Var] = {}  # (reduction, source) -> row value already computed
 
 
 class TritonKernel:
     def __init__(self, group, scheduler, name: str, tile=None):
         self.group, self.scheduler, self.name = group, scheduler, name
+        self.internal = scheduler.kernel_internal(group.nodes)  # values never stored
         self.X, self.R = tile or (group.X, group.R)
         self.tiled = tile is not None   # a 2-D pointwise tile: rows x columns across programs
         self.is_red = group.is_reduction() or self.tiled
@@ -66,6 +58,7 @@ class TritonKernel:
         self.mask_stack: list[str] = []
         self.recompute = False
         self.uses_assert = False
+        self.block_ptr_accesses: set[str] = set()
         self.int64 = any(sizevars.hint(self._numel(n)) >= 2**31 for n in group.nodes)
         self.comm = None                          # set by a peer read: the kernel synchronizes ranks
         self.new_section(loop=False)
@@ -110,16 +103,47 @@ class TritonKernel:
             self.cur.cache[key] = v
         return v
 
-    def index_str(self, index: sympy.Expr) -> str:
-        index = sizevars.simplify(index)
+    def simplify_index(self, index: sympy.Expr) -> sympy.Expr:
+        """Simplified knowing the kernel's ranges; size symbols it uses become parameters."""
+        index = sizevars.simplify_with_ranges(index, {XSYM: self.X, RSYM: self.R})
         for s in index.free_symbols:
             if s not in (XSYM, RSYM) and not s.name.startswith("tmp"):
                 self.size_symbols.add(s)
+        return index
+
+    def index_str(self, index: sympy.Expr) -> str:
+        index = self.simplify_index(index)
         text = texpr(index.subs({XSYM: XNAME, RSYM: RNAME}))
         want = {XSYM, RSYM} if self.in_loop() else {XSYM}
         if not want <= index.free_symbols:
             text = f"({text}) + tl.zeros({self.shape()}, tl.{'int64' if self.int64 else 'int32'})"
         return text
+
+    def block_ptr(self, index: sympy.Expr, store=False):
+        """The N-D box this access addresses, where block pointers are on and apply."""
+        if not config.use_block_ptr or self.mask_stack or not (sizevars.is_static(self.X) and
+                                                                sizevars.is_static(self.R)):
+            return None
+        index = self.simplify_index(index)
+        if any(s.name.startswith("tmp") for s in index.free_symbols):  # indirect
+            return None
+        blocks = choices.kernel_config(self.kind, int(self.X), int(self.R))
+        axes = [Axis(XSYM, int(self.X), "XBLOCK", "xoffset", blocks["XBLOCK"])]
+        if not self.is_red:
+            target = ["XBLOCK"]
+        elif self.in_loop():
+            roffset = "roffset" if not self.persistent or self.tiled else "0"
+            axes.append(Axis(RSYM, int(self.R), "RBLOCK", roffset, blocks["RBLOCK"]))
+            target = ["XBLOCK", "RBLOCK"]
+        else:
+            target = ["XBLOCK", "1"]
+        return block_ptr(index, axes, target, store)
+
+    @property
+    def kind(self) -> str:
+        if self.tiled:
+            return "tiled"
+        return "pointwise" if not self.is_red else "persistent" if self.persistent else "looped"
 
     def arg(self, name: str) -> str:
         """The kernel parameter for a buffer (or for a comm argument, keyed with an '@')."""
@@ -140,12 +164,12 @@ class TritonKernel:
             elif not row and (not self.in_loop() or self._reads_open_reduction(node)):
                 self.new_section(loop=True)
         m = node.kernel_index_map(self.X, self.R)
-        index = [sympy.sympify(v).subs(m) for v in index_vars("i", node.ranges)]
+        index = node.body_index(m)
         rindex = [RSYM] if node.is_reduction() else None
         old, self.recompute = self.recompute, recompute
         masks = len(self.mask_stack)
         with V.set_ops(TritonOps(self)):
-            result = run_node_body(node.buf, index, rindex)
+            result = node.run_body(index, rindex)
         del self.mask_stack[masks:]  # bounds masks of indirect indices end with their node
         self.recompute = old
         return result
@@ -166,7 +190,12 @@ class TritonKernel:
             return self._internal_value(name)
         dtype = V.graph.get_dtype(name)
         ptr = self.arg(name)
-        text = f"tl.load({ptr} + ({self.index_str(index)}), {self.mask()}, other=0)"
+        bp = self.block_ptr(index)
+        if bp:
+            text = bp.load(ptr)
+            self.block_ptr_accesses.add(text)
+        else:
+            text = f"tl.load({ptr} + ({self.index_str(index)}), {self.mask()}, other=0)"
         if dtype == torch.bool:
             text += ".to(tl.int1)"
         elif compute_dtype(dtype) != dtype:
@@ -188,13 +217,21 @@ class TritonKernel:
 
     def store(self, name: str, index: sympy.Expr, value: Var):
         self.values[name] = (self.cur.id, value, index)
-        if self.recompute or name in self.scheduler.internal:
+        if self.recompute or name in self.internal:
             return value
         dtype = V.graph.get_buffer(name).get_dtype()
         v = value.name
         if dtype != value.dtype or compute_dtype(dtype) != dtype:
             v = f"{v}.to({triton_dtype(dtype)})"
-        self.cur.body.writeline(f"tl.store({self.arg(name)} + ({self.index_str(index)}), {v}, {self.mask(loads=False)})")
+        bp = self.block_ptr(index, store=True)
+        if bp:
+            if dtype == torch.bool:  # block pointers take the stored type exactly: bools are bytes
+                v = f"{v}.to(tl.int8)"
+            line = bp.store(self.arg(name), v)
+            self.block_ptr_accesses.add(line)
+        else:
+            line = f"tl.store({self.arg(name)} + ({self.index_str(index)}), {v}, {self.mask(loads=False)})"
+        self.cur.body.writeline(line)
         return value
 
     def peer_reduce(self, name: str, index: sympy.Expr, reduce_op: str) -> Var:
@@ -211,26 +248,15 @@ class TritonKernel:
 
     # ------------------------------------------------------------------ reductions
     def reduction(self, dtype, src_dtype, rtype, value: Var) -> Var:
-        acc_dtype = compute_dtype(dtype) if rtype not in ("argmax", "argmin") else compute_dtype(src_dtype)
+        if rtype in ("argmax", "argmin"):
+            return self._arg_reduction(src_dtype, rtype, value)
+        if rtype == "softmax_sum":
+            return self._softmax_sum(dtype, value)
+        acc_dtype = compute_dtype(dtype)
         tacc = triton_dtype(acc_dtype)
         ident = self._identity(rtype, acc_dtype if rtype not in ("any", "all") else torch.bool)
         sec = self.cur
         masked = f"tl.where({self.mask()}, {value}, {ident})"
-        out = Var(f"tmp{next(self.tmp)}", dtype)
-        if rtype in ("argmax", "argmin"):
-            combine = f"triton_helpers.{rtype}_combine"
-            if self.persistent:
-                sec.body.writeline(f"_, {out} = tl.reduce(({masked}, rindex + tl.zeros([XBLOCK, RBLOCK], tl.int32)), 1, {combine})")
-            else:
-                av, ai = f"{out}_val", f"{out}_idx"
-                sec.init.writeline(f"{av} = tl.full([XBLOCK, RBLOCK], {ident}, {tacc})")
-                sec.init.writeline(f"{ai} = tl.full([XBLOCK, RBLOCK], 2147483647, tl.int32)")
-                sec.body.writeline(f"{av}_n, {ai}_n = {combine}({av}, {ai}, {masked}, rindex + tl.zeros([XBLOCK, RBLOCK], tl.int32))")
-                sec.body.writeline(f"{av} = {av}_n")
-                sec.body.writeline(f"{ai} = {ai}_n")
-                sec.final.writeline(f"_, {out} = tl.reduce(({av}, {ai}), 1, {combine})")
-            self._finish(sec, f"{out} = {out}[:, None].to(tl.int64)")
-            return out
         reduce_fn = {
             "sum": "tl.sum({}, 1)", "prod": "tl.reduce({}, 1, triton_helpers.prod_combine)",
             "max": "tl.reduce({}, 1, triton_helpers.max_nan)", "min": "tl.reduce({}, 1, triton_helpers.min_nan)",
@@ -241,16 +267,63 @@ class TritonKernel:
             "min": "triton_helpers.min_nan({a}, {b})", "any": "{a} | {b}", "all": "{a} & {b}",
         }[rtype]
         src = masked if value.dtype == acc_dtype or rtype in ("any", "all") else f"{masked}.to({tacc})"
+        if self.persistent:  # through the CSE cache: equal reductions of one row are computed once
+            return self.newvar(f"{reduce_fn.format(src)}[:, None]", dtype)
+        if (rtype, src) in sec.row_values:
+            return sec.row_values[(rtype, src)]
+        out = Var(f"tmp{next(self.tmp)}", dtype)
+        acc = f"{out}_acc"
+        tinit = tacc if rtype not in ("any", "all") else "tl.int1"
+        sec.init.writeline(f"{acc} = tl.full([XBLOCK, RBLOCK], {ident}, {tinit})")
+        sec.body.writeline(f"{acc} = {combine.format(a=acc, b=src)}")
+        sec.final.writeline(f"{out} = {reduce_fn.format(acc)}[:, None]")
+        return out
+
+    def _arg_reduction(self, src_dtype, rtype, value: Var) -> Var:
+        acc_dtype = compute_dtype(src_dtype)
+        tacc = triton_dtype(acc_dtype)
+        ident = self._identity(rtype, acc_dtype)
+        sec = self.cur
+        masked = f"tl.where({self.mask()}, {value}, {ident})"
+        out = Var(f"tmp{next(self.tmp)}", torch.int64)
+        combine = f"triton_helpers.{rtype}_combine"
         if self.persistent:
-            self._finish(sec, f"{out} = {reduce_fn.format(src)}[:, None]")
+            sec.body.writeline(f"_, {out} = tl.reduce(({masked}, rindex + tl.zeros([XBLOCK, RBLOCK], tl.int32)), 1, {combine})")
         else:
-            acc = f"{out}_acc"
-            tinit = tacc if rtype not in ("any", "all") else "tl.int1"
-            sec.init.writeline(f"{acc} = tl.full([XBLOCK, RBLOCK], {ident}, {tinit})")
-            sec.body.writeline(f"{acc} = {combine.format(a=acc, b=src)}")
-            self._finish(sec, f"{out} = {reduce_fn.format(acc)}[:, None]")
-        if rtype in ("any", "all") or compute_dtype(dtype) == acc_dtype:
-            return out
+            av, ai = f"{out}_val", f"{out}_idx"
+            sec.init.writeline(f"{av} = tl.full([XBLOCK, RBLOCK], {ident}, {tacc})")
+            sec.init.writeline(f"{ai} = tl.full([XBLOCK, RBLOCK], 2147483647, tl.int32)")
+            sec.body.writeline(f"{av}_n, {ai}_n = {combine}({av}, {ai}, {masked}, rindex + tl.zeros([XBLOCK, RBLOCK], tl.int32))")
+            sec.body.writeline(f"{av} = {av}_n")
+            sec.body.writeline(f"{ai} = {ai}_n")
+            sec.final.writeline(f"_, {out} = tl.reduce(({av}, {ai}), 1, {combine})")
+        self._finish(sec, f"{out} = {out}[:, None].to(tl.int64)")
+        return out
+
+    def _softmax_sum(self, dtype, value: Var) -> Var:
+        """sum(exp(v - max(v))) over the row. A whole row in registers: its max, then the sum.
+        A looped row: one pass keeping per lane a running max and the sum rescaled to it
+        (online softmax), combined across lanes at the end."""
+        tacc = triton_dtype(compute_dtype(dtype))
+        sec = self.cur
+        src = f"tl.where({self.mask()}, {value}, float(\"-inf\"))"
+        if value.dtype != compute_dtype(dtype):
+            src = f"{src}.to({tacc})"
+        if self.persistent:
+            m = self.newvar(f"tl.reduce({src}, 1, triton_helpers.max_nan)[:, None]", dtype)
+            v = self.newvar(src, dtype)
+            return self.newvar(f"tl.sum(triton_helpers.exp_shifted({v}, {m}), 1)[:, None]", dtype)
+        out = Var(f"tmp{next(self.tmp)}", dtype)
+        m, s = f"{out}_max", f"{out}_sum"
+        sec.init.writeline(f"{m} = tl.full([XBLOCK, RBLOCK], float(\"-inf\"), {tacc})")
+        sec.init.writeline(f"{s} = tl.zeros([XBLOCK, RBLOCK], {tacc})")
+        sec.body.writeline(f"{m}_n, {s}_n = triton_helpers.online_softmax_update({m}, {s}, {src})")
+        sec.body.writeline(f"{m} = {m}_n")
+        sec.body.writeline(f"{s} = {s}_n")
+        rowmax = Var(f"{out}_rowmax", dtype)
+        sec.final.writeline(f"{rowmax} = tl.reduce({m}, 1, triton_helpers.max_nan)[:, None]")
+        sec.final.writeline(f"{out} = tl.sum(triton_helpers.online_softmax_rescale({s}, {m}, {rowmax}), 1)[:, None]")
+        sec.row_values[("max", src)] = rowmax  # a max of the same values in this pass is this one
         return out
 
     def _finish(self, sec: Section, line: str):
@@ -269,7 +342,7 @@ class TritonKernel:
     def store_reduction(self, name, index, value: Var):
         # the reduced value is a row-level value, valid from the end of this pass on
         sid = self.cur.id
-        if not self.recompute and name not in self.scheduler.internal:
+        if not self.recompute and name not in self.internal:
             dtype = V.graph.get_buffer(name).get_dtype()
             v = f"{value}.to({triton_dtype(dtype)})" if dtype != compute_dtype(dtype) or dtype != value.dtype else str(value)
             was = self.cur.loop
@@ -311,7 +384,8 @@ class TritonKernel:
                     code.splice(sec.body)
                     continue
                 if self.tiled:
-                    code.writeline("rindex = tl.program_id(1) * RBLOCK + rbase")
+                    code.writeline("roffset = tl.program_id(1) * RBLOCK")
+                    code.writeline("rindex = roffset + rbase")
                     code.writeline("rmask = rindex < rnumel")
                     code.splice(sec.body)
                     continue
@@ -329,241 +403,43 @@ class TritonKernel:
                 code.splice(sec.final)
             if self.comm is not None:  # nobody rewrites its input while a peer may still read it
                 self.comm.barrier(code, self.args)
-        meta = {"params": params, "size_symbols": syms, "reduction": self.is_red,
-                "persistent": self.persistent, "tiled": self.tiled, "comm": self.comm}
+        meta = {"params": params, "size_symbols": syms, "reduction": self.is_red, "kind": self.kind,
+                "persistent": self.persistent, "tiled": self.tiled,
+                "block_ptrs": len(self.block_ptr_accesses), "comm": self.comm}
         return code.getvalue(), meta
 
 
-class TritonOps:
-    """The `ops` handler that writes Triton."""
-
-    def __init__(self, kernel: TritonKernel):
-        self.k = kernel
-
-    # memory
-    def load(self, name, index):
-        return self.k.load(name, index)
-
-    def store(self, name, index, value, mode=None):
-        return self.k.store(name, index, value)
-
-    def reduction(self, dtype, src_dtype, rtype, value):
-        return self.k.reduction(dtype, src_dtype, rtype, value)
-
-    def peer_reduce(self, name, index, reduce_op):
-        return self.k.peer_reduce(name, index, reduce_op)
-
-    def store_reduction(self, name, index, value):
-        return self.k.store_reduction(name, index, value)
-
-    # values
-    def constant(self, value, dtype):
-        cd = compute_dtype(dtype)
-        return self.k.newvar(f"tl.full({self.k.shape()}, {literal(value, cd)}, {triton_dtype(cd)})", dtype)
-
-    def index_expr(self, expr, dtype):
-        cd = compute_dtype(dtype)
-        return self.k.newvar(f"({self.k.index_str(sympy.sympify(expr))}).to({triton_dtype(cd)})", dtype)
-
-    def to_dtype(self, x, dtype):
-        if x.dtype == dtype:
-            return x
-        if dtype == torch.bool:
-            return self.k.newvar(f"({x} != 0)", dtype)
-        cd = compute_dtype(dtype)
-        text = f"{x}.to({triton_dtype(dtype)})"
-        if cd != dtype:  # round to the narrow type, keep computing in fp32
-            src = x if x.dtype.is_floating_point else f"{x}.to(tl.float32)"  # int->bf16 goes via fp32
-            text = f"{src}.to({triton_dtype(dtype)}).to(tl.float32)"
-        elif compute_dtype(x.dtype) == cd:
-            return Var(x.name, dtype)
-        return self.k.newvar(text, dtype)
-
-    def indirect_indexing(self, value, size, check=True):
-        k = self.k
-        size_s = k.index_str(sympy.sympify(size)) if not sympy.sympify(size).is_number else str(size)
-        wrapped = k.newvar(f"tl.where({value} < 0, {value} + {size_s}, {value})", value.dtype)
-        if check:
-            k.uses_assert = True
-            k.cur.body.writeline(f"tl.device_assert((({wrapped} >= 0) & ({wrapped} < {size_s})) | ~({k.mask()}), "
-                                 f"\"index out of bounds: 0 <= index < {size}\")")
-        k.mask_stack.append(f"({wrapped} >= 0) & ({wrapped} < {size_s})")
-        return sympy.Symbol(wrapped.name, integer=True)
-
-    def masked(self, mask, body, other):
-        k = self.k
-        k.mask_stack.append(str(mask))
-        saved = dict(k.cur.cache)
-        try:
-            result = body()
-        finally:
-            k.mask_stack.pop()
-            k.cur.cache.clear()
-            k.cur.cache.update(saved)
-        other_v = self.constant(other, result.dtype)
-        return k.newvar(f"tl.where({mask}, {result}, {other_v})", result.dtype, cache=False)
-
-    def where(self, c, a, b):
-        return self._op(f"tl.where({c}, {a}, {b})", _promote(a, b))
-
-    # arithmetic
-    def _op(self, text, dtype):
-        return self.k.newvar(text, dtype)
-
-    def _bin(self, fmt, a, b, dtype=None):
-        return self._op(fmt.format(a=a, b=b), dtype or _promote(a, b))
-
-    def add(self, a, b): return self._bin("{a} | {b}" if _promote(a, b) == torch.bool else "{a} + {b}", a, b)
-    def sub(self, a, b): return self._bin("{a} - {b}", a, b)
-    def mul(self, a, b): return self._bin("{a} & {b}" if _promote(a, b) == torch.bool else "{a} * {b}", a, b)
-    def truediv(self, a, b): return self._bin("{a} / {b}", a, b)
-    def neg(self, a): return self._op(f"-{a}", a.dtype)
-    def abs(self, a): return self._op(f"tl.abs({a})", a.dtype) if a.dtype != torch.bool else a
-    def square(self, a): return self.mul(a, a)
-
-    def floordiv(self, a, b):
-        return self._bin("triton_helpers.div_floor({a}, {b})", a, b)
-
-    def truncdiv(self, a, b):
-        return self._bin("{a} // {b}", a, b)
-
-    def remainder(self, a, b):
-        if _promote(a, b).is_floating_point:
-            return self._bin("{a} - {b} * tl.floor({a} / {b})", a, b)
-        return self._bin("triton_helpers.remainder_int({a}, {b})", a, b)
-
-    def fmod(self, a, b):
-        if _promote(a, b).is_floating_point:
-            return self._bin("{a} - {b} * triton_helpers.trunc({a} / {b})", a, b)
-        return self._bin("{a} % {b}", a, b)
-
-    def pow(self, a, b):
-        return self._bin("triton_helpers.pow_float({a}, {b})", a, b)
-
-    def maximum(self, a, b):
-        if _promote(a, b).is_floating_point:
-            return self._bin("triton_helpers.max_nan({a}, {b})", a, b)
-        return self._bin("tl.maximum({a}, {b})", a, b)
-
-    def minimum(self, a, b):
-        if _promote(a, b).is_floating_point:
-            return self._bin("triton_helpers.min_nan({a}, {b})", a, b)
-        return self._bin("tl.minimum({a}, {b})", a, b)
-
-    def fmax(self, a, b):
-        return self._bin("tl.where(({a} >= {b}) | ({b} != {b}), {a}, {b})", a, b)
-
-    def fmin(self, a, b):
-        return self._bin("tl.where(({a} <= {b}) | ({b} != {b}), {a}, {b})", a, b)
-
-    def relu(self, a):
-        if a.dtype == torch.bool:
-            return a
-        return self._op(f"tl.where({a} < 0, 0, {a})", a.dtype)
-
-    def sign(self, a):
-        if a.dtype == torch.bool:
-            return a
-        return self._op(f"(({a} > 0).to({triton_dtype(compute_dtype(a.dtype))}) - ({a} < 0).to({triton_dtype(compute_dtype(a.dtype))}))", a.dtype)
-
-    def copysign(self, a, b):
-        return self._bin("tl.where(" + self._signbit_text("{b}") + ", -tl.abs({a}), tl.abs({a}))", a, b)
-
-    def _signbit_text(self, x):
-        return f"triton_helpers.signbit32({x})"
-
-    def signbit(self, a):
-        if not a.dtype.is_floating_point:
-            return self._op(f"{a} < 0", torch.bool)
-        fn = "signbit64" if a.dtype == torch.float64 else "signbit32"
-        return self._op(f"triton_helpers.{fn}({a})", torch.bool)
-
-    def hypot(self, a, b): return self._bin("tl.sqrt({a} * {a} + {b} * {b})", a, b)
-    def atan2(self, a, b): return self._bin("triton_helpers.atan2({a}, {b})", a, b)
-
-    # comparisons and logic
-    def eq(self, a, b): return self._bin("{a} == {b}", a, b, torch.bool)
-    def ne(self, a, b): return self._bin("{a} != {b}", a, b, torch.bool)
-    def lt(self, a, b): return self._bin("{a} < {b}", a, b, torch.bool)
-    def le(self, a, b): return self._bin("{a} <= {b}", a, b, torch.bool)
-    def gt(self, a, b): return self._bin("{a} > {b}", a, b, torch.bool)
-    def ge(self, a, b): return self._bin("{a} >= {b}", a, b, torch.bool)
-    def logical_and(self, a, b): return self._bin("({a} != 0) & ({b} != 0)", a, b, torch.bool)
-    def logical_or(self, a, b): return self._bin("({a} != 0) | ({b} != 0)", a, b, torch.bool)
-    def logical_xor(self, a, b): return self._bin("({a} != 0) ^ ({b} != 0)", a, b, torch.bool)
-    def logical_not(self, a): return self._op(f"{a} == 0", torch.bool)
-    def bitwise_and(self, a, b): return self._bin("{a} & {b}", a, b)
-    def bitwise_or(self, a, b): return self._bin("{a} | {b}", a, b)
-    def bitwise_xor(self, a, b): return self._bin("{a} ^ {b}", a, b)
-    def bitwise_not(self, a):
-        return self._op(f"{a} == 0" if a.dtype == torch.bool else f"~{a}", a.dtype)
-    def bitwise_left_shift(self, a, b): return self._bin("{a} << {b}", a, b)
-    def bitwise_right_shift(self, a, b): return self._bin("{a} >> {b}", a, b)
-    def isnan(self, a): return self._op(f"{a} != {a}", torch.bool)
-    def isinf(self, a):
-        if not a.dtype.is_floating_point:
-            return self._op(f"{a} != {a}", torch.bool)
-        return self._op(f"tl.abs({a}) == float(\"inf\")", torch.bool)
-
-    # math
-    def _f(self, fn, a):
-        return self._op(f"{fn}({a})", a.dtype)
-
-    def exp(self, a): return self._f("tl.exp", a)
-    def exp2(self, a): return self._f("tl.exp2", a)
-    def log(self, a): return self._f("tl.log", a)
-    def log2(self, a): return self._f("tl.log2", a)
-    def log10(self, a): return self._op(f"tl.log({a}) * 0.4342944819032518", a.dtype)
-    def sqrt(self, a): return self._f("tl.sqrt", a)
-    def rsqrt(self, a): return self._f("tl.rsqrt", a)
-    def sin(self, a): return self._f("tl.sin", a)
-    def cos(self, a): return self._f("tl.cos", a)
-    def tan(self, a): return self._op(f"tl.sin({a}) / tl.cos({a})", a.dtype)
-    def erf(self, a): return self._f("tl.erf", a)
-    def floor(self, a): return self._f("tl.floor", a) if a.dtype.is_floating_point else a
-    def ceil(self, a): return self._f("tl.ceil", a) if a.dtype.is_floating_point else a
-    def reciprocal(self, a): return self._op(f"1.0 / {a}", a.dtype)
-    def sigmoid(self, a): return self._f("tl.sigmoid", a)
-
-    def __getattr__(self, name):
-        helper = {"tanh", "expm1", "log1p", "atan", "asin", "acos", "sinh", "cosh", "asinh",
-                  "acosh", "atanh", "erfc"}
-        if name in helper:
-            return lambda a: self._f(f"triton_helpers.{name}", a)
-        if name == "trunc":
-            return lambda a: self._f("triton_helpers.trunc", a) if a.dtype.is_floating_point else a
-        if name == "round":
-            return lambda a: self._f("triton_helpers.round_half_even", a) if a.dtype.is_floating_point else a
-        raise NotImplementedError(f"commfuse cannot generate Triton code for ops.{name}")
-
-
-def _promote(a, b) -> torch.dtype:
-    da = a.dtype if isinstance(a, Var) else torch.float32
-    db = b.dtype if isinstance(b, Var) else torch.float32
-    return torch.promote_types(da, db)
+def debug_code(scheduler, group) -> str:
+    """The Triton kernel a group (or a node alone) becomes: the scheduler's code renderer."""
+    if group.is_extern():
+        return f"# extern: {group.nodes[0].buf}"
+    name = "cf_" + "_".join(group.names)[:60]
+    return TritonKernel(group, scheduler, name, choose_tile(group)).render()[0]
 
 
 def choose_tile(group):
-    """(rows, columns) for a pointwise group that reads some buffer transposed to how it
-    writes: tiling both axes keeps loads and stores coalesced. None keeps it 1-D."""
+    """(rows, columns) for a pointwise group that walks one buffer along the rows and another
+    along the columns (a transposed read or write): tiling both axes keeps every access
+    coalesced. None keeps it 1-D."""
     if group.is_reduction() or group.is_extern():
         return None
     ranges = group.nodes[0].ranges
+    produced = set(group.names)
     for k in range(1, len(ranges)):
         X, R = sizevars.product(ranges[:k]), sizevars.product(ranges[k:])
         if X == 1 or R == 1 or any(n.kernel_index_map(X, R) is None for n in group.nodes):
             continue
         g = type(group)(group.nodes, X, R, group.order)
-        reads_t = writes_c = False
-        for _, kind, _, index in g.kernel_accesses():
+        along_rows = along_columns = False
+        for _, kind, name, index in g.kernel_accesses():
+            if kind == "read" and name in produced:  # a value in registers
+                continue
             aff = index is not None and sizevars.affine_coefficients(index, [XSYM, RSYM])
             if not aff:
                 continue
             (cx, cr), _ = aff
-            if kind == "read" and cx == 1 and cr != 1:
-                reads_t = True
-            if kind == "write" and cr == 1:
-                writes_c = True
-        if reads_t and writes_c and choices.should_tile(sizevars.hint(X), sizevars.hint(R)):
+            along_rows |= cx == 1 and cr not in (0, 1)
+            along_columns |= cr == 1
+        if along_rows and along_columns and choices.should_tile(sizevars.hint(X), sizevars.hint(R)):
             return X, R
     return None

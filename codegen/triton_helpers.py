@@ -34,6 +34,26 @@ def argmin_combine(va, ia, vb, ib):
     return tl.where(take_a, va, vb), tl.where(take_a, ia, ib)
 
 
+# Online softmax: sum(exp(x - max(x))) in one pass. Per lane, a running max m and the sum s of
+# exp(x - m) over the values seen, rescaled whenever m grows. -inf values add nothing (a row of
+# only -inf sums to 0); equal maxima (also both -inf) need no rescaling; NaN propagates.
+@triton.jit
+def exp_shifted(v, m):
+    return tl.where(v == float("-inf"), 0.0, tl.exp(v - m))
+
+
+@triton.jit
+def online_softmax_rescale(s, m, m_new):
+    """s, a sum of exp(x - m), as a sum of exp(x - m_new) (m_new >= m)."""
+    return s * tl.where(m == m_new, 1.0, tl.exp(m - m_new))
+
+
+@triton.jit
+def online_softmax_update(m, s, v):
+    m_new = max_nan(m, v)
+    return m_new, online_softmax_rescale(s, m, m_new) + exp_shifted(v, m_new)
+
+
 @triton.jit
 def div_floor(a, b):
     """Python floor division of integers (Triton's `//` truncates)."""

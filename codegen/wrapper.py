@@ -12,7 +12,7 @@ from commfuse.scheduler import Scheduler
 
 from .common import IndentedBuffer, pexpr
 from . import comm as comm_codegen
-from .triton import TritonKernel, choose_tile
+from .triton import TritonKernel, choose_tile, debug_code
 
 HEADER = """\
 # commfuse generated code: graph {graph_id}
@@ -30,6 +30,8 @@ constants = {{}}  # filled by the loader: tensor constants and non-tensor object
 class WrapperCodegen:
     def __init__(self, graph, scheduler: Scheduler):
         self.graph, self.sched = graph, scheduler
+        scheduler.code_renderer = self.debug_code
+        self.kernel_sources: dict[int, str] = {}  # group id -> its kernel, as generated
         self.kernels = IndentedBuffer()
         self.body = IndentedBuffer(1)
         self.kernel_info: list[dict] = []   # for the summary
@@ -212,6 +214,7 @@ class WrapperCodegen:
         tile = choose_tile(grp)
         k = TritonKernel(grp, self.sched, name, tile)
         src, meta = k.render()
+        self.kernel_sources[id(grp)] = src
         self.kernels.splice(_lines(src))
         self.kernels.writeline()
         for n in grp.nodes:
@@ -220,15 +223,10 @@ class WrapperCodegen:
         X, R = k.X, k.R
         comm = meta["comm"]
         pool = comm and self.comm_plan[next(a.split("@")[0] for a in k.args if "@peer" in a)]["pool"]
-        if meta["tiled"]:
-            blocks = choices.tile_blocks(sizevars.hint(X), sizevars.hint(R))
-        elif comm:
+        if comm:
             blocks = choices.comm_kernel_blocks(int(X), int(R), meta["persistent"], meta["reduction"])
-        elif meta["reduction"]:
-            rn = sizevars.hint(R)
-            blocks = choices.reduction_blocks(sizevars.hint(X), rn, meta["persistent"])
         else:
-            blocks = choices.pointwise_block(sizevars.hint(X))
+            blocks = choices.kernel_config(meta["kind"], sizevars.hint(X), sizevars.hint(R))
         args = [comm_codegen.arg_value(a, pool) if "@" in a else self.ref(a) for a in k.args]
         args += [self.expr(s) for s in meta["size_symbols"]]
         args += [self.expr(X)] + ([self.expr(R)] if meta["reduction"] else [])
@@ -248,10 +246,14 @@ class WrapperCodegen:
         reads = sorted({a.split("@")[0] for a in k.args if not a.startswith("@")} - set(writes))
         info = {"name": name, "reads": reads, "writes": writes, "nodes": grp.names,
                 "reduction": grp.is_reduction(), "persistent": meta["persistent"] and not meta["tiled"],
-                "tiled": meta["tiled"]}
+                "tiled": meta["tiled"], "block_ptrs": meta["block_ptrs"]}
         if comm:
             info.update(collective="all_reduce", group=comm.group, fused_nodes=len(grp.nodes))
         self.kernel_info.append(info)
+
+    def debug_code(self, scheduler, group) -> str:
+        """The scheduler's code renderer: a generated kernel as is, anything else rendered."""
+        return self.kernel_sources.get(id(group)) or debug_code(scheduler, group)
 
     def extern(self, node, pool):
         buf = node.buf

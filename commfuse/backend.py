@@ -100,6 +100,7 @@ def _aten_fallback(gm):
 def _compile(gm, example_inputs, graph_id):
     from codegen.wrapper import WrapperCodegen
     from .graph import GraphLowering
+    from .remat import cross_kernel_bytes
     from .runtime.loader import check_triton_mode, load_module
     from .scheduler import Scheduler
     from .virtualized import V
@@ -111,6 +112,7 @@ def _compile(gm, example_inputs, graph_id):
         sched = Scheduler(graph)
         wrapper = WrapperCodegen(graph, sched)
         source = wrapper.generate()
+        post_fusion = sched.debug_str() if config.dump_dir else ""
     check_triton_mode(graph.device_types)
     module, path = load_module(source, wrapper.constants)
     if config.cuda_graphs and graph.device_types == {"cuda"}:
@@ -128,12 +130,13 @@ def _compile(gm, example_inputs, graph_id):
         "comm_choices": graph.comm_choices,
         "peak_memory_estimate": sched.peak_memory,
         "peak_memory_by_order": sched.peak_memory_by_order,
+        "cross_kernel_bytes": cross_kernel_bytes(sched),
+        "rematerialized": sched.remat_log,
         "compile_seconds": round(time.time() - t0, 3),
     }
-    post_fusion = "\n".join(f"{g!r}\n" + "\n".join(f"    {n.buf}" for n in g.nodes) for g in sched.groups)
     dump.write(graph_id, {"fx_graph.txt": gm.print_readable(print_output=False),
                           "ir_pre_fusion.txt": pre_fusion + "\n",
-                          "ir_post_fusion.txt": post_fusion + "\n",
+                          "ir_post_fusion.txt": post_fusion,
                           "output_code.py": source}, summary)
     if config.debug:
         log.warning("commfuse: %s: %d kernels, %d extern calls -> %s", graph_id,

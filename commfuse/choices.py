@@ -79,12 +79,31 @@ def extern_writes_slice(kernel, slice_layout) -> bool:
     return kernel.op.overloadpacket in MATMULS and sizevars.equal(slice_layout.stride[-1], 1)
 
 
+def can_recompute(loops) -> bool:
+    """May another kernel recompute this stored pointwise value instead of reading it? Cheap
+    bodies only, and no data-dependent (gathered) reads."""
+    from .dependencies import trace_body
+    trace = trace_body(loops)
+    return not any(r.indirect for r in trace.reads) and \
+        len(trace.text.split("; ")) <= config.realize_opcount_threshold
+
+
 # ----------------------------------------------------------------------------- kernel shape
 def reduction_split(xnumel: int, rnumel: int) -> int:
     """Split a long reduction over few rows across programs (two kernels)."""
     if rnumel < config.split_reduction_min or xnumel >= 64:
         return 1
     return max(2, min(128, next_pow2(rnumel) // 8192))
+
+
+def use_online_softmax(xnumel, rnumel) -> bool:
+    """Softmax's row max and sum of exp in one pass (running max, rescaled sum). Not where the
+    reduction would be split: partial results would need both values."""
+    if not config.online_softmax:
+        return False
+    if sizevars.is_static(xnumel) and sizevars.is_static(rnumel):
+        return reduction_split(int(xnumel), int(rnumel)) == 1
+    return True
 
 
 def pointwise_block(numel: int) -> dict:
@@ -112,6 +131,15 @@ def comm_kernel_blocks(xnumel: int, rnumel: int, persistent: bool, reduction: bo
         return blocks
     xblock = max(config.comm.block, next_pow2(-(-xnumel // cap)))
     return {"XBLOCK": xblock, "num_warps": 4 if xblock <= 1024 else 8}
+
+
+def kernel_config(kind: str, xnumel: int, rnumel: int) -> dict:
+    """Blocks and warps of a kernel of this kind: pointwise, tiled, persistent or looped."""
+    if kind == "pointwise":
+        return pointwise_block(xnumel)
+    if kind == "tiled":
+        return tile_blocks(xnumel, rnumel)
+    return reduction_blocks(xnumel, rnumel, kind == "persistent")
 
 
 def is_persistent(rnumel) -> bool:

@@ -32,14 +32,20 @@ realize_acc_reads_size_threshold: int | None = None  # ... or reads more bytes t
 # Memory.
 reorder_for_peak_memory = True  # try memory-aware kernel orders, keep the lowest estimated peak
 inplace_buffers = True          # a kernel may write its output over an input it is last to read
+rematerialize = True              # a kernel recomputes pointwise values of other kernels where
+                                  # that reads fewer bytes than loading them (min-cut, remat.py)
+loop_ordering_after_fusion = True  # permute a pointwise group's loops so it fuses with a group
+                                   # that walks a shared buffer in another order (read it once)
 
 # Reductions.
 persistent_reduction_max = 4096   # rows up to this length are reduced in one block
 split_reduction_min = 32768       # reductions longer than this with few rows are split across programs
+online_softmax = True             # softmax's max and sum of exp in one pass over a looped row
 
 # Code generation.
 triton_interpret: bool | None = None  # None: Triton's interpreter exactly when CUDA is absent (set at import)
 max_block = 1024                       # largest pointwise block
+use_block_ptr = False                  # N-D block pointers for affine div/mod indices
 
 
 class comm:

@@ -10,7 +10,7 @@ aten = torch.ops.aten
 
 # Composites that core ATen keeps but we would rather see as their parts.
 _EXTRA = [
-    aten._softmax, aten._log_softmax, aten.native_layer_norm, aten.native_group_norm,
+    aten.native_layer_norm, aten.native_group_norm,
     aten.native_batch_norm, aten._native_batch_norm_legit, aten._native_batch_norm_legit_no_training,
     aten._fused_rms_norm, aten.gelu, aten.silu, aten.mish, aten.elu, aten.celu, aten.selu,
     aten.softplus, aten.hardtanh, aten.hardswish, aten.hardsigmoid, aten.leaky_relu,

@@ -77,6 +77,23 @@ class RecordingOps:
         return fn
 
 
+class InlineLoads:
+    """Wraps an ops handler: a load of one of `buffers` runs that buffer's body at the loaded
+    element instead, so the value is recomputed rather than read (rematerialization)."""
+
+    def __init__(self, inner, buffers: dict):
+        self.inner, self.buffers = inner, buffers
+
+    def load(self, name, index):
+        buf = self.buffers.get(name)
+        if buf is None:
+            return self.inner.load(name, index)
+        return buf.data.inner_fn(buf.layout.unravel(index))  # its loads come back through here
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
 def index_vars(prefix: str, sizes) -> list:
     return [sympy.Integer(0) if s == 1 else index_symbol(prefix, i) for i, s in enumerate(sizes)]
 
@@ -93,12 +110,12 @@ def run_node_body(buf, index, rindex=None):
     return ops.store(buf.name, buf.layout.index(index), data.inner_fn(index))
 
 
-def trace_body(loops, store_name=None, layout=None) -> BodyTrace:
-    """Record a loop body with symbolic indices i*, r*."""
+def trace_body(loops, store_name=None, layout=None, inline=None) -> BodyTrace:
+    """Record a loop body with symbolic indices i*, r*; loads of `inline` are recomputed."""
     from .ir import Reduction
     handler = RecordingOps()
     index = index_vars("i", loops.ranges)
-    with V.set_ops(handler):
+    with V.set_ops(InlineLoads(handler, inline) if inline else handler):
         if isinstance(loops, Reduction):
             rindex = index_vars("r", loops.reduction_ranges)
             value = loops.inner_fn(index, rindex)

@@ -230,21 +230,14 @@ def realize_output(box: TensorBox, meta) -> ir.IRNode:
         # pool memory is rewritten by the next call: an output gets its own copy
         box = TensorBox(ir.Pointwise(d.get_device(), d.get_dtype(), d.make_loader(), list(d.get_size())))
         d = box.data
+    if isinstance(d, ir.View) and isinstance(meta, torch.Tensor) and ir.as_strided_view(box) is None:
+        # a view of values not stored yet (e.g. `y.t()` of a pointwise y): computed in its
+        # logical order and stored with eager's strides
+        box.data = d = ir.Pointwise(d.get_device(), d.get_dtype(), d.make_loader(), list(d.get_size()))
     if isinstance(d, ir.Loops) and isinstance(meta, torch.Tensor):
         layout = meta_layout(meta)
-        if _is_dense(layout):
+        if layout.is_dense():
             buf = V.graph.register_buffer(ir.ComputedBuffer, layout=layout, data=d)
             box.data = buf
             return buf
     return box.realize()
-
-
-def _is_dense(layout: ir.Layout) -> bool:
-    """Strides form a permutation of contiguous strides (no gaps, no overlap)."""
-    order = sorted(range(len(layout.size)), key=lambda i: sizevars.hint(layout.stride[i]))
-    expected = sympy.Integer(1)
-    for i in order:
-        if layout.size[i] != 1 and not sizevars.equal(layout.stride[i], expected):
-            return False
-        expected = expected * layout.size[i]
-    return True

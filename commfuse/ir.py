@@ -51,6 +51,28 @@ class Layout:
     def nbytes_hint(self) -> int:
         return sizevars.hint(self.storage_numel()) * self.dtype.itemsize
 
+    def is_dense(self) -> bool:
+        """Strides form a permutation of contiguous strides (no gaps, no overlap)."""
+        expected = sympy.Integer(1)
+        for i in self.stride_order()[::-1]:
+            if self.size[i] != 1 and not sizevars.equal(self.stride[i], expected):
+                return False
+            expected = expected * self.size[i]
+        return True
+
+    def stride_order(self) -> list:
+        """Dims from the largest stride to the smallest (outermost in memory first)."""
+        return sorted(range(len(self.size)), key=lambda i: -sizevars.hint(self.stride[i]))
+
+    def unravel(self, flat: Expr) -> list:
+        """The index stored at element `flat` of a dense layout: the inverse of `index`."""
+        order = self.stride_order()
+        digits = sizevars.unravel(flat - self.offset, [self.size[i] for i in order])
+        index = [sympy.Integer(0)] * len(self.size)
+        for i, v in zip(order, digits):
+            index[i] = v
+        return index
+
     def is_contiguous(self) -> bool:
         return all(sizevars.equal(a, b) for n, a, b in
                    zip(self.size, self.stride, sizevars.contiguous_strides(self.size)) if n != 1)

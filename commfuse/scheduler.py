@@ -15,9 +15,10 @@ import itertools
 
 import sympy
 
-from . import choices, config, ir, memory, sizevars
-from .dependencies import index_vars, trace_body
+from . import choices, config, ir, loop_order, memory, remat, sizevars
+from .dependencies import InlineLoads, index_vars, run_node_body, trace_body
 from .sizevars import index_symbol
+from .virtualized import V
 
 XSYM = index_symbol("x", 0)   # the kernel's row index
 RSYM = index_symbol("r", 0)   # the kernel's reduction (inner) index
@@ -29,19 +30,58 @@ class SchedulerNode:
     def __init__(self, buf: ir.Buffer, order: int):
         self.buf, self.name, self.order = buf, buf.name, order
         self.device = buf.get_device()
+        self.inlined: dict = {}  # stored buffers whose loads this node recomputes (remat.py)
         if isinstance(buf, ir.ComputedBuffer):
-            data = buf.data
-            trace = trace_body(data, buf.name, buf.layout)
-            self.reads = trace.reads
-            self.writes = trace.writes
-            self.ranges = list(data.ranges)
-            self.rranges = list(data.reduction_ranges) if buf.is_reduction() else []
+            self.body_ranges = list(buf.data.ranges)
+            self.rranges = list(buf.data.reduction_ranges) if buf.is_reduction() else []
+            self._trace()
         else:
             self.reads = [_whole(n) for n in _extern_reads(buf)]
             self.writes = [_whole(buf.name)] + [_whole(n) for n in getattr(buf, "mutates", [])]
-            self.ranges, self.rranges = [], []
+            self.body_ranges, self.rranges = [], []
+            self.read_names = {r.name for r in self.reads}
+            self.write_names = {w.name for w in self.writes}
+        self.reorder_loops(self._storage_order())
+
+    def _trace(self):
+        trace = trace_body(self.buf.data, self.name, self.buf.layout, self.inlined)
+        self.reads, self.writes = trace.reads, trace.writes
         self.read_names = {r.name for r in self.reads}
         self.write_names = {w.name for w in self.writes}
+
+    def inline(self, buffers: dict) -> None:
+        """Recompute these stored buffers where the body loads them, instead of loading them."""
+        self.inlined = {**self.inlined, **buffers}
+        self._trace()
+
+    def run_body(self, index, rindex=None):
+        """Run the body at `index` under the active ops handler, recomputing inlined buffers."""
+        if not self.inlined:
+            return run_node_body(self.buf, index, rindex)
+        with V.set_ops(InlineLoads(V.ops, self.inlined)):
+            return run_node_body(self.buf, index, rindex)
+
+    def _storage_order(self) -> list:
+        """Loops of a pointwise node in the order its output is stored (outermost: largest
+        stride), so that its writes are contiguous; identity for reductions and externs."""
+        if self.is_extern() or self.rranges:
+            return list(range(len(self.body_ranges)))
+        return self.buf.layout.stride_order()
+
+    def reorder_loops(self, order: list) -> None:
+        """Iterate the body's dims in `order` (outermost first); accesses keep their indices."""
+        self.loop_order = list(order)
+        self.ranges = [self.body_ranges[d] for d in order]
+        self._index_maps = {}  # placements computed for the old order are stale
+
+    def loop_vars(self) -> list:
+        """The body's index variable of each loop, outermost first (0 for loops of size 1)."""
+        ivars = index_vars("i", self.body_ranges)
+        return [ivars[d] for d in self.loop_order]
+
+    def body_index(self, m) -> list:
+        """The index the body is run at, with its variables placed by `m` (kernel_index_map)."""
+        return [sympy.sympify(v).subs(m) for v in index_vars("i", self.body_ranges)]
 
     def is_extern(self):
         return not isinstance(self.buf, ir.ComputedBuffer)
@@ -54,7 +94,13 @@ class SchedulerNode:
 
     def kernel_index_map(self, X, R):
         """{own index var: expression in x, r} placing this node in a (X, R) kernel, or None."""
-        ivars = index_vars("i", self.ranges)
+        key = (X, R)
+        if key not in self._index_maps:
+            self._index_maps[key] = self._kernel_index_map(X, R)
+        return self._index_maps[key]
+
+    def _kernel_index_map(self, X, R):
+        ivars = self.loop_vars()
         if self.is_reduction():
             if not (sizevars.equal(self.numel(), X) and sizevars.equal(self.rranges[0], R)):
                 return None
@@ -143,13 +189,21 @@ class Group:
 class Scheduler:
     def __init__(self, graph):
         self.graph = graph
+        self.code_renderer = None  # installed by the codegen backend: (scheduler, group) -> source
+        self.groups, self.removed = [], set()
         self.nodes = [SchedulerNode(b, i) for i, b in enumerate(graph.buffers)]
         self.output_names = _output_names(graph)
         self.remove_dead_nodes()
         self.compute_dependencies()
+        self.node_of = {n.name: n for n in self.nodes}
         self.groups = [self._single(n) for n in self.nodes]
         self.group_of = {n.name: g for g in self.groups for n in g.nodes}
         self.fuse()
+        self.remat_log = remat.rematerialize(self) if config.rematerialize else []
+        if self.remat_log:  # kernels now read other buffers: some values died, groups may fuse
+            self.compute_dependencies()
+            self.remove_dead_nodes()
+            self.fuse()
         self.compute_buffer_users()
         inplace = memory.inplace_candidates(self)
         self.groups, self.peak_memory_by_order = memory.reorder_for_peak_memory(
@@ -166,6 +220,7 @@ class Scheduler:
         return Group([n], n.numel(), sympy.Integer(1), n.order)
 
     def remove_dead_nodes(self):
+        """Drop the nodes whose values nobody needs (from their groups too, once fused)."""
         needed = set(self.output_names)
         for n in self.nodes:
             if getattr(n.buf, "side_effect", False) or getattr(n.buf, "mutates", None):
@@ -175,8 +230,12 @@ class Scheduler:
             if n.name in needed or n.write_names & needed:
                 keep.append(n)
                 needed |= n.read_names
-        self.removed = {n.name for n in self.nodes} - {n.name for n in keep}
+        dead = {n.name for n in self.nodes} - {n.name for n in keep}
+        self.removed |= dead
         self.nodes = list(reversed(keep))
+        for g in self.groups:
+            g.nodes = [n for n in g.nodes if n.name not in dead]
+        self.groups = [g for g in self.groups if g.nodes]
 
     def compute_dependencies(self):
         """In program order: read-after-write, and for in-place writes (mutated inputs, in-place
@@ -255,10 +314,42 @@ class Scheduler:
         ok, why = choices.can_fuse(a, b)
         if not ok:
             return None
+        if self._path_between(a, b) or self._path_between(b, a):
+            return None
+        merged = self._merge(a, b)
+        if config.loop_ordering_after_fusion and (merged is None or self._walked_apart(merged, a, b)):
+            return self._merge_reordered(a, b) or merged
+        return merged
+
+    def _merge_reordered(self, a: Group, b: Group):
+        """Fuse after permuting the loops of one side so that both walk a shared buffer alike."""
+        shared = (a.read_names | a.write_names) & (b.read_names | b.write_names)
+        shared = sorted(shared, key=lambda n: -self._bytes(n))
+        for p, o in ((b, a), (a, b)):
+            order = loop_order.matching_order(p, o, shared)
+            if order is None:
+                continue
+            undo = loop_order.reorder(p, order)
+            merged = self._merge(a, b)
+            if merged is not None and not self._walked_apart(merged, a, b):
+                return merged
+            undo()
+        return None
+
+    @staticmethod
+    def _walked_apart(merged: Group, a: Group, b: Group) -> bool:
+        """Do `a` and `b` access some buffer they share at different kernel indices?"""
+        seen = collections.defaultdict(dict)
+        side = {id(n): 0 if n in a.nodes else 1 for n in merged.nodes}
+        for node, _, name, index in merged.kernel_accesses():
+            if index is not None:
+                seen[name].setdefault(side[id(node)], index)
+        return any(len(ix) == 2 and not sizevars.equal(ix[0], ix[1]) for ix in seen.values())
+
+    def _merge(self, a: Group, b: Group):
+        """The fused group of `a` and `b` if their nodes fit one kernel with agreeing indices."""
         shape = self._fused_shape(a, b)
         if shape is None:
-            return None
-        if self._path_between(a, b) or self._path_between(b, a):
             return None
         nodes = sorted(a.nodes + b.nodes, key=lambda n: n.order)
         merged = Group(nodes, shape[0], shape[1], min(a.order, b.order))
@@ -335,9 +426,13 @@ class Scheduler:
     def compute_buffer_users(self):
         """Which groups read each buffer; buffers used only inside their own kernel are not stored."""
         self.readers = collections.defaultdict(list)
+        self.node_readers = collections.defaultdict(set)
         for g in self.groups:
             for name in g.read_names:
                 self.readers[name].append(g)
+            for n in g.nodes:
+                for name in n.read_names:
+                    self.node_readers[name].add(n.name)
         self.internal = set()
         for g in self.groups:
             if g.is_extern():
@@ -348,6 +443,32 @@ class Scheduler:
                 users = self.readers.get(n.name, [])
                 if all(u is g for u in users):
                     self.internal.add(n.name)
+
+    def kernel_internal(self, nodes) -> set:
+        """Buffers written by `nodes` that a kernel of exactly these nodes need not store."""
+        names = {n.name for n in nodes}
+        return {n for n in names & self.internal if self.node_readers[n] <= names}
+
+    # ------------------------------------------------------------------ debug
+    def debug_code(self, item) -> str:
+        """The code the codegen backend would generate for a group, or for one node alone."""
+        if self.code_renderer is None:
+            return ""
+        return self.code_renderer(self, item if isinstance(item, Group) else self._single(item))
+
+    def debug_str(self) -> str:
+        """Each group with its nodes' IR and the code each node and the group would generate."""
+        def code(item):
+            text = self.debug_code(item).rstrip("\n")
+            return "".join(f"\n        | {line}" for line in text.split("\n")) if text else ""
+        out = []
+        for g in self.groups:
+            out.append(repr(g))
+            for n in g.nodes:
+                recomputes = f"\n        recomputes {', '.join(sorted(n.inlined))}" if n.inlined else ""
+                out.append(f"    {n.buf}{recomputes}" + (code(n) if len(g.nodes) > 1 else ""))
+            out.append("    kernel:" + code(g))
+        return "\n".join(out) + "\n"
 
 
 def _output_names(graph) -> set:

@@ -35,11 +35,11 @@ class FloorDiv(sympy.Function):
         if a.is_Add:
             q, rest = [], []
             for t in a.args:
-                c = sympy.simplify(t / b)
+                c = sympy.cancel(t / b)
                 (q if _is_index_like(c) else rest).append(c if _is_index_like(c) else t)
             if q:
                 return sympy.Add(*q) + FloorDiv(sympy.Add(*rest), b)
-        c = sympy.simplify(a / b)
+        c = sympy.cancel(a / b)
         if _is_index_like(c):
             return c
 
@@ -56,10 +56,10 @@ class Mod(sympy.Function):
         if a.is_Integer and b.is_Integer:
             return sympy.Integer(int(a) % int(b))
         if a.is_Add:
-            keep = [t for t in a.args if not _is_index_like(sympy.simplify(t / b))]
+            keep = [t for t in a.args if not _is_index_like(sympy.cancel(t / b))]
             if len(keep) < len(a.args):
                 return Mod(sympy.Add(*keep), b)
-        if _is_index_like(sympy.simplify(a / b)):
+        if _is_index_like(sympy.cancel(a / b)):
             return sympy.Integer(0)
 
 
@@ -138,6 +138,40 @@ def _fold_div_mod(e: Expr):
         if high in terms and sympy.expand(terms[high] - coeff * b) == 0:
             return e - coeff * rest - terms[high] * high + coeff * inner
     return None
+
+
+def simplify_with_ranges(e: Expr, ranges: dict) -> Expr:
+    """`simplify`, knowing 0 <= s < ranges[s] for some symbols: a // d -> 0 and a % m -> a
+    where a stays below d (resp. m) over those ranges, so that view chains that wrap an index
+    in an identity (x % X, (x // C) % (X // C)) come out plain."""
+    bounds = {s: int(n) - 1 for s, n in ranges.items() if sympy.sympify(n).is_Integer}
+
+    def upper(a):  # largest value of a (>= 0), or None if unknown
+        if a.is_Integer:
+            return int(a)
+        if a in bounds:
+            return bounds[a]
+        args = [upper(x) for x in a.args]
+        if None in args:
+            return None
+        if isinstance(a, FloorDiv):
+            return args[0] // args[1] if a.args[1].is_Integer and a.args[1] > 0 else None
+        if isinstance(a, Mod):
+            return min(args[0], args[1] - 1) if a.args[1].is_Integer else None
+        if (a.is_Add or a.is_Mul) and a.is_nonnegative:
+            return sum(args) if a.is_Add else math.prod(args)
+        return None
+
+    def rewrite(a):
+        if not a.args or not a.has(FloorDiv, Mod):
+            return a
+        inner = [rewrite(x) for x in a.args]
+        if isinstance(a, (FloorDiv, Mod)):
+            top = upper(inner[0])
+            if top is not None and inner[1].is_Integer and top < inner[1]:
+                return sympy.Integer(0) if isinstance(a, FloorDiv) else inner[0]
+        return a.func(*inner)
+    return simplify(rewrite(simplify(e)))
 
 
 def equal(a, b) -> bool:

@@ -82,7 +82,7 @@ def _full_index(idx, ridx, dims, kept, keepdim, ndim):
 
 def _split_factor(xnumel, rnumel, reduction_type) -> int:
     from commfuse import choices
-    if reduction_type in ("argmax", "argmin") or not (sizevars.is_static(xnumel) and sizevars.is_static(rnumel)):
+    if reduction_type in ("argmax", "argmin", "softmax_sum") or not (sizevars.is_static(xnumel) and sizevars.is_static(rnumel)):
         return 1
     return choices.reduction_split(int(xnumel), int(rnumel))
 

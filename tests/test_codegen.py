@@ -1,4 +1,5 @@
 """Properties of the generated code: fusion into single kernels, extern calls, dumps."""
+import itertools
 import json
 import os
 
@@ -116,3 +117,22 @@ def test_dump_layout_and_summary(tmp_path):
     spec.loader.exec_module(mod)
     (res,) = mod.call([x.clone()])
     torch.testing.assert_close(res, fn(x))
+
+
+def test_post_fusion_dump_shows_code_per_node_and_group(tmp_path):
+    fn = lambda x: torch.softmax(x, -1) + torch.mm(x, x).sum()  # noqa: E731
+    x = torch.randn(8, 8, device=DEVICE)
+    out, dumps = compile_and_run(fn, x, tmp_path=tmp_path)
+    torch.testing.assert_close(out, fn(x), atol=1e-5, rtol=1e-5)
+    (graph,) = dumps.graphs()
+    text = open(os.path.join(graph, "ir_post_fusion.txt")).read()
+    summary, code = dumps.only()
+    fused = [k for k in summary["kernels"] if len(k["nodes"]) > 1]
+    assert fused
+    for k in fused:  # each node of a fused group renders its own kernel, then the group its kernel
+        for name in k["nodes"]:
+            assert f"| def cf_{name}(" in text
+        after = text.split(f"| def {k['name']}(")[1].splitlines()[1:]
+        body = [line.split("| ", 1)[1] for line in itertools.takewhile(lambda l: "| " in l, after)]  # noqa: E741
+        assert len(body) > 3 and "\n".join(body) in code
+    assert "# extern: " in text and "aten.mm" in text

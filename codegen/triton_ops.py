@@ -1,0 +1,228 @@
+"""The `ops` handler that writes Triton: each `ops` call becomes a line of the kernel
+(through `TritonKernel.newvar`, which eliminates common subexpressions)."""
+from __future__ import annotations
+
+import dataclasses
+
+import sympy
+import torch
+
+from .common import compute_dtype, literal, triton_dtype
+
+
+@dataclasses.dataclass
+class Var:
+    name: str
+    dtype: torch.dtype   # logical dtype; low-precision floats are held as fp32
+
+    def __str__(self):
+        return self.name
+
+
+class TritonOps:
+    """The `ops` handler that writes Triton."""
+
+    def __init__(self, kernel):
+        self.k = kernel
+
+    # memory
+    def load(self, name, index):
+        return self.k.load(name, index)
+
+    def store(self, name, index, value, mode=None):
+        return self.k.store(name, index, value)
+
+    def reduction(self, dtype, src_dtype, rtype, value):
+        return self.k.reduction(dtype, src_dtype, rtype, value)
+
+    def store_reduction(self, name, index, value):
+        return self.k.store_reduction(name, index, value)
+
+    def peer_reduce(self, name, index, reduce_op):
+        return self.k.peer_reduce(name, index, reduce_op)
+
+    # values
+    def constant(self, value, dtype):
+        cd = compute_dtype(dtype)
+        return self.k.newvar(f"tl.full({self.k.shape()}, {literal(value, cd)}, {triton_dtype(cd)})", dtype)
+
+    def index_expr(self, expr, dtype):
+        cd = compute_dtype(dtype)
+        return self.k.newvar(f"({self.k.index_str(sympy.sympify(expr))}).to({triton_dtype(cd)})", dtype)
+
+    def to_dtype(self, x, dtype):
+        if x.dtype == dtype:
+            return x
+        if dtype == torch.bool:
+            return self.k.newvar(f"({x} != 0)", dtype)
+        cd = compute_dtype(dtype)
+        text = f"{x}.to({triton_dtype(dtype)})"
+        if cd != dtype:  # round to the narrow type, keep computing in fp32
+            src = x if x.dtype.is_floating_point else f"{x}.to(tl.float32)"  # int->bf16 goes via fp32
+            text = f"{src}.to({triton_dtype(dtype)}).to(tl.float32)"
+        elif compute_dtype(x.dtype) == cd:
+            return Var(x.name, dtype)
+        return self.k.newvar(text, dtype)
+
+    def indirect_indexing(self, value, size, check=True):
+        k = self.k
+        size_s = k.index_str(sympy.sympify(size)) if not sympy.sympify(size).is_number else str(size)
+        wrapped = k.newvar(f"tl.where({value} < 0, {value} + {size_s}, {value})", value.dtype)
+        if check:
+            k.uses_assert = True
+            k.cur.body.writeline(f"tl.device_assert((({wrapped} >= 0) & ({wrapped} < {size_s})) | ~({k.mask()}), "
+                                 f"\"index out of bounds: 0 <= index < {size}\")")
+        k.mask_stack.append(f"({wrapped} >= 0) & ({wrapped} < {size_s})")
+        return sympy.Symbol(wrapped.name, integer=True)
+
+    def masked(self, mask, body, other):
+        k = self.k
+        k.mask_stack.append(str(mask))
+        saved = dict(k.cur.cache)
+        try:
+            result = body()
+        finally:
+            k.mask_stack.pop()
+            k.cur.cache.clear()
+            k.cur.cache.update(saved)
+        other_v = self.constant(other, result.dtype)
+        return k.newvar(f"tl.where({mask}, {result}, {other_v})", result.dtype, cache=False)
+
+    def where(self, c, a, b):
+        return self._op(f"tl.where({c}, {a}, {b})", _promote(a, b))
+
+    # arithmetic
+    def _op(self, text, dtype):
+        return self.k.newvar(text, dtype)
+
+    def _bin(self, fmt, a, b, dtype=None):
+        return self._op(fmt.format(a=a, b=b), dtype or _promote(a, b))
+
+    def add(self, a, b): return self._bin("{a} | {b}" if _promote(a, b) == torch.bool else "{a} + {b}", a, b)
+    def sub(self, a, b): return self._bin("{a} - {b}", a, b)
+    def mul(self, a, b): return self._bin("{a} & {b}" if _promote(a, b) == torch.bool else "{a} * {b}", a, b)
+    def truediv(self, a, b): return self._bin("{a} / {b}", a, b)
+    def neg(self, a): return self._op(f"-{a}", a.dtype)
+    def abs(self, a): return self._op(f"tl.abs({a})", a.dtype) if a.dtype != torch.bool else a
+    def square(self, a): return self.mul(a, a)
+
+    def floordiv(self, a, b):
+        return self._bin("triton_helpers.div_floor({a}, {b})", a, b)
+
+    def truncdiv(self, a, b):
+        return self._bin("{a} // {b}", a, b)
+
+    def remainder(self, a, b):
+        if _promote(a, b).is_floating_point:
+            return self._bin("{a} - {b} * tl.floor({a} / {b})", a, b)
+        return self._bin("triton_helpers.remainder_int({a}, {b})", a, b)
+
+    def fmod(self, a, b):
+        if _promote(a, b).is_floating_point:
+            return self._bin("{a} - {b} * triton_helpers.trunc({a} / {b})", a, b)
+        return self._bin("{a} % {b}", a, b)
+
+    def pow(self, a, b):
+        return self._bin("triton_helpers.pow_float({a}, {b})", a, b)
+
+    def maximum(self, a, b):
+        if _promote(a, b).is_floating_point:
+            return self._bin("triton_helpers.max_nan({a}, {b})", a, b)
+        return self._bin("tl.maximum({a}, {b})", a, b)
+
+    def minimum(self, a, b):
+        if _promote(a, b).is_floating_point:
+            return self._bin("triton_helpers.min_nan({a}, {b})", a, b)
+        return self._bin("tl.minimum({a}, {b})", a, b)
+
+    def fmax(self, a, b):
+        return self._bin("tl.where(({a} >= {b}) | ({b} != {b}), {a}, {b})", a, b)
+
+    def fmin(self, a, b):
+        return self._bin("tl.where(({a} <= {b}) | ({b} != {b}), {a}, {b})", a, b)
+
+    def relu(self, a):
+        if a.dtype == torch.bool:
+            return a
+        return self._op(f"tl.where({a} < 0, 0, {a})", a.dtype)
+
+    def sign(self, a):
+        if a.dtype == torch.bool:
+            return a
+        return self._op(f"(({a} > 0).to({triton_dtype(compute_dtype(a.dtype))}) - ({a} < 0).to({triton_dtype(compute_dtype(a.dtype))}))", a.dtype)
+
+    def copysign(self, a, b):
+        return self._bin("tl.where(" + self._signbit_text("{b}") + ", -tl.abs({a}), tl.abs({a}))", a, b)
+
+    def _signbit_text(self, x):
+        return f"triton_helpers.signbit32({x})"
+
+    def signbit(self, a):
+        if not a.dtype.is_floating_point:
+            return self._op(f"{a} < 0", torch.bool)
+        fn = "signbit64" if a.dtype == torch.float64 else "signbit32"
+        return self._op(f"triton_helpers.{fn}({a})", torch.bool)
+
+    def hypot(self, a, b): return self._bin("tl.sqrt({a} * {a} + {b} * {b})", a, b)
+    def atan2(self, a, b): return self._bin("triton_helpers.atan2({a}, {b})", a, b)
+
+    # comparisons and logic
+    def eq(self, a, b): return self._bin("{a} == {b}", a, b, torch.bool)
+    def ne(self, a, b): return self._bin("{a} != {b}", a, b, torch.bool)
+    def lt(self, a, b): return self._bin("{a} < {b}", a, b, torch.bool)
+    def le(self, a, b): return self._bin("{a} <= {b}", a, b, torch.bool)
+    def gt(self, a, b): return self._bin("{a} > {b}", a, b, torch.bool)
+    def ge(self, a, b): return self._bin("{a} >= {b}", a, b, torch.bool)
+    def logical_and(self, a, b): return self._bin("({a} != 0) & ({b} != 0)", a, b, torch.bool)
+    def logical_or(self, a, b): return self._bin("({a} != 0) | ({b} != 0)", a, b, torch.bool)
+    def logical_xor(self, a, b): return self._bin("({a} != 0) ^ ({b} != 0)", a, b, torch.bool)
+    def logical_not(self, a): return self._op(f"{a} == 0", torch.bool)
+    def bitwise_and(self, a, b): return self._bin("{a} & {b}", a, b)
+    def bitwise_or(self, a, b): return self._bin("{a} | {b}", a, b)
+    def bitwise_xor(self, a, b): return self._bin("{a} ^ {b}", a, b)
+    def bitwise_not(self, a):
+        return self._op(f"{a} == 0" if a.dtype == torch.bool else f"~{a}", a.dtype)
+    def bitwise_left_shift(self, a, b): return self._bin("{a} << {b}", a, b)
+    def bitwise_right_shift(self, a, b): return self._bin("{a} >> {b}", a, b)
+    def isnan(self, a): return self._op(f"{a} != {a}", torch.bool)
+    def isinf(self, a):
+        if not a.dtype.is_floating_point:
+            return self._op(f"{a} != {a}", torch.bool)
+        return self._op(f"tl.abs({a}) == float(\"inf\")", torch.bool)
+
+    # math
+    def _f(self, fn, a):
+        return self._op(f"{fn}({a})", a.dtype)
+
+    def exp(self, a): return self._f("tl.exp", a)
+    def exp2(self, a): return self._f("tl.exp2", a)
+    def log(self, a): return self._f("tl.log", a)
+    def log2(self, a): return self._f("tl.log2", a)
+    def log10(self, a): return self._op(f"tl.log({a}) * 0.4342944819032518", a.dtype)
+    def sqrt(self, a): return self._f("tl.sqrt", a)
+    def rsqrt(self, a): return self._f("tl.rsqrt", a)
+    def sin(self, a): return self._f("tl.sin", a)
+    def cos(self, a): return self._f("tl.cos", a)
+    def tan(self, a): return self._op(f"tl.sin({a}) / tl.cos({a})", a.dtype)
+    def erf(self, a): return self._f("tl.erf", a)
+    def floor(self, a): return self._f("tl.floor", a) if a.dtype.is_floating_point else a
+    def ceil(self, a): return self._f("tl.ceil", a) if a.dtype.is_floating_point else a
+    def reciprocal(self, a): return self._op(f"1.0 / {a}", a.dtype)
+    def sigmoid(self, a): return self._f("tl.sigmoid", a)
+
+    def __getattr__(self, name):
+        helper = {"tanh", "expm1", "log1p", "atan", "asin", "acos", "sinh", "cosh", "asinh",
+                  "acosh", "atanh", "erfc"}
+        if name in helper:
+            return lambda a: self._f(f"triton_helpers.{name}", a)
+        if name == "trunc":
+            return lambda a: self._f("triton_helpers.trunc", a) if a.dtype.is_floating_point else a
+        if name == "round":
+            return lambda a: self._f("triton_helpers.round_half_even", a) if a.dtype.is_floating_point else a
+        raise NotImplementedError(f"commfuse cannot generate Triton code for ops.{name}")
+
+
+def _promote(a, b) -> torch.dtype:
+    da = a.dtype if isinstance(a, Var) else torch.float32
+    db = b.dtype if isinstance(b, Var) else torch.float32
+    return torch.promote_types(da, db)
