@@ -141,6 +141,10 @@ def block_ptr(index: sympy.Expr, axes: list, target: list, store: bool = False) 
     bp = BlockPtr(base, dims, target)
     if not bp.kept or store and len(bp.kept) < len(dims):
         return None
+    if triton_has_block_ptr() and len(bp.kept) < len(dims) and len(target) == 1:
+        # triton 3.6 fails to compile (make_ttir) a block-pointer load broadcast back into a 1-D
+        # pointwise block (seen on H200); such loads keep plain pointers there
+        return None
     return bp
 
 

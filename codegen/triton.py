@@ -48,7 +48,10 @@ class TritonKernel:
         self.tiled = tile is not None   # a 2-D pointwise tile: rows x columns across programs
         self.is_red = group.is_reduction() or self.tiled
         rn = int(self.R) if sizevars.is_static(self.R) else None
-        self.persistent = self.tiled or (self.is_red and choices.is_persistent(rn))
+        # a reduction kernel that also walks some buffer column-wise (e.g. a transposed store
+        # after loop reordering) loops over square tiles so both directions stay coalesced
+        self.transposed = group.is_reduction() and not self.tiled and _walks_transposed(group)
+        self.persistent = self.tiled or (self.is_red and not self.transposed and choices.is_persistent(rn))
         self.args: dict[str, str] = {}            # buffer -> parameter
         self.size_symbols: set = set()
         self.sections: list[Section] = []
@@ -143,7 +146,9 @@ class TritonKernel:
     def kind(self) -> str:
         if self.tiled:
             return "tiled"
-        return "pointwise" if not self.is_red else "persistent" if self.persistent else "looped"
+        if not self.is_red:
+            return "pointwise"
+        return "persistent" if self.persistent else "looped_tiles" if self.transposed else "looped"
 
     def arg(self, name: str) -> str:
         """The kernel parameter for a buffer (or for a comm argument, keyed with an '@')."""
@@ -407,6 +412,15 @@ class TritonKernel:
                 "persistent": self.persistent, "tiled": self.tiled,
                 "block_ptrs": len(self.block_ptr_accesses), "comm": self.comm}
         return code.getvalue(), meta
+
+
+def _walks_transposed(group) -> bool:
+    """Does some access move along rows (stride 1 in x) but jump along the reduction axis?"""
+    for _, _, _, index in group.kernel_accesses():
+        aff = index is not None and sizevars.affine_coefficients(index, [XSYM, RSYM])
+        if aff and aff[0][0] == 1 and aff[0][1] != 0 and aff[0][1] != 1:
+            return True
+    return False
 
 
 def debug_code(scheduler, group) -> str:
