@@ -1,7 +1,9 @@
 """Collectives (`_c10d_functional` ops).
 
-An eligible all-reduce (commfuse/choices.py: `comm_choice`) becomes a CommKernel over
-symmetric memory. Its input is made a comm buffer here, at lowering time, so the
+An eligible all-reduce (commfuse/choices.py: `comm_choice`) runs over symmetric memory: the
+one-shot as a loop body that reads every peer's copy (`ops.peer_reduce`), so its consumers fuse
+into it; two-shot, in-place and torch's kernel as a CommKernel. Its input is made a comm buffer
+here, at lowering time, so the
 kernel that produces it (a fused Triton kernel, or an extern mm through `out=`)
 writes straight into the persistent pool: no copy in. Values we do not produce
 (graph inputs, views) get one copy kernel, fused with the pointwise op before it.
