@@ -162,9 +162,8 @@ def body_str(loops: Loops) -> str:
 
 
 # ----------------------------------------------------------------------------- buffers
-@dataclasses.dataclass(eq=False)
-class Buffer(IRNode):
-    name: str
+class LaidOut(IRNode):
+    """Something stored: size, dtype and device come from its `layout`."""
     layout: Layout
 
     def get_size(self):
@@ -175,6 +174,12 @@ class Buffer(IRNode):
 
     def get_device(self):
         return self.layout.device
+
+
+@dataclasses.dataclass(eq=False)
+class Buffer(LaidOut):
+    name: str
+    layout: Layout
 
     def get_name(self):
         return self.name
@@ -312,19 +317,10 @@ class View(IRNode):
 
 
 @dataclasses.dataclass(eq=False)
-class ReinterpretView(IRNode):
+class ReinterpretView(LaidOut):
     """A strided view of a stored buffer (the wrapper passes it with as_strided)."""
     base: Buffer
     layout: Layout
-
-    def get_size(self):
-        return self.layout.size
-
-    def get_dtype(self):
-        return self.layout.dtype
-
-    def get_device(self):
-        return self.layout.device
 
     def make_loader(self):
         name, layout = self.base.name, self.layout
