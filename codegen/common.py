@@ -48,17 +48,19 @@ class ExprPrinter(StrPrinter):
     def _print_Mod(self, e):
         return f"(({self._print(e.args[0])}) % ({self._print(e.args[1])}))"
 
-    def _print_Max(self, e):
+    MAX, MIN = "max", "min"  # the functions Max / Min print as
+
+    def _fold(self, fn, e):
         out = self._print(e.args[0])
         for a in e.args[1:]:
-            out = f"max({out}, {self._print(a)})"
+            out = f"{fn}({out}, {self._print(a)})"
         return out
 
+    def _print_Max(self, e):
+        return self._fold(self.MAX, e)
+
     def _print_Min(self, e):
-        out = self._print(e.args[0])
-        for a in e.args[1:]:
-            out = f"min({out}, {self._print(a)})"
-        return out
+        return self._fold(self.MIN, e)
 
     def _print_Pow(self, e):
         base, exp = e.args
@@ -78,17 +80,7 @@ class ExprPrinter(StrPrinter):
 
 
 class TritonExprPrinter(ExprPrinter):
-    def _print_Max(self, e):
-        out = self._print(e.args[0])
-        for a in e.args[1:]:
-            out = f"tl.maximum({out}, {self._print(a)})"
-        return out
-
-    def _print_Min(self, e):
-        out = self._print(e.args[0])
-        for a in e.args[1:]:
-            out = f"tl.minimum({out}, {self._print(a)})"
-        return out
+    MAX, MIN = "tl.maximum", "tl.minimum"
 
 
 pexpr = ExprPrinter().doprint

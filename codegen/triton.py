@@ -296,14 +296,21 @@ class TritonKernel:
             sec.body.writeline(f"_, {out} = tl.reduce(({masked}, rindex + tl.zeros([XBLOCK, RBLOCK], tl.int32)), 1, {combine})")
         else:
             av, ai = f"{out}_val", f"{out}_idx"
-            sec.init.writeline(f"{av} = tl.full([XBLOCK, RBLOCK], {ident}, {tacc})")
-            sec.init.writeline(f"{ai} = tl.full([XBLOCK, RBLOCK], 2147483647, tl.int32)")
-            sec.body.writeline(f"{av}_n, {ai}_n = {combine}({av}, {ai}, {masked}, rindex + tl.zeros([XBLOCK, RBLOCK], tl.int32))")
-            sec.body.writeline(f"{av} = {av}_n")
-            sec.body.writeline(f"{ai} = {ai}_n")
+            self._carry_pair(sec, (av, f"tl.full([XBLOCK, RBLOCK], {ident}, {tacc})"),
+                             (ai, "tl.full([XBLOCK, RBLOCK], 2147483647, tl.int32)"),
+                             f"{combine}({av}, {ai}, {masked}, rindex + tl.zeros([XBLOCK, RBLOCK], tl.int32))")
             sec.final.writeline(f"_, {out} = tl.reduce(({av}, {ai}), 1, {combine})")
         self._finish(sec, f"{out} = {out}[:, None].to(tl.int64)")
         return out
+
+    @staticmethod
+    def _carry_pair(sec: Section, a: tuple, b: tuple, update: str) -> None:
+        """Two per-lane accumulators (name, initial value) carried through a loop by `update`."""
+        for name, init in (a, b):
+            sec.init.writeline(f"{name} = {init}")
+        sec.body.writeline(f"{a[0]}_n, {b[0]}_n = {update}")
+        sec.body.writeline(f"{a[0]} = {a[0]}_n")
+        sec.body.writeline(f"{b[0]} = {b[0]}_n")
 
     def _softmax_sum(self, dtype, value: Var) -> Var:
         """sum(exp(v - max(v))) over the row. A whole row in registers: its max, then the sum.
@@ -320,11 +327,9 @@ class TritonKernel:
             return self.newvar(f"tl.sum(triton_helpers.exp_shifted({v}, {m}), 1)[:, None]", dtype)
         out = Var(f"tmp{next(self.tmp)}", dtype)
         m, s = f"{out}_max", f"{out}_sum"
-        sec.init.writeline(f"{m} = tl.full([XBLOCK, RBLOCK], float(\"-inf\"), {tacc})")
-        sec.init.writeline(f"{s} = tl.zeros([XBLOCK, RBLOCK], {tacc})")
-        sec.body.writeline(f"{m}_n, {s}_n = triton_helpers.online_softmax_update({m}, {s}, {src})")
-        sec.body.writeline(f"{m} = {m}_n")
-        sec.body.writeline(f"{s} = {s}_n")
+        self._carry_pair(sec, (m, f"tl.full([XBLOCK, RBLOCK], float(\"-inf\"), {tacc})"),
+                         (s, f"tl.zeros([XBLOCK, RBLOCK], {tacc})"),
+                         f"triton_helpers.online_softmax_update({m}, {s}, {src})")
         rowmax = Var(f"{out}_rowmax", dtype)
         sec.final.writeline(f"{rowmax} = tl.reduce({m}, 1, triton_helpers.max_nan)[:, None]")
         sec.final.writeline(f"{out} = tl.sum(triton_helpers.online_softmax_rescale({s}, {m}, {rowmax}), 1)[:, None]")
