@@ -2,10 +2,11 @@
 
     torchrun --standalone --nproc-per-node 2 bench/comm.py [--out bench/results/comm_2xh200.md]
 
-1. All-reduce latency under CUDA graphs, bf16, 4 KiB ... 64 MiB: commfuse's one-shot Triton kernel
-   vs torch's symm_mem one_shot_all_reduce vs NCCL. Inputs already live in symmetric memory for the
-   two symmetric-memory kernels (as they do when commfuse's producers write the pool); NCCL reduces
-   a plain tensor in place.
+1. All-reduce latency under CUDA graphs, bf16, 4 KiB ... 64 MiB: commfuse's one-shot and two-shot
+   Triton kernels and the algorithm its compiler would pick (tuned table or built-in thresholds) vs
+   torch's symm_mem one_shot / two_shot vs NCCL. Inputs already live in symmetric memory for the
+   symmetric-memory kernels (as they do when commfuse's producers write the pool); NCCL reduces a
+   plain tensor in place.
 2. The TP MLP decode step (B=8, H=4096, F=14336 split over ranks, bf16; all-reduce, residual add,
    RMSNorm): eager, Inductor, Inductor with _collective.auto_select, commfuse; each captured in a CUDA
    graph after warm-up, and without graphs.
@@ -24,7 +25,7 @@ import commfuse  # noqa: E402,F401
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed._functional_collectives as funcol  # noqa: E402
-from commfuse.tune import cuda_graph_time_us, launcher  # noqa: E402  (one timing method for both)
+from commfuse.tune import cuda_graph_time_us  # noqa: E402  (one timing method for both)
 
 
 def eager_time_us(fn, iters=200, reps=5) -> float:
@@ -45,40 +46,31 @@ def eager_time_us(fn, iters=200, reps=5) -> float:
 
 
 def all_reduce_table(sizes, rank, world, group) -> list[dict]:
+    """Every all-reduce we can run, per size: ours (one-shot, two-shot — timed as `commfuse.tune`
+    times them — and the one the compiler's choice runs), torch's symm_mem one_shot / two_shot, NCCL."""
     import torch.distributed._symmetric_memory as symm_mem
-    from commfuse.runtime.symm import SymmPool
-    from commfuse.tune import kernels
-    kernel = kernels(world, torch.bfloat16)["one_shot"]
-    rows = []
+    from commfuse import choices
+    from commfuse.tune import measure
     dev = torch.device("cuda", torch.cuda.current_device())
-    pool = SymmPool(group.group_name, dev, max(sizes))
     tsym = symm_mem.empty(max(sizes) // 2, dtype=torch.bfloat16, device=dev)
     symm_mem.rendezvous(tsym, group.group_name)
-    for nbytes in sizes:
-        numel = nbytes // 2
-        out = torch.empty(numel, dtype=torch.bfloat16, device=dev)
-        ours, peers = launcher(kernel, pool, numel, out, torch.bfloat16)
-        peers[rank].normal_()
-        ours()
-        ref = peers[rank].float().clone()
-        dist.all_reduce(ref, group=group)
-        torch.testing.assert_close(out.float(), ref, atol=0.1, rtol=2e-2)
-        x_t = tsym[:numel]
-
-        def torch_one_shot():
-            torch.ops.symm_mem.one_shot_all_reduce(x_t, "sum", group.group_name)
-        plain = torch.randn(numel, dtype=torch.bfloat16, device=dev)
-
-        def nccl():
-            dist.all_reduce(plain, group=group)
-        row = {"bytes": nbytes}
-        for name, fn in (("commfuse one-shot", ours), ("torch one_shot", torch_one_shot), ("NCCL", nccl)):
+    names = {"one_shot": "ours one-shot", "two_shot": "ours two-shot", "c10d": "NCCL"}
+    rows = []
+    for measured in measure(sizes):
+        nbytes = measured["bytes"]
+        row = {"bytes": nbytes, **{names[k]: measured[k] for k in names}}
+        x_t = tsym[: nbytes // 2]
+        for name, fn in (("torch one_shot", lambda: torch.ops.symm_mem.one_shot_all_reduce(x_t, "sum", group.group_name)),
+                         ("torch two_shot", lambda: torch.ops.symm_mem.two_shot_all_reduce_(x_t, "sum", group.group_name))):
             try:
                 row[name] = cuda_graph_time_us(fn)
             except Exception as e:  # report, keep going
                 row[name] = None
                 if rank == 0:
                     print(f"{name} at {nbytes} B failed: {type(e).__name__}: {e}", file=sys.stderr)
+        # the compiler's choice runs one of our kernels or NCCL: its time is that kernel's
+        pick, _ = choices.all_reduce_algorithm(world, nbytes, dev)
+        row["auto pick"], row["ours auto"] = pick, row[names[pick]]
         rows.append(row)
     return rows
 
@@ -244,6 +236,7 @@ def main():
     ap.add_argument("--skip-decode", action="store_true")
     ap.add_argument("--only-norm", action="store_true", help="only the all-reduce + RMSNorm table")
     ap.add_argument("--only-stack", action="store_true", help="only the L-layer TP stack (planning)")
+    ap.add_argument("--only-ar", action="store_true", help="only the all-reduce latency table")
     args = ap.parse_args()
     rank = int(os.environ["RANK"])
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
@@ -251,20 +244,22 @@ def main():
     world = dist.get_world_size()
     group = dist.group.WORLD
     sizes = [4 << 10 << i for i in range(0, 15) if (4 << 10 << i) <= args.max_mib << 20]
-    only = args.only_norm or args.only_stack
-    ar = [] if only else all_reduce_table(sizes, rank, world, group)
+    only = args.only_norm or args.only_stack or args.only_ar
+    ar = [] if only and not args.only_ar else all_reduce_table(sizes, rank, world, group)
     dec = [] if args.skip_decode or only else decode_table(rank, world, group)
-    norm = [] if args.only_stack else ar_norm_table(rank, world, group)
+    norm = [] if args.only_stack or args.only_ar else ar_norm_table(rank, world, group)
     stack = tp_stack_table(rank, world) if args.only_stack or not only else None
     if rank == 0:
         name = torch.cuda.get_device_name()
-        lines = [f"All-reduce latency, {world}x {name}, bf16, CUDA graphs (µs per call, median):", "",
-                 "| size | commfuse one-shot | torch one_shot | NCCL | ours / torch |", "|---|---|---|---|---|"]
+        cols = ("ours one-shot", "ours two-shot", "ours auto", "torch one_shot", "torch two_shot", "NCCL")
+        lines = [f"All-reduce latency, {world}x {name}, bf16, CUDA graphs (µs per call, median); auto / best: "
+                 "the compiler's choice over the fastest of ours one-shot, two-shot and NCCL:", "",
+                 "| size | " + " | ".join(cols) + " | auto picks | auto / best |", "|---" * (len(cols) + 3) + "|"]
         for r in ar:
-            ratio = (r["commfuse one-shot"] / r["torch one_shot"]) if r["commfuse one-shot"] and r["torch one_shot"] else None
+            best = min((r[k] for k in ("ours one-shot", "ours two-shot", "NCCL") if r[k]), default=None)
+            ratio = f"{r['ours auto'] / best:.2f}" if best and r["ours auto"] else "—"
             size = f"{r['bytes'] >> 10} KiB" if r["bytes"] < 1 << 20 else f"{r['bytes'] >> 20} MiB"
-            lines.append(f"| {size} | {fmt(r['commfuse one-shot'])} | {fmt(r['torch one_shot'])} | "
-                         f"{fmt(r['NCCL'])} | {'—' if ratio is None else f'{ratio:.2f}'} |")
+            lines.append(f"| {size} | " + " | ".join(fmt(r[k]) for k in cols) + f" | {r['auto pick']} | {ratio} |")
         if dec:
             lines += ["", f"TP MLP decode step (B=8, H=4096, F=14336/{world} per rank, bf16, all-reduce + residual "
                           f"+ RMSNorm), {world}x {name}:", "", "| variant | plain µs | CUDA graph µs |", "|---|---|---|"]

@@ -1,18 +1,28 @@
 """Triton comm kernels over symmetric memory.
 
 One-shot all-reduce: every rank reads every peer's copy of the input and reduces it
-locally. A barrier over signal pads (each program owns one int32 slot per peer on each
-rank) opens the kernel — all inputs are written — and closes it — nobody rewrites its
-input while a peer may still read it. Each wait swaps its slot back from 1 to 0, so the
-pads are clean after every call and CUDA-graph replays stay correct.
+locally. A barrier opens the kernel — every rank's input is written — and closes it —
+nobody rewrites its input while a peer may still read it.
+
+The barrier is program by program: program i of each rank meets program i of every peer.
+Program i owns one slot of the signal pad (`signal_stride` int32s, whole cache lines): entry
+p of the slot is where peer p signals, entry `rank` holds the program's epoch — how many
+barriers it has passed, kept across calls. A barrier bumps the epoch, stores it into every
+peer's slot at once (one lane per peer, release), then polls its own slot until every peer's
+entry has caught up (plain volatile loads, then one acquire). Values only grow, so pads never
+need resetting and CUDA-graph replays stay correct; a peer that already went one barrier
+further only left a larger value.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
 from commfuse import config
+from commfuse.runtime.symm import signal_stride
 
-import dataclasses
+from commfuse.choices import comm_max_programs, next_pow2
 
 from .common import IndentedBuffer, triton_dtype
 
@@ -20,17 +30,47 @@ COMBINE = {"sum": "{a} + {b}", "avg": "{a} + {b}", "max": "tl.maximum({a}, {b})"
            "min": "tl.minimum({a}, {b})"}
 
 
-def _barrier(code: IndentedBuffer, world: int) -> None:
-    for p in range(world):  # tell each peer that this program got here
-        code.writeline(f"if rank != {p}:")
-        with code.indent():
-            code.writeline(f"while tl.atomic_cas(sig{p} + slot + rank, 0, 1, sem=\"release\", scope=\"sys\") != 0:")
-            code.writeline("    pass")
-    for p in range(world):  # and wait until each peer told us
-        code.writeline(f"if rank != {p}:")
-        with code.indent():
-            code.writeline(f"while tl.atomic_cas(sig_own + slot + {p}, 1, 0, sem=\"acquire\", scope=\"sys\") != 1:")
-            code.writeline("    pass")
+@dataclasses.dataclass
+class KernelComm:
+    """The barrier of a kernel that reads its peers' buffers. `params` maps the arguments named by
+    `sync_args` to the kernel's parameter names."""
+    group: str
+    world: int
+
+    def sync_args(self) -> list[str]:
+        return [f"@sig{r}" for r in range(self.world)] + ["@sig_own", "@rank"]
+
+    def enter(self, code: IndentedBuffer, params: dict) -> None:
+        own, rank = params["@sig_own"], params["@rank"]
+        code.writeline(f"slot = tl.program_id(0) * {signal_stride(self.world)}")
+        code.writeline(f"epoch = tl.load({own} + slot + {rank}, volatile=True)")
+        self.barrier(code, params)
+
+    def leave(self, code: IndentedBuffer, params: dict) -> None:
+        self.barrier(code, params)
+        code.writeline(f"tl.store({params['@sig_own']} + slot + {params['@rank']}, epoch)")
+
+    def barrier(self, code: IndentedBuffer, params: dict) -> None:
+        own, rank, w = params["@sig_own"], params["@rank"], self.world
+        dst = params[f"@sig{w - 1}"]
+        for p in reversed(range(w - 1)):  # lane p points at peer p's pad
+            dst = f"tl.where(peer == {p}, {params[f'@sig{p}']}, {dst})"
+        code.writeline("tl.debug_barrier()  # every thread's loads and stores come before the signal")
+        code.writeline("epoch += 1")
+        code.writeline(f"peer = tl.arange(0, {max(2, next_pow2(w))})")
+        code.writeline(f"live = (peer != {rank}) & (peer < {w})")
+        code.writeline(f"tl.atomic_xchg({dst} + slot + {rank}, epoch + tl.zeros_like(peer), live, "
+                       "sem=\"release\", scope=\"sys\")")
+        code.writeline(f"seen = tl.load({own} + slot + peer, live, other=0, volatile=True)")
+        code.writeline("while tl.min(tl.where(live, seen - epoch, 0)) < 0:")
+        code.writeline(f"    seen = tl.load({own} + slot + peer, live, other=0, volatile=True)")
+        code.writeline(f"tl.atomic_add({own} + slot + peer, 0, live, sem=\"acquire\", scope=\"sys\")")
+        code.writeline("tl.debug_barrier()  # and every thread's reads of the peers come after it")
+
+
+def _standalone_params(world: int) -> dict:
+    """The standalone kernels' own parameter names for the barrier's arguments."""
+    return {f"@sig{r}": f"sig{r}" for r in range(world)} | {"@sig_own": "sig_own", "@rank": "rank"}
 
 
 def _reduce_peers(code: IndentedBuffer, world: int, reduce_op: str) -> None:
@@ -38,7 +78,7 @@ def _reduce_peers(code: IndentedBuffer, world: int, reduce_op: str) -> None:
     code.writeline(f"acc = {combine([f'tl.load(in{p} + offs, mask, other=0).to(tl.float32)' for p in range(world)], reduce_op, world)}")
 
 
-def _signature(name: str, world: int) -> IndentedBuffer:
+def _signature(name: str, world: int) -> tuple[IndentedBuffer, KernelComm, dict]:
     """The shared head of the standalone all-reduce kernels: peers' inputs, output, signal pads."""
     code = IndentedBuffer()
     code.writeline("@triton.jit")
@@ -47,14 +87,13 @@ def _signature(name: str, world: int) -> IndentedBuffer:
                    "BLOCK: tl.constexpr, NPROG: tl.constexpr):")
     with code.indent():
         code.writeline("pid = tl.program_id(0)")
-        code.writeline(f"slot = pid * {world}")
-    return code
+    return code, KernelComm("", world), _standalone_params(world)
 
 
 def one_shot_all_reduce(name: str, world: int, reduce_op: str, dtype: torch.dtype, inplace: bool) -> str:
-    code = _signature(name, world)
+    code, sync, params = _signature(name, world)
     with code.indent():
-        _barrier(code, world)
+        sync.enter(code, params)
         code.writeline("for start in range(pid * BLOCK, numel, NPROG * BLOCK):")
         with code.indent():
             code.writeline("offs = start + tl.arange(0, BLOCK)")
@@ -62,10 +101,9 @@ def one_shot_all_reduce(name: str, world: int, reduce_op: str, dtype: torch.dtyp
             acc = "acc"
             _reduce_peers(code, world, reduce_op)
             if inplace:  # every peer has read this chunk of our buffer before we overwrite it
-                _barrier(code, world)
+                sync.barrier(code, params)
             code.writeline(f"tl.store(out + offs, {acc}.to({triton_dtype(dtype)}), mask)")
-        if not inplace:
-            _barrier(code, world)
+        sync.leave(code, params)
     return code.getvalue()
 
 
@@ -74,10 +112,10 @@ def two_shot_all_reduce(name: str, world: int, reduce_op: str, dtype: torch.dtyp
     peer into its own buffer (no peer reads chunk r of it), then everyone gathers the chunks.
     Each rank moves 2N bytes instead of the one-shot's W*N."""
     tdt = triton_dtype(dtype)
-    code = _signature(name, world)
+    code, sync, params = _signature(name, world)
     with code.indent():
         code.writeline(f"chunk = tl.cdiv(numel, {world})")
-        _barrier(code, world)
+        sync.enter(code, params)
         code.writeline("for start in range(pid * BLOCK, chunk, NPROG * BLOCK):  # reduce my chunk")
         with code.indent():
             code.writeline("offs = rank * chunk + start + tl.arange(0, BLOCK)")
@@ -86,7 +124,7 @@ def two_shot_all_reduce(name: str, world: int, reduce_op: str, dtype: torch.dtyp
             for p in range(world):  # into my own buffer (in{rank}), where the peers will find it
                 code.writeline(f"if rank == {p}:")
                 code.writeline(f"    tl.store(in{p} + offs, acc.to({tdt}), mask)")
-        _barrier(code, world)
+        sync.barrier(code, params)
         code.writeline("for start in range(pid * BLOCK, chunk, NPROG * BLOCK):  # gather every chunk")
         with code.indent():
             code.writeline("sub = start + tl.arange(0, BLOCK)")
@@ -94,13 +132,13 @@ def two_shot_all_reduce(name: str, world: int, reduce_op: str, dtype: torch.dtyp
                 code.writeline(f"offs = {p} * chunk + sub")
                 code.writeline("mask = (offs < numel) & (sub < chunk)")
                 code.writeline(f"tl.store(out + offs, tl.load(in{p} + offs, mask, other=0), mask)")
-        _barrier(code, world)
+        sync.leave(code, params)
     return code.getvalue()
 
 
 def launch_config(numel: int) -> dict:
     block = config.comm.block
-    nprog = max(1, min(config.comm.max_programs, -(-numel // block)))
+    nprog = max(1, min(comm_max_programs(), -(-numel // block)))
     return {"BLOCK": block, "NPROG": nprog, "num_warps": 4}
 
 
@@ -118,28 +156,6 @@ def combine(loads: list[str], reduce_op: str, world: int) -> str:
     for b in loads[1:]:
         acc = COMBINE[reduce_op].format(a=acc, b=b)
     return f"({acc}) / {world}" if reduce_op == "avg" else acc
-
-
-@dataclasses.dataclass
-class KernelComm:
-    group: str
-    world: int
-
-    def sync_args(self) -> list[str]:
-        return [f"@sig{r}" for r in range(self.world)] + ["@sig_own", "@rank"]
-
-    def barrier(self, code: IndentedBuffer, params: dict) -> None:
-        sig = {r: params[f"@sig{r}"] for r in range(self.world)}
-        own, rank = params["@sig_own"], params["@rank"]
-        code.writeline(f"slot = tl.program_id(0) * {self.world}")
-        for p in range(self.world):
-            code.writeline(f"if {rank} != {p}:")
-            code.writeline(f"    while tl.atomic_cas({sig[p]} + slot + {rank}, 0, 1, sem=\"release\", scope=\"sys\") != 0:")
-            code.writeline("        pass")
-        for p in range(self.world):
-            code.writeline(f"if {rank} != {p}:")
-            code.writeline(f"    while tl.atomic_cas({own} + slot + {p}, 1, 0, sem=\"acquire\", scope=\"sys\") != 1:")
-            code.writeline("        pass")
 
 
 def arg_value(key: str, pool: str) -> str:

@@ -51,7 +51,8 @@ class TritonKernel:
         # a reduction kernel that also walks some buffer column-wise (e.g. a transposed store
         # after loop reordering) loops over square tiles so both directions stay coalesced
         self.transposed = group.is_reduction() and not self.tiled and _walks_transposed(group)
-        self.persistent = self.tiled or (self.is_red and not self.transposed and choices.is_persistent(rn))
+        reads_peers = any(a.indirect and a.name in V.graph.comm_buffers for n in group.nodes for a in n.reads)
+        self.persistent = self.tiled or (self.is_red and not self.transposed and choices.is_persistent(rn, reads_peers))
         self.args: dict[str, str] = {}            # buffer -> parameter
         self.size_symbols: set = set()
         self.sections: list[Section] = []
@@ -388,7 +389,7 @@ class TritonKernel:
                 code.writeline("xindex = xoffset + tl.arange(0, XBLOCK)")
                 code.writeline("xmask = xindex < xnumel")
             if self.comm is not None:  # every rank's input is written before anyone reads it
-                self.comm.barrier(code, self.args)
+                self.comm.enter(code, self.args)
             for sec in self.sections:
                 if not sec.loop:
                     code.splice(sec.body)
@@ -412,7 +413,7 @@ class TritonKernel:
                     code.splice(sec.body)
                 code.splice(sec.final)
             if self.comm is not None:  # nobody rewrites its input while a peer may still read it
-                self.comm.barrier(code, self.args)
+                self.comm.leave(code, self.args)
         meta = {"params": params, "size_symbols": syms, "reduction": self.is_red, "kind": self.kind,
                 "persistent": self.persistent, "tiled": self.tiled,
                 "block_ptrs": len(self.block_ptr_accesses), "comm": self.comm}

@@ -124,14 +124,21 @@ def reduction_blocks(xnumel: int, rnumel: int | None, persistent: bool) -> dict:
     return {"XBLOCK": 1, "RBLOCK": 2048, "num_warps": 8}
 
 
+def comm_max_programs() -> int:
+    """Programs of one comm kernel: each owns a barrier slot of the signal pad."""
+    from .runtime.symm import SIGNAL_PROGRAMS
+    return max(1, min(config.comm.max_programs, SIGNAL_PROGRAMS))
+
+
 def comm_kernel_blocks(xnumel: int, rnumel: int, persistent: bool, reduction: bool) -> dict:
     """A kernel that reads peers synchronizes program by program with the same program on every
     rank: keep the grid within `comm.max_programs` so all of them are resident at once."""
-    cap = config.comm.max_programs
+    cap = comm_max_programs()
     if reduction:
         blocks = reduction_blocks(xnumel, rnumel, persistent)
         blocks["XBLOCK"] = max(blocks["XBLOCK"], next_pow2(-(-xnumel // cap)))
-        blocks["num_warps"] = config.comm.num_warps  # few programs: each needs many loads in flight
+        # few programs: each needs many loads in flight; long rows need more threads to hold them
+        blocks["num_warps"] = max(config.comm.num_warps, min(16, blocks["XBLOCK"] * blocks["RBLOCK"] // 512))
         return blocks
     xblock = max(config.comm.block, next_pow2(-(-xnumel // cap)))
     return {"XBLOCK": xblock, "num_warps": 4 if xblock <= 1024 else 8}
@@ -148,9 +155,11 @@ def kernel_config(kind: str, xnumel: int, rnumel: int) -> dict:
     return reduction_blocks(xnumel, rnumel, kind == "persistent")
 
 
-def is_persistent(rnumel) -> bool:
-    """Whole rows in one block: static and short enough."""
-    return rnumel is not None and rnumel <= config.persistent_reduction_max
+def is_persistent(rnumel, reads_peers: bool = False) -> bool:
+    """Whole rows in one block: static and short enough. Longer rows for a kernel that reads its
+    peers' buffers: a looped row would pull them over the link a second time."""
+    limit = config.comm.persistent_reduction_max if reads_peers else config.persistent_reduction_max
+    return rnumel is not None and rnumel <= limit
 
 
 def should_tile(rows: int, cols: int) -> bool:

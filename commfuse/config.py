@@ -61,6 +61,7 @@ class comm:
     block = 1024                   # elements per program step of the comm kernels
     max_programs = 64              # programs of a comm kernel (each owns a barrier slot)
     num_warps = 8                  # warps of a fused all-reduce kernel that reduces rows
+    persistent_reduction_max = 8192  # rows a kernel reading peers reduces in one block
     plan_check_timeout_s = 60      # how long the first call waits for every rank's plan
 
 

@@ -238,3 +238,31 @@ def _torch_algorithm(rank, world):
 @pytest.mark.gpu
 def test_torch_one_shot_selectable_on_gpu():
     assert run_ranks(_torch_algorithm) == [True, True]
+
+
+def _three_ranks_repeated(rank, world):
+    """Barrier epochs advance correctly across calls and across kernels with different grids:
+    one-shot, two-shot and a fused row reduction, called back to back, several times."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    from commfuse import config
+    g = dist.group.WORLD
+
+    def fn(x, y):
+        a = funcol.all_reduce(x * 2, "sum", g)          # standalone: 4 programs, several steps each
+        b = funcol.all_reduce(y + 1, "sum", g)          # fused with its consumer: one program per row
+        return a + 1, b / b.abs().sum(-1, keepdim=True)
+    for algorithm in ("one_shot", "two_shot"):
+        torch._dynamo.reset()
+        with config.patch({"comm.algorithm": algorithm, "comm.block": 64, "comm.max_programs": 4}):
+            compiled = torch.compile(fn, backend="commfuse")
+            for step in range(3):
+                torch.manual_seed(10 * rank + step)
+                x, y = torch.randn(1000, device=device()), torch.randn(6, 40, device=device())
+                for got, want in zip(compiled(x, y), fn(x, y)):
+                    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=f"{algorithm} step {step}")
+    return True
+
+
+def test_three_ranks_repeated_calls():
+    assert run_ranks(_three_ranks_repeated, world=3) == [True] * 3

@@ -1,7 +1,8 @@
 """Symmetric memory behind one interface, two backends.
 
 A `SymmPool` is one allocation of `nbytes` per rank of a process group, at the same
-size on every rank, plus a signal pad of int32 slots for the comm kernels' barriers.
+size on every rank, followed by a signal pad of int32 slots for the comm kernels' barriers
+(ours, not torch's pad, so torch's symm_mem kernels on the same pool keep theirs).
 Each rank sees its own buffer and its peers' (`peer_views`), so kernels can read the
 peers' data directly.
   CUDA: torch.distributed._symmetric_memory (allocation, rendezvous, peer buffers, pads).
@@ -18,7 +19,17 @@ import torch
 import torch.distributed as dist
 
 ALIGN = 128          # bytes: every buffer starts on a vectorizable boundary
-SIGNAL_SLOTS = 4096  # int32 slots per rank (programs x peers)
+SIGNAL_PROGRAMS = 1024  # comm-kernel programs that own a barrier slot (the grid of one kernel)
+
+
+def signal_stride(world: int) -> int:
+    """int32s per program slot: one flag per peer (and this rank's epoch counter), padded to whole
+    128-byte lines so that programs never poll or signal on a line another program uses."""
+    return 32 * -(-world // 32)
+
+
+def signal_bytes(world: int) -> int:
+    return SIGNAL_PROGRAMS * signal_stride(world) * 4
 
 
 def align(n: int) -> int:
@@ -48,12 +59,13 @@ class SymmPool:
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError("commfuse: symmetric memory must be allocated before CUDA-graph capture; "
                                "run the compiled function once before capturing it")
-        self.local = symm_mem.empty(self.nbytes, dtype=torch.uint8, device=self.device)
-        handle = symm_mem.rendezvous(self.local, group.group_name)
+        total = self.nbytes + signal_bytes(self.world_size)
+        whole = symm_mem.empty(total, dtype=torch.uint8, device=self.device)
+        handle = symm_mem.rendezvous(whole, group.group_name)
         self.handle = handle
-        self.peers = [handle.get_buffer(r, (self.nbytes,), torch.uint8) for r in range(self.world_size)]
-        slots = min(SIGNAL_SLOTS, handle.signal_pad_size // 4)
-        self.signals = [handle.get_signal_pad(r, (slots,), torch.int32) for r in range(self.world_size)]
+        maps = [handle.get_buffer(r, (total,), torch.uint8) for r in range(self.world_size)]
+        self.local, self.peers = whole[: self.nbytes], [m[: self.nbytes] for m in maps]
+        self.signals = [m[self.nbytes:].view(torch.int32) for m in maps]
         self.signals[self.rank].zero_()
         torch.cuda.synchronize(self.device)
         dist.barrier(group)
@@ -62,7 +74,7 @@ class SymmPool:
         # rank 0 names the allocation; everyone creates its file, then maps the others'
         token = [uuid.uuid4().hex if self.rank == 0 else None]
         dist.broadcast_object_list(token, src=dist.get_global_rank(group, 0), group=group)
-        total = self.nbytes + SIGNAL_SLOTS * 4
+        total = self.nbytes + signal_bytes(self.world_size)
         paths = [os.path.join(_shm_dir(), f"commfuse_{token[0]}_{r}") for r in range(self.world_size)]
         with open(paths[self.rank], "wb") as f:
             f.truncate(total)
