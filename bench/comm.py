@@ -152,12 +152,13 @@ def ar_norm_table(rank, world, group, batches=(1, 8, 32, 128), hiddens=(4096, 81
             return x * 1.0
         variants = {}
         torch._dynamo.reset()
-        variants["commfuse fused"] = torch.compile(lambda x, r: step(produce(x), r), backend="commfuse")
-        variants["NCCL + inductor"] = torch.compile(lambda x, r: step(produce(x), r))
+        # static shapes: each batch size gets its own graph (a dynamic one would take c10d)
+        variants["commfuse fused"] = torch.compile(lambda x, r: step(produce(x), r), backend="commfuse", dynamic=False)
+        variants["NCCL + inductor"] = torch.compile(lambda x, r: step(produce(x), r), dynamic=False)
         try:
             import torch._inductor.config as ic
             ic._collective.auto_select = True
-            variants["inductor auto_select"] = torch.compile(lambda x, r: step(produce(x), r))
+            variants["inductor auto_select"] = torch.compile(lambda x, r: step(produce(x), r), dynamic=False)
         except Exception:
             ic = None
         for B in batches:

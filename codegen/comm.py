@@ -19,10 +19,10 @@ import dataclasses
 
 import torch
 
-from commfuse import config
+from commfuse.runtime.loader import interpreting
 from commfuse.runtime.symm import signal_stride
 
-from commfuse.choices import comm_max_programs, next_pow2
+from commfuse.choices import next_pow2
 
 from .common import IndentedBuffer, triton_dtype
 
@@ -30,9 +30,52 @@ COMBINE = {"sum": "{a} + {b}", "avg": "{a} + {b}", "max": "tl.maximum({a}, {b})"
            "min": "tl.minimum({a}, {b})"}
 
 
+# On the GPU the barrier's lanes are one per thread (no thread holds a copy of another's lane, so
+# each signal is sent once) and the memory order is spelled out in PTX; Triton's interpreter has
+# no inline PTX and takes the same steps with atomics.
+LANES = 1024  # >= the threads of any kernel (32 warps)
+_SIGNAL = ("{{ .reg .pred p; setp.ne.b32 p, $2, 0; @p st.{sem}.sys.global.b32 [$1], $3; "
+           "mov.b32 $0, 0; }}")
+_POLL = "{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.b32 $0, 0; @p ld.acquire.sys.global.b32 $0, [$1]; }"
+
+
+def barrier_lines(world: int, params: dict, release: bool, inline_ptx: bool) -> list[str]:
+    """One barrier of program `slot`: bump the epoch, store it in every peer's slot, wait until every
+    peer's entry in our slot has reached it. `release`: this program's earlier writes must be
+    visible to the peers once they pass (otherwise they only learn that it got here)."""
+    own, rank, w = params["@sig_own"], params["@rank"], world
+    dst = params[f"@sig{w - 1}"]
+    for p in reversed(range(w - 1)):  # lane p points at peer p's pad
+        dst = f"tl.where(peer == {p}, {params[f'@sig{p}']}, {dst})"
+    lanes = LANES if inline_ptx else max(2, next_pow2(w))
+    lines = ["tl.debug_barrier()  # every thread's loads and stores come before the signal",
+             "epoch += 1",
+             f"peer = tl.arange(0, {lanes})",
+             f"live = (peer != {rank}) & (peer < {w})"]
+    if inline_ptx:
+        sem = "release" if release else "relaxed"
+        lines += [f"tl.inline_asm_elementwise({_SIGNAL.format(sem=sem)!r}, \"=r,l,r,r\", "
+                  f"[{dst} + slot + {rank}, live.to(tl.int32), epoch + tl.zeros_like(peer)], "
+                  "dtype=tl.int32, is_pure=False, pack=1)"]
+        poll = (f"tl.inline_asm_elementwise({_POLL!r}, \"=r,l,r\", [{own} + slot + peer, live.to(tl.int32)], "
+                "dtype=tl.int32, is_pure=False, pack=1)")
+    else:
+        sem = "release" if release else "relaxed"
+        lines += [f"tl.atomic_xchg({dst} + slot + {rank}, epoch + tl.zeros_like(peer), live, "
+                  f"sem=\"{sem}\", scope=\"sys\")"]
+        poll = f"tl.load({own} + slot + peer, live, other=0, volatile=True)"
+    lines += [f"seen = {poll}",
+              "while tl.min(tl.where(live, seen - epoch, 0)) < 0:",
+              f"    seen = {poll}"]
+    if not inline_ptx:  # the volatile polls carry no order: one acquire on what they saw
+        lines.append(f"tl.atomic_add({own} + slot + peer, 0, live, sem=\"acquire\", scope=\"sys\")")
+    lines.append("tl.debug_barrier()  # and every thread's reads of the peers come after it")
+    return lines
+
+
 @dataclasses.dataclass
 class KernelComm:
-    """The barrier of a kernel that reads its peers' buffers. `params` maps the arguments named by
+    """The barriers of a kernel that reads its peers' buffers. `params` maps the arguments named by
     `sync_args` to the kernel's parameter names."""
     group: str
     world: int
@@ -41,31 +84,20 @@ class KernelComm:
         return [f"@sig{r}" for r in range(self.world)] + ["@sig_own", "@rank"]
 
     def enter(self, code: IndentedBuffer, params: dict) -> None:
+        """Every rank's input is written (by earlier kernels: visible once they ended)."""
         own, rank = params["@sig_own"], params["@rank"]
         code.writeline(f"slot = tl.program_id(0) * {signal_stride(self.world)}")
         code.writeline(f"epoch = tl.load({own} + slot + {rank}, volatile=True)")
-        self.barrier(code, params)
+        self.barrier(code, params, release=False)
 
     def leave(self, code: IndentedBuffer, params: dict) -> None:
-        self.barrier(code, params)
+        """Nobody rewrites its input while a peer may still read it."""
+        self.barrier(code, params, release=True)
         code.writeline(f"tl.store({params['@sig_own']} + slot + {params['@rank']}, epoch)")
 
-    def barrier(self, code: IndentedBuffer, params: dict) -> None:
-        own, rank, w = params["@sig_own"], params["@rank"], self.world
-        dst = params[f"@sig{w - 1}"]
-        for p in reversed(range(w - 1)):  # lane p points at peer p's pad
-            dst = f"tl.where(peer == {p}, {params[f'@sig{p}']}, {dst})"
-        code.writeline("tl.debug_barrier()  # every thread's loads and stores come before the signal")
-        code.writeline("epoch += 1")
-        code.writeline(f"peer = tl.arange(0, {max(2, next_pow2(w))})")
-        code.writeline(f"live = (peer != {rank}) & (peer < {w})")
-        code.writeline(f"tl.atomic_xchg({dst} + slot + {rank}, epoch + tl.zeros_like(peer), live, "
-                       "sem=\"release\", scope=\"sys\")")
-        code.writeline(f"seen = tl.load({own} + slot + peer, live, other=0, volatile=True)")
-        code.writeline("while tl.min(tl.where(live, seen - epoch, 0)) < 0:")
-        code.writeline(f"    seen = tl.load({own} + slot + peer, live, other=0, volatile=True)")
-        code.writeline(f"tl.atomic_add({own} + slot + peer, 0, live, sem=\"acquire\", scope=\"sys\")")
-        code.writeline("tl.debug_barrier()  # and every thread's reads of the peers come after it")
+    def barrier(self, code: IndentedBuffer, params: dict, release: bool = True) -> None:
+        for line in barrier_lines(self.world, params, release, inline_ptx=not interpreting()):
+            code.writeline(line)
 
 
 def _standalone_params(world: int) -> dict:
@@ -134,12 +166,6 @@ def two_shot_all_reduce(name: str, world: int, reduce_op: str, dtype: torch.dtyp
                 code.writeline(f"tl.store(out + offs, tl.load(in{p} + offs, mask, other=0), mask)")
         sync.leave(code, params)
     return code.getvalue()
-
-
-def launch_config(numel: int) -> dict:
-    block = config.comm.block
-    nprog = max(1, min(comm_max_programs(), -(-numel // block)))
-    return {"BLOCK": block, "NPROG": nprog, "num_warps": 4}
 
 
 # ------------------------------------------------------------------------------- fused kernels

@@ -366,7 +366,7 @@ class WrapperCodegen:
             self.body.writeline(f"{buf.name} = {src}  # reduced in place")
         else:
             self.allocate(buf, pool)
-        cfg = comm_codegen.launch_config(numel)
+        cfg = choices.comm_launch(numel)
         p = plan["pool"]
         peers = ", ".join(f"comm['peers_{src}'][{r}]" for r in range(buf.world_size))
         sigs = ", ".join(f"comm[{p!r}].signals[{r}]" for r in range(buf.world_size))

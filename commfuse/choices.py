@@ -130,6 +130,15 @@ def comm_max_programs() -> int:
     return max(1, min(config.comm.max_programs, SIGNAL_PROGRAMS))
 
 
+def comm_launch(numel: int) -> dict:
+    """Grid of a standalone all-reduce kernel. Small messages are latency: one step per program.
+    Large ones are bandwidth over a long link: bigger steps keep more peer loads in flight."""
+    cap = comm_max_programs()
+    block = config.comm.block if numel <= cap * config.comm.block else config.comm.bulk_block
+    nprog = max(1, min(cap, -(-numel // block)))
+    return {"BLOCK": block, "NPROG": nprog, "num_warps": max(4, min(16, block // 256))}
+
+
 def comm_kernel_blocks(xnumel: int, rnumel: int, persistent: bool, reduction: bool) -> dict:
     """A kernel that reads peers synchronizes program by program with the same program on every
     rank: keep the grid within `comm.max_programs` so all of them are resident at once."""
@@ -209,7 +218,8 @@ def comm_choice(collective: str, x, reduce_op: str, group_name: str) -> tuple[st
         return "c10d", f"device {x.get_device()}"
     numel = x.get_numel()
     if not sizevars.is_static(numel):
-        return "c10d", f"symbolic size {numel}"
+        return "c10d", (f"symbolic size {numel}: a dynamic-shape graph; compile with dynamic=False (or "
+                        "torch._dynamo.mark_static on the batch dim) to get the symmetric-memory kernels")
     try:
         world = group_size(group_name)
         single = _single_host(group_name)

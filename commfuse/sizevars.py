@@ -212,7 +212,9 @@ def contiguous_strides(sizes: Sequence[Expr]) -> list[Expr]:
 
 
 def unravel(flat: Expr, sizes: Sequence[Expr]) -> list[Expr]:
-    """Row-major index vector of `flat` over `sizes`."""
+    """Row-major index vector of `flat` over `sizes` (flat < their product: the outermost dim
+    that is not 1 needs no Mod)."""
+    outer = next((i for i, s in enumerate(sizes) if s != 1), 0)
     out, div = [], sympy.Integer(1)
     for i in range(len(sizes) - 1, -1, -1):
         s = sizes[i]
@@ -220,7 +222,7 @@ def unravel(flat: Expr, sizes: Sequence[Expr]) -> list[Expr]:
             out.append(sympy.Integer(0))
             continue
         v = FloorDiv(flat, div)
-        out.append(v if i == 0 else Mod(v, s))
+        out.append(v if i <= outer else Mod(v, s))
         div = div * s
     return list(reversed(out))
 

@@ -11,7 +11,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from . import tuning
+from . import choices, tuning
 
 
 def cuda_graph_time_us(fn, iters=100, reps=5) -> float:
@@ -51,8 +51,7 @@ def kernels(world: int, dtype):
 
 
 def launcher(kernel, pool, numel, out, dtype):
-    from codegen import comm as comm_codegen
-    cfg = comm_codegen.launch_config(numel)
+    cfg = choices.comm_launch(numel)
     peers = pool.peer_views(0, numel, dtype)
     sigs = pool.signals
     rank = pool.rank

@@ -54,7 +54,9 @@ def _all_reduce(x, reduce_op, group_name, inplace):
     algorithm, reason = choices.comm_choice("all_reduce", x, reduce_op, group_name)
     if algorithm == "c10d":
         graph.comm_fallbacks.append({"op": "all_reduce", "reason": reason})
-        log.info("commfuse: all_reduce on %s runs through c10d: %s", group_name, reason)
+        # a dynamic-shape recompile silently losing the fast path is worth one warning
+        (log.warning if reason.startswith("symbolic size") else log.info)(
+            "commfuse: all_reduce on %s runs through c10d: %s", group_name, reason)
         return None
     if reason:
         graph.comm_choices.append({"op": "all_reduce", "algorithm": algorithm, "reason": reason})

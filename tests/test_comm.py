@@ -249,12 +249,13 @@ def _three_ranks_repeated(rank, world):
     g = dist.group.WORLD
 
     def fn(x, y):
-        a = funcol.all_reduce(x * 2, "sum", g)          # standalone: 4 programs, several steps each
+        a = funcol.all_reduce(x * 2, "sum", g)          # 4 programs (two-shot: 2 steps each)
         b = funcol.all_reduce(y + 1, "sum", g)          # fused with its consumer: one program per row
         return a + 1, b / b.abs().sum(-1, keepdim=True)
     for algorithm in ("one_shot", "two_shot"):
         torch._dynamo.reset()
-        with config.patch({"comm.algorithm": algorithm, "comm.block": 64, "comm.max_programs": 4}):
+        with config.patch({"comm.algorithm": algorithm, "comm.block": 64, "comm.bulk_block": 128,
+                           "comm.max_programs": 4}):
             compiled = torch.compile(fn, backend="commfuse")
             for step in range(3):
                 torch.manual_seed(10 * rank + step)
