@@ -60,7 +60,7 @@ class comm:
     groups: list | None = None     # only these group names (None: all)
     block = 1024                   # elements per program step of the comm kernels
     bulk_block = 4096              # ... once a message needs several steps per program
-    max_programs = 64              # programs of a comm kernel (each owns a barrier slot)
+    max_programs = 128             # programs of a comm kernel (each owns a barrier slot)
     num_warps = 8                  # warps of a fused all-reduce kernel that reduces rows
     persistent_reduction_max = 8192  # rows a kernel reading peers reduces in one block
     plan_check_timeout_s = 60      # how long the first call waits for every rank's plan
