@@ -67,10 +67,17 @@ def _ineligible(rank, world, dump_dir):
         x = torch.randn(64, device=device())  # 256 bytes: over the 64-byte threshold
         torch.testing.assert_close(torch.compile(fn, backend="commfuse")(x), fn(x))
     torch._dynamo.reset()
+    import logging
+    warned = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warned.append(record.getMessage())
+    logging.getLogger("commfuse").addHandler(handler)
     with config.patch(dump_dir=dump_dir):
         for n in (5, 9):  # symbolic sizes
             x = torch.randn(n, device=device())
             torch.testing.assert_close(torch.compile(fn, backend="commfuse", dynamic=True)(x), fn(x))
+    # losing the fast path to a dynamic shape is said out loud, with what to do about it
+    assert any("dynamic=False" in m for m in warned), warned
     return True
 
 
