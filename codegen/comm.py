@@ -83,12 +83,15 @@ class KernelComm:
     def sync_args(self) -> list[str]:
         return [f"@sig{r}" for r in range(self.world)] + ["@sig_own", "@rank"]
 
-    def enter(self, code: IndentedBuffer, params: dict) -> None:
-        """Every rank's input is written (by earlier kernels: visible once they ended)."""
+    def enter(self, code: IndentedBuffer, params: dict, wait: bool = True) -> None:
+        """This program's slot and epoch; with `wait`, a barrier: every rank's input is written (by
+        earlier kernels: visible once they ended). A kernel that writes its own input (a fused
+        prologue) synchronizes later, after the stores."""
         own, rank = params["@sig_own"], params["@rank"]
         code.writeline(f"slot = tl.program_id(0) * {signal_stride(self.world)}")
         code.writeline(f"epoch = tl.load({own} + slot + {rank}, volatile=True)")
-        self.barrier(code, params, release=False)
+        if wait:
+            self.barrier(code, params, release=False)
 
     def leave(self, code: IndentedBuffer, params: dict) -> None:
         """Nobody rewrites its input while a peer may still read it. A relaxed signal suffices (and

@@ -51,7 +51,7 @@ class TritonKernel:
         # a reduction kernel that also walks some buffer column-wise (e.g. a transposed store
         # after loop reordering) loops over square tiles so both directions stay coalesced
         self.transposed = group.is_reduction() and not self.tiled and _walks_transposed(group)
-        reads_peers = any(a.indirect and a.name in V.graph.comm_buffers for n in group.nodes for a in n.reads)
+        reads_peers = _reads_peers(group)
         self.persistent = self.tiled or (self.is_red and not self.transposed and choices.is_persistent(rn, reads_peers))
         self.args: dict[str, str] = {}            # buffer -> parameter
         self.size_symbols: set = set()
@@ -65,6 +65,8 @@ class TritonKernel:
         self.block_ptr_accesses: set[str] = set()
         self.int64 = any(sizevars.hint(self._numel(n)) >= 2**31 for n in group.nodes)
         self.comm = None                          # set by a peer read: the kernel synchronizes ranks
+        self.published: set[str] = set()          # comm buffers this kernel wrote, then synchronized on
+        self.reads_outside_peers = False          # peer reads of buffers earlier kernels wrote
         self.new_section(loop=False)
 
     @staticmethod
@@ -246,7 +248,15 @@ class TritonKernel:
         group = V.graph.comm_buffers[name][1]
         if self.comm is None:
             self.comm = comm_codegen.KernelComm(group, choices.group_size(group))
+            for a in self.comm.sync_args():
+                self.arg(a)
         assert self.comm.group == group, "one process group per kernel"
+        if name not in self.values:
+            self.reads_outside_peers = True
+        elif name not in self.published:
+            # the prologue wrote our copy in this kernel: publish it before anyone reads
+            self.comm.barrier(self.cur.body, self.args, release=True)
+            self.published |= {n for n in self.values if n in V.graph.comm_buffers}
         idx, mask = self.index_str(index), self.mask()
         loads = [f"tl.load({self.arg(comm_codegen.peer_arg(name, r))} + ({idx}), {mask}, other=0).to(tl.float32)"
                  for r in range(self.comm.world)]
@@ -368,9 +378,6 @@ class TritonKernel:
     def render(self) -> tuple[str, dict]:
         for node in self.group.nodes:
             self.emit_node(node)
-        if self.comm is not None:
-            for a in self.comm.sync_args():
-                self.arg(a)
         params = list(self.args.values())
         syms = sorted(self.size_symbols, key=str)
         params += [str(s) for s in syms] + ["xnumel"] + (["rnumel"] if self.is_red else [])
@@ -389,7 +396,7 @@ class TritonKernel:
                 code.writeline("xindex = xoffset + tl.arange(0, XBLOCK)")
                 code.writeline("xmask = xindex < xnumel")
             if self.comm is not None:  # every rank's input is written before anyone reads it
-                self.comm.enter(code, self.args)
+                self.comm.enter(code, self.args, wait=self.reads_outside_peers)
             for sec in self.sections:
                 if not sec.loop:
                     code.splice(sec.body)
@@ -420,6 +427,10 @@ class TritonKernel:
         return code.getvalue(), meta
 
 
+def _reads_peers(group) -> bool:
+    return any(a.peer for n in group.nodes for a in n.reads)
+
+
 def _walks_transposed(group) -> bool:
     """Does some access move along rows (stride 1 in x) but jump along the reduction axis?"""
     for _, _, _, index in group.kernel_accesses():
@@ -441,7 +452,7 @@ def choose_tile(group):
     """(rows, columns) for a pointwise group that walks one buffer along the rows and another
     along the columns (a transposed read or write): tiling both axes keeps every access
     coalesced. None keeps it 1-D."""
-    if group.is_reduction() or group.is_extern():
+    if group.is_reduction() or group.is_extern() or _reads_peers(group):  # barrier slots are 1-D
         return None
     ranges = group.nodes[0].ranges
     produced = set(group.names)

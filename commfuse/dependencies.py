@@ -18,6 +18,7 @@ class MemoryAccess:
     name: str
     index: sympy.Expr
     indirect: bool = False  # the index depends on loaded data
+    peer: bool = False      # every rank's copy is read (an all-reduce): at `index`, never from registers
 
 
 @dataclasses.dataclass
@@ -48,8 +49,8 @@ class RecordingOps:
         return self._emit(f"load({name}, {index})")
 
     def peer_reduce(self, name, index, reduce_op):
-        # peers' copies: never taken from the producer's registers, so never fused with it
-        self.reads.append(MemoryAccess(name, index, indirect=True))
+        # peers' copies: never taken from the producer's registers, nor recomputed elsewhere
+        self.reads.append(MemoryAccess(name, index, indirect=True, peer=True))
         return self._emit(f"peer_reduce({name}, {index}, {reduce_op})")
 
     def store(self, name, index, value, mode=None):

@@ -178,7 +178,10 @@ class Group:
                 continue
             m = n.kernel_index_map(self.X, self.R)
             for acc in n.reads:
-                yield n, "read", acc.name, (None if acc.indirect else sizevars.simplify(acc.index.subs(m)))
+                if acc.peer:  # an all-reduce reads every rank's copy at this index
+                    yield n, "peer", acc.name, sizevars.simplify(acc.index.subs(m))
+                else:
+                    yield n, "read", acc.name, (None if acc.indirect else sizevars.simplify(acc.index.subs(m)))
             for acc in n.writes:
                 yield n, "write", acc.name, sizevars.simplify(acc.index.subs(m))
 
@@ -379,14 +382,16 @@ class Scheduler:
             if kind == "write":
                 written[name] = (node, index)
         for node, kind, name, index in g.kernel_accesses():
-            if kind == "read" and name in written:
+            if kind in ("read", "peer") and name in written:
                 producer, windex = written[name]
                 if producer is node:
                     continue
                 if index is None or not sizevars.equal(index, windex):
                     return False
-                if producer.is_reduction() and index.has(RSYM):
+                if producer.is_reduction() and (index.has(RSYM) or kind == "peer"):
                     return False
+                # a pointwise producer of an all-reduce's input: each program writes the very
+                # elements it then reads from every rank, after a barrier (the comm prologue)
         return True
 
     def _path_between(self, src: Group, dst: Group) -> bool:
@@ -438,7 +443,7 @@ class Scheduler:
             if g.is_extern():
                 continue
             for n in g.nodes:
-                if n.name in self.output_names:
+                if n.name in self.output_names or n.name in V.graph.comm_buffers:  # peers read those
                     continue
                 users = self.readers.get(n.name, [])
                 if all(u is g for u in users):

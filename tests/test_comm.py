@@ -165,10 +165,14 @@ def test_producers_write_into_the_pool(tmp_path):
     # the first all-reduce's kernel computes relu(y + b) as its epilogue, straight into the second
     # all-reduce's buffer; a copy kernel fills the third from the graph input
     assert sum(b["name"] in written for b in s0["comm_buffers"]) == 2
-    # (b) one-shot all-reduce kernels read the peers' buffers
-    assert code0.count("def cf_allreduce_") == 3
-    assert len([k for k in s0["kernels"] if k.get("collective") == "all_reduce"]) == 3
-    assert "comm['peers_" in code0 and "_peer1 + (" in code0
+    # (b) one-shot all-reduces read the peers' buffers, in two kernels: the second all-reduce reads
+    # what the first one's epilogue wrote in the same kernel (a barrier in between), and the copy of
+    # the graph input is the prologue of the third's kernel
+    assert code0.count("def cf_allreduce_") == 2
+    assert len([k for k in s0["kernels"] if k.get("collective") == "all_reduce"]) == 2
+    for b in s0["comm_buffers"]:
+        assert f"comm['peers_{b['name']}'][1]" in code0 and f"{b['name']}_peer1 + (" in code0
+    assert code0.count('sem="release"') == 2  # the two barriers that publish in-kernel writes
     # (c) the same pool slices on both ranks
     assert [(b["name"], b["offset"], b["bytes"]) for b in s0["comm_buffers"]] == \
         [(b["name"], b["offset"], b["bytes"]) for b in s1["comm_buffers"]]
