@@ -8,10 +8,10 @@ The barrier is program by program: program i of each rank meets program i of eve
 Program i owns one slot of the signal pad (`signal_stride` int32s, whole cache lines): entry
 p of the slot is where peer p signals, entry `rank` holds the program's epoch — how many
 barriers it has passed, kept across calls. A barrier bumps the epoch, stores it into every
-peer's slot at once (one lane per peer, release), then polls its own slot until every peer's
-entry has caught up (plain volatile loads, then one acquire). Values only grow, so pads never
-need resetting and CUDA-graph replays stay correct; a peer that already went one barrier
-further only left a larger value.
+peer's slot at once (one lane per peer), then polls its own slot until every peer's entry has
+caught up. Values only grow, so pads never need resetting and CUDA-graph replays stay correct;
+a peer that already went one barrier further only left a larger value. (bench/results/
+comm_probe_2xh200.md has what each way of writing the barrier cost on H200.)
 """
 from __future__ import annotations
 
@@ -19,10 +19,9 @@ import dataclasses
 
 import torch
 
+from commfuse.choices import next_pow2
 from commfuse.runtime.loader import interpreting
 from commfuse.runtime.symm import signal_stride
-
-from commfuse.choices import next_pow2
 
 from .common import IndentedBuffer, triton_dtype
 
@@ -52,15 +51,14 @@ def barrier_lines(world: int, params: dict, release: bool, inline_ptx: bool) -> 
              "epoch += 1",
              f"peer = tl.arange(0, {lanes})",
              f"live = (peer != {rank}) & (peer < {w})"]
+    sem = "release" if release else "relaxed"
     if inline_ptx:
-        sem = "release" if release else "relaxed"
         lines += [f"tl.inline_asm_elementwise({_SIGNAL.format(sem=sem)!r}, \"=r,l,r,r\", "
                   f"[{dst} + slot + {rank}, live.to(tl.int32), epoch + tl.zeros_like(peer)], "
                   "dtype=tl.int32, is_pure=False, pack=1)"]
         poll = (f"tl.inline_asm_elementwise({_POLL!r}, \"=r,l,r\", [{own} + slot + peer, live.to(tl.int32)], "
                 "dtype=tl.int32, is_pure=False, pack=1)")
     else:
-        sem = "release" if release else "relaxed"
         lines += [f"tl.atomic_xchg({dst} + slot + {rank}, epoch + tl.zeros_like(peer), live, "
                   f"sem=\"{sem}\", scope=\"sys\")"]
         poll = f"tl.load({own} + slot + peer, live, other=0, volatile=True)"
