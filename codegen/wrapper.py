@@ -124,7 +124,7 @@ class WrapperCodegen:
                     continue
                 self.body.writeline(f"del {self.ref(name)}")
                 if name in recyclable:  # the del goes if a later buffer takes the memory over
-                    pool[self.alloc_key(g.name_to_buffer[name])].append((self.ref(name), len(self.body.lines) - 1))
+                    pool[self.alloc_key(g.get_buffer(name))].append((self.ref(name), len(self.body.lines) - 1))
         self.body.lines = [line for line in self.body.lines if line is not None]
         outs = [self.output(o) for o in g.graph_outputs]
         self.body.writeline(f"return ({', '.join(outs)}{',' if len(outs) == 1 else ''})")

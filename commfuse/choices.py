@@ -43,6 +43,16 @@ def should_realize(loops, users: int) -> bool:
     return len(reads) > config.realize_acc_reads_threshold or read_bytes_exceeded(reads)
 
 
+def realize_view_base(view, base) -> bool:
+    """Storing a view of a value not stored yet (an extern's operand, say): store the value
+    itself and pass a strided view of it, rather than a copy laid out as the view? When the view
+    reads every element (reshape, permute, expand) and is a strided view of the value stored
+    contiguously: no more bytes, and the value's other users (a graph output, the backward's saved
+    copy) share the buffer instead of storing it a second time (softmax probabilities, say)."""
+    return sizevars.hint(view.get_numel()) >= sizevars.hint(base.get_numel()) and \
+        ir.is_strided_over_contiguous(view)
+
+
 def read_bytes_exceeded(reads) -> bool:
     """One value (or kernel) reading these buffers keeps them all alive until it runs, where
     eager would have freed each after its own op: bound what it holds. Buffers the graph does not

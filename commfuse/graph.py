@@ -6,6 +6,7 @@ calling the aten op, so anything we do not understand still runs.
 """
 from __future__ import annotations
 
+import collections
 import logging
 import operator
 from typing import Any
@@ -28,9 +29,11 @@ def meta_layout(val: torch.Tensor, cls=ir.FixedLayout) -> ir.Layout:
 
 
 class GraphLowering(torch.fx.Interpreter):
-    def __init__(self, gm: torch.fx.GraphModule, example_inputs, graph_id: str = "graph"):
+    def __init__(self, gm: torch.fx.GraphModule, example_inputs, graph_id: str = "graph",
+                 donated: set = frozenset()):
         super().__init__(gm)
         self.graph_id = graph_id
+        self.donated = _whole_storages(gm, donated)  # inputs that become DonatedBuffers
         self.buffers: list[ir.Buffer] = []
         self.name_to_buffer: dict[str, ir.Buffer] = {}
         self.graph_inputs: dict[str, Any] = {}       # placeholder name -> InputBuffer / symbol / value
@@ -90,7 +93,8 @@ class GraphLowering(torch.fx.Interpreter):
         if isinstance(val, torch.Tensor):
             layout = meta_layout(val)
             self._record_hints(val, example)
-            buf = ir.InputBuffer(name=target, layout=layout)
+            cls = ir.DonatedBuffer if target in self.donated else ir.InputBuffer
+            buf = cls(name=target, layout=layout)
             self.device_types.add(val.device.type)
             self.graph_inputs[target] = buf
             return TensorBox(buf)
@@ -197,11 +201,40 @@ class GraphLowering(torch.fx.Interpreter):
         return self.graph_outputs
 
 
-def _root_box(box: TensorBox) -> TensorBox:
-    """The box a chain of views reads from."""
-    while isinstance(box.data, ir.View):
-        box = box.data.base
-    return box
+def _whole_storages(gm, names) -> set:
+    """Those of `names` (placeholders) whose tensor is its storage, whole and dense, shared with
+    no other input: overwriting or freeing it touches nothing else. (Saved activations may be
+    views of one another; the fake tensors of aliasing placeholders share their storage.)"""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+    from torch.multiprocessing.reductions import StorageWeakRef
+    vals = {n.name: n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")}
+    storages = collections.Counter(StorageWeakRef(v.untyped_storage()) for v in vals.values()
+                                   if isinstance(v, torch.Tensor))
+    out = set()
+    for name in names:
+        v = vals.get(name)
+        if not isinstance(v, torch.Tensor) or storages[StorageWeakRef(v.untyped_storage())] != 1:
+            continue
+        if _dense(v) and statically_known_true(v.storage_offset() == 0) and \
+                statically_known_true(v.untyped_storage().nbytes() == v.numel() * v.element_size()):
+            out.add(name)
+    return out
+
+
+def _dense(v: torch.Tensor) -> bool:
+    """Strides a permutation of contiguous ones (with symbolic sizes: contiguous)."""
+    dims = [(st, sz) for st, sz in zip(v.stride(), v.shape) if sz != 1]
+    if not all(isinstance(x, int) for d in dims for x in d):
+        return v.is_contiguous()
+    expected = 1
+    for st, sz in sorted(dims):
+        if st != expected:
+            return False
+        expected *= sz
+    return True
+
+
+_root_box = ir.view_root
 
 
 def inlined_reads(box: TensorBox) -> set:
