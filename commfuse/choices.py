@@ -31,10 +31,15 @@ def score_fusion(a, b, shared_bytes: int, vertical: bool) -> tuple:
     return (vertical, shared_bytes, -abs(a.order - b.order))
 
 
-def should_realize(loops, users: int) -> bool:
+def should_realize(loops, users: int, output: bool = False) -> bool:
     """Store a pointwise value instead of inlining it into its users: when several users would
-    each recompute it at too high a cost, or when it has accumulated too many reads."""
+    each recompute it at too high a cost, or when it has accumulated too many reads, or when it
+    is a graph output with other users: stored anyway, it is read rather than recomputed, so what
+    it is computed from can die at its producer, which may then write over it (the logits under
+    the log-softmax a forward saves for backward)."""
     from .dependencies import trace_body
+    if output and users > 1:
+        return True
     trace = trace_body(loops)
     if users > 1 and (users > config.realize_reads_threshold
                       or len(trace.text.split("; ")) > config.realize_opcount_threshold):

@@ -166,11 +166,16 @@ class GraphLowering(torch.fx.Interpreter):
     def _maybe_realize(self, node, result):
         """A value with several users is recomputed by each (free inside one kernel, and a
         saved round trip through memory across kernels) unless recomputing costs too much;
-        a value that has accumulated too many reads is stored whatever its users."""
+        a value that has accumulated too many reads is stored whatever its users, and so is a
+        graph output that has other users."""
         from . import choices
         if isinstance(result, TensorBox) and isinstance(result.data, ir.Pointwise):
-            if choices.should_realize(result.data, len(node.users)):
-                result.realize()
+            output = any(u.op == "output" for u in node.users)
+            if choices.should_realize(result.data, len(node.users), output):
+                if output:
+                    realize_output(result, node.meta.get("val"))
+                else:
+                    result.realize()
 
     def _bound_read_bytes(self, args, kwargs):
         """Store pointwise operands, the heaviest first, while a value built from them would read
