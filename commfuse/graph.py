@@ -184,7 +184,7 @@ class GraphLowering(torch.fx.Interpreter):
         from . import choices, memory
         if config.realize_acc_reads_size_threshold is None:
             return
-        boxes = [_root_box(x) for x in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(x, TensorBox)]
+        boxes = [ir.view_root(x) for x in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(x, TensorBox)]
         reads = {id(b): inlined_reads(b) for b in boxes}
         while choices.read_bytes_exceeded(set().union(*reads.values())):
             pointwise = [b for b in boxes if isinstance(b.data, ir.Pointwise) and memory.owned_bytes(reads[id(b)])]
@@ -239,12 +239,9 @@ def _dense(v: torch.Tensor) -> bool:
     return True
 
 
-_root_box = ir.view_root
-
-
 def inlined_reads(box: TensorBox) -> set:
     """Buffers that inlining this value into a user makes the user read."""
-    d = _root_box(box).data
+    d = ir.view_root(box).data
     if isinstance(d, ir.Loops):
         return ir.body_reads(d)
     if isinstance(d, ir.ReinterpretView):
