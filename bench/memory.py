@@ -2,12 +2,21 @@
 
     python bench/memory.py                          # GPU, all workloads
     python bench/memory.py --workloads accumulate   # one of: accumulate, mlp, gpt_block
+    python bench/memory.py --cpu                    # measured on CPU, small sizes (KiB)
     python bench/memory.py --cpu-smoke              # validate the script on CPU (tiny sizes)
 
 For every workload and backend: torch._dynamo.reset(), a fresh model from the same seed, a first
 call (compilation, checked against eager), then one measured step: the peak of
 torch.cuda.max_memory_allocated over the step, less what was allocated before it (inputs and
-parameters), in MiB. Workloads:
+parameters), in MiB.
+
+With --cpu the step runs under torch.profiler(profile_memory=True), which records every CPU
+allocation and free, those inside aten and Inductor's C++ included; replayed in time order they
+give the peak of live bytes over the step less what was live before it, in KiB. Two figures: all
+allocations, and less the workspaces of single aten ops (bytes an op allocates and frees before it
+returns, as oneDNN's bf16 matmuls do on CPU; cuBLAS keeps its workspace across calls), which is the
+one to compare with the GPU. For the compiled backends also each AOTAutograd graph's own peak:
+forward, and backward above the bytes alive when it starts. Workloads:
   accumulate  total = x; total = total + x @ w_i for r weights (commfuse with
               realize_acc_reads_size_threshold = k·N²·e: at most k matmul outputs alive per kernel)
   mlp         L x (Linear -> GELU -> Linear) forward + backward
@@ -102,6 +111,42 @@ def step(fn, inputs):
     return [out]
 
 
+def cpu_peaks(prof) -> dict:
+    """Replay a profile's CPU [memory] events (bytes allocated, negative when freed) in time order.
+    peak: the most bytes alive at once, less those alive at the start. less_workspace: the same,
+    but inside each outermost aten op only what is alive when it returns counts. forward,
+    backward: the peak inside each AOTAutograd graph (less workspaces) above what was alive
+    when it started."""
+    events = list(prof.profiler.kineto_results.events())
+    mem = sorted((e.start_ns(), e.nbytes()) for e in events
+                 if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
+    ops = sorted((e.start_ns(), e.end_ns()) for e in events if e.name().startswith("aten::"))
+    outer, end = [], -1  # outermost aten op intervals
+    for a, b in ops:
+        if a > end:
+            outer.append((a, b))
+            end = b
+    live, steps = 0, []  # (time, bytes alive after the event, outermost op index or None)
+    k = 0
+    for t, nbytes in mem:
+        live += nbytes
+        while k < len(outer) and outer[k][1] < t:
+            k += 1
+        steps.append((t, live, k if k < len(outer) and outer[k][0] <= t else None))
+    counted = [lv for i, (_, lv, op) in enumerate(steps)  # the last event inside an op: what it keeps
+               if op is None or i + 1 == len(steps) or steps[i + 1][2] != op]
+    out = {"peak": max([0] + [lv for _, lv, _ in steps]), "less_workspace": max([0] + counted)}
+    for name, key in (("CompiledFunction", "forward"), ("CompiledFunctionBackward", "backward")):
+        for e in events:
+            if e.name() == name:
+                a, b = e.start_ns(), e.end_ns()
+                start = max([0] + [lv for t, lv, _ in steps if t < a][-1:])
+                inside = [lv for i, (t, lv, op) in enumerate(steps) if a <= t <= b and
+                          (op is None or i + 1 == len(steps) or steps[i + 1][2] != op)]
+                out[key] = max(inside, default=start) - start
+    return out
+
+
 def measure(name, backend, args, device, dtype) -> dict:
     torch.manual_seed(0)
     fn, inputs, options = WORKLOADS[name](args, device, dtype)
@@ -118,6 +163,11 @@ def measure(name, backend, args, device, dtype) -> dict:
             got = step(run, inputs)
             torch.cuda.synchronize()
             peak = torch.cuda.max_memory_allocated() - base
+        elif args.cpu:
+            from torch.profiler import profile
+            with profile(profile_memory=True, record_shapes=False) as prof:
+                got = step(run, inputs)
+            peak = cpu_peaks(prof)
         else:
             peak = None
         estimates = [json.load(open(f))["peak_memory_estimate"] for f in glob.glob(f"{dumps}/rank*/*/summary.json")]
@@ -126,8 +176,25 @@ def measure(name, backend, args, device, dtype) -> dict:
     return {"peak": peak, "estimate": max(estimates) if estimates else None}
 
 
-def mib(x):
-    return "—" if x is None else f"{x / 2**20:.4g}"
+def fmt(x, scale):
+    return "—" if x is None else f"{x / scale:.4g}"
+
+
+def print_table(rows, backends, key, unit, scale, title):
+    """One row per workload: each backend's peak (`key` of a CPU measurement), commfuse's estimate, ratios."""
+    head = ["workload"] + [f"{b} {unit}" for b in backends]
+    head += [f"commfuse estimate {unit}", "commfuse / eager", "commfuse / inductor"]
+    print(f"\n{title}:\n\n| " + " | ".join(head) + " |\n|" + "---|" * len(head))
+    for row in rows:
+        peaks = {b: row[b]["peak"] for b in backends}
+        if key is not None:
+            peaks = {b: p and p[key] for b, p in peaks.items()}
+        cf = peaks.get("commfuse")
+        ratio = lambda o: f"{cf / o:.2f}" if cf and o else "—"  # noqa: E731
+        cells = [row["workload"]] + [fmt(peaks[b], scale) for b in backends]
+        cells += [fmt(row.get("commfuse", {}).get("estimate"), scale), ratio(peaks.get("eager")),
+                  ratio(peaks.get("inductor"))]
+        print("| " + " | ".join(cells) + " |")
 
 
 def main() -> int:
@@ -146,6 +213,8 @@ def main() -> int:
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--atol", type=float, default=5e-2)
     ap.add_argument("--rtol", type=float, default=5e-2)
+    ap.add_argument("--cpu", action="store_true", help="measure on CPU through the profiler (small sizes, "
+                    "the GPU run's proportions: --dim 64 --batch 4 --seq 256 --heads 4 --vocab 512 --n 256 --r 8)")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on CPU: checks the script, measures nothing")
     ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args()
@@ -156,6 +225,13 @@ def main() -> int:
     if args.cpu_smoke:
         device, dtype = "cpu", torch.float32
         args.n, args.r, args.dim, args.layers, args.batch, args.seq, args.heads, args.vocab = 32, 6, 32, 2, 2, 8, 2, 64
+    elif args.cpu:  # sizes given on the command line win
+        device, dtype = "cpu", getattr(torch, args.dtype)
+        small = dict(n=256, r=8, dim=64, batch=4, seq=256, heads=4, vocab=512,
+                     atol=0.2)  # bf16 sums at N=256 differ by more than 5e-2 between backends
+        for k, v in small.items():
+            if getattr(args, k) == ap.get_default(k):
+                setattr(args, k, v)
     elif torch.cuda.is_available():
         device, dtype = "cuda", getattr(torch, args.dtype)
     else:
@@ -176,19 +252,25 @@ def main() -> int:
                 if args.verbose:
                     traceback.print_exc()
         rows.append(row)
-    head = ["workload"] + [f"{b} MiB" for b in backends]
-    head += ["commfuse estimate MiB", "commfuse / eager", "commfuse / inductor"]
-    print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
-    for row in rows:
-        peaks = {b: row[b]["peak"] for b in backends}
-        cf = peaks.get("commfuse")
-        ratio = lambda o: f"{cf / o:.2f}" if cf and o else "—"  # noqa: E731
-        cells = [row["workload"]] + [mib(peaks[b]) for b in backends]
-        cells += [mib(row.get("commfuse", {}).get("estimate")), ratio(peaks.get("eager")), ratio(peaks.get("inductor"))]
-        print("| " + " | ".join(cells) + " |")
-    print(f"\n{'CPU smoke run: nothing measured' if device == 'cpu' else torch.cuda.get_device_name()}, "
-          f"torch {torch.__version__}, {dtype}. Peak: max_memory_allocated over one step less what was "
-          "allocated before it. Ratios below 1: commfuse needs less.")
+    cpu = device == "cpu" and args.cpu
+    unit, scale = ("KiB", 2**10) if cpu else ("MiB", 2**20)
+    if cpu:
+        print_table(rows, backends, "less_workspace", unit, scale, "peak less op workspaces")
+        print_table(rows, backends, "peak", unit, scale, "peak, all allocations")
+        graphs = [b for b in backends if b != "eager"]
+        head = ["workload"] + [f"{b} {g} {unit}" for b in graphs for g in ("forward", "backward")]
+        print("\nEach graph's own peak (less op workspaces), backward above what is alive when it starts:\n")
+        print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
+        for row in rows:
+            cells = [row["workload"]] + [fmt((row[b]["peak"] or {}).get(g), scale) for b in graphs
+                                         for g in ("forward", "backward")]
+            print("| " + " | ".join(cells) + " |")
+    else:
+        print_table(rows, backends, None, unit, scale, "peak")
+    where = f"CPU (torch.profiler), {unit}" if cpu else "CPU smoke run: nothing measured" if device == "cpu" \
+        else torch.cuda.get_device_name()
+    print(f"\n{where}, torch {torch.__version__}, {dtype}. Peak: the most bytes allocated at once over one step "
+          "less what was allocated before it. Ratios below 1: commfuse needs less.")
     if failed:
         print(f"failed: {failed}", file=sys.stderr)
         return 1

@@ -100,6 +100,14 @@ class WrapperCodegen:
             call_args = ", ".join([self.value(a) for a in args] + [f"{k}={self.value(v)}" for k, v in kwargs.items()])
             self.body.writeline(f"{sym} = {self.value(fn)}({call_args})")
         last_use = self.last_uses()
+        # Our references to the input tensors go as soon as they are last read: in a backward
+        # graph they are the only ones left to the saved activations (AOTAutograd hands them
+        # over in `args` and clears its own), so each is freed there, not when `call` returns.
+        inputs = {name for name, b in g.graph_inputs.items() if isinstance(b, ir.InputBuffer)}
+        unused = [n for n in g.placeholder_names if n in inputs and n not in self.sched.output_names
+                  and not any(n in names for names in last_use.values())]
+        if unused:
+            self.body.writeline(f"del {', '.join(unused)}")
         pool = collections.defaultdict(list)
         recyclable = memory.recyclable(self.sched) - set(self.sched.inplace.values())
         for step, grp in enumerate(self.sched.groups):
@@ -111,11 +119,12 @@ class WrapperCodegen:
                 self.kernel(grp, step, pool)
             for name in last_use.get(step, []):
                 if name in self.sched.output_names or name in self.sched.internal \
-                        or name not in g.name_to_buffer or getattr(g.name_to_buffer[name], "side_effect", False):
+                        or name not in g.name_to_buffer and name not in inputs \
+                        or getattr(g.name_to_buffer.get(name), "side_effect", False):
                     continue
                 self.body.writeline(f"del {self.ref(name)}")
                 if name in recyclable:  # the del goes if a later buffer takes the memory over
-                    pool[self.alloc_key(g.name_to_buffer[name])].append((self.ref(name), len(self.body.lines) - 1))
+                    pool[self.alloc_key(g.get_buffer(name))].append((self.ref(name), len(self.body.lines) - 1))
         self.body.lines = [line for line in self.body.lines if line is not None]
         outs = [self.output(o) for o in g.graph_outputs]
         self.body.writeline(f"return ({', '.join(outs)}{',' if len(outs) == 1 else ''})")

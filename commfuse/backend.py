@@ -80,13 +80,24 @@ class CompiledGraph:
 def compile_graph(gm: torch.fx.GraphModule, example_inputs, kind: str = "inference"):
     graph_id = graph_id_for(gm, kind)
     try:
-        return _compile(gm, example_inputs, graph_id)
+        return _compile(gm, example_inputs, graph_id, donated_inputs(gm, kind))
     except Exception as e:
         if not config.fallback_on_error:
             raise
         log.warning("commfuse: graph %s failed to compile (%s: %s); running it through aten",
                     graph_id, type(e).__name__, e)
         return _aten_fallback(gm)
+
+
+def donated_inputs(gm: torch.fx.GraphModule, kind: str) -> set:
+    """The backward inputs AOTAutograd donates: saved activations aliasing no forward input or
+    output, whose references it drops before calling the backward, so the graph's are the last
+    ones. (It then refuses `retain_graph=True`, whichever backend compiled the graph.)"""
+    ctx = torch._guards.TracingContext.try_get()
+    if kind != "backward" or ctx is None or ctx.fw_metadata is None:
+        return set()
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    return {placeholders[i].name for i in ctx.fw_metadata.bw_donated_idxs or ()}
 
 
 def _aten_fallback(gm):
@@ -97,7 +108,7 @@ def _aten_fallback(gm):
     return run
 
 
-def _compile(gm, example_inputs, graph_id):
+def _compile(gm, example_inputs, graph_id, donated=frozenset()):
     from codegen.wrapper import WrapperCodegen
     from .graph import GraphLowering
     from .remat import cross_kernel_bytes
@@ -106,7 +117,7 @@ def _compile(gm, example_inputs, graph_id):
     from .virtualized import V
 
     t0 = time.time()
-    graph = GraphLowering(gm, example_inputs, graph_id).run()
+    graph = GraphLowering(gm, example_inputs, graph_id, donated).run()
     with V.set_graph(graph):
         pre_fusion = "\n".join(str(b) for b in graph.buffers)
         sched = Scheduler(graph)

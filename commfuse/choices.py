@@ -31,16 +31,31 @@ def score_fusion(a, b, shared_bytes: int, vertical: bool) -> tuple:
     return (vertical, shared_bytes, -abs(a.order - b.order))
 
 
-def should_realize(loops, users: int) -> bool:
+def should_realize(loops, users: int, output: bool = False) -> bool:
     """Store a pointwise value instead of inlining it into its users: when several users would
-    each recompute it at too high a cost, or when it has accumulated too many reads."""
+    each recompute it at too high a cost, or when it has accumulated too many reads, or when it
+    is a graph output with other users: stored anyway, it is read rather than recomputed, so what
+    it is computed from can die at its producer, which may then write over it (the logits under
+    the log-softmax a forward saves for backward)."""
     from .dependencies import trace_body
+    if output and users > 1:
+        return True
     trace = trace_body(loops)
     if users > 1 and (users > config.realize_reads_threshold
                       or len(trace.text.split("; ")) > config.realize_opcount_threshold):
         return True
     reads = {r.name for r in trace.reads}
     return len(reads) > config.realize_acc_reads_threshold or read_bytes_exceeded(reads)
+
+
+def realize_view_base(view, base) -> bool:
+    """Storing a view of a value not stored yet (an extern's operand, say): store the value
+    itself and pass a strided view of it, rather than a copy laid out as the view? When the view
+    reads every element (reshape, permute, expand) and is a strided view of the value stored
+    contiguously: no more bytes, and the value's other users (a graph output, the backward's saved
+    copy) share the buffer instead of storing it a second time (softmax probabilities, say)."""
+    return sizevars.hint(view.get_numel()) >= sizevars.hint(base.get_numel()) and \
+        ir.is_strided_over_contiguous(view)
 
 
 def read_bytes_exceeded(reads) -> bool:

@@ -6,6 +6,7 @@ calling the aten op, so anything we do not understand still runs.
 """
 from __future__ import annotations
 
+import collections
 import logging
 import operator
 from typing import Any
@@ -28,9 +29,11 @@ def meta_layout(val: torch.Tensor, cls=ir.FixedLayout) -> ir.Layout:
 
 
 class GraphLowering(torch.fx.Interpreter):
-    def __init__(self, gm: torch.fx.GraphModule, example_inputs, graph_id: str = "graph"):
+    def __init__(self, gm: torch.fx.GraphModule, example_inputs, graph_id: str = "graph",
+                 donated: set = frozenset()):
         super().__init__(gm)
         self.graph_id = graph_id
+        self.donated = _whole_storages(gm, donated)  # inputs that become DonatedBuffers
         self.buffers: list[ir.Buffer] = []
         self.name_to_buffer: dict[str, ir.Buffer] = {}
         self.graph_inputs: dict[str, Any] = {}       # placeholder name -> InputBuffer / symbol / value
@@ -90,7 +93,8 @@ class GraphLowering(torch.fx.Interpreter):
         if isinstance(val, torch.Tensor):
             layout = meta_layout(val)
             self._record_hints(val, example)
-            buf = ir.InputBuffer(name=target, layout=layout)
+            cls = ir.DonatedBuffer if target in self.donated else ir.InputBuffer
+            buf = cls(name=target, layout=layout)
             self.device_types.add(val.device.type)
             self.graph_inputs[target] = buf
             return TensorBox(buf)
@@ -162,11 +166,16 @@ class GraphLowering(torch.fx.Interpreter):
     def _maybe_realize(self, node, result):
         """A value with several users is recomputed by each (free inside one kernel, and a
         saved round trip through memory across kernels) unless recomputing costs too much;
-        a value that has accumulated too many reads is stored whatever its users."""
+        a value that has accumulated too many reads is stored whatever its users, and so is a
+        graph output that has other users."""
         from . import choices
         if isinstance(result, TensorBox) and isinstance(result.data, ir.Pointwise):
-            if choices.should_realize(result.data, len(node.users)):
-                result.realize()
+            output = any(u.op == "output" for u in node.users)
+            if choices.should_realize(result.data, len(node.users), output):
+                if output:
+                    realize_output(result, node.meta.get("val"))
+                else:
+                    result.realize()
 
     def _bound_read_bytes(self, args, kwargs):
         """Store pointwise operands, the heaviest first, while a value built from them would read
@@ -175,7 +184,7 @@ class GraphLowering(torch.fx.Interpreter):
         from . import choices, memory
         if config.realize_acc_reads_size_threshold is None:
             return
-        boxes = [_root_box(x) for x in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(x, TensorBox)]
+        boxes = [ir.view_root(x) for x in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(x, TensorBox)]
         reads = {id(b): inlined_reads(b) for b in boxes}
         while choices.read_bytes_exceeded(set().union(*reads.values())):
             pointwise = [b for b in boxes if isinstance(b.data, ir.Pointwise) and memory.owned_bytes(reads[id(b)])]
@@ -197,16 +206,42 @@ class GraphLowering(torch.fx.Interpreter):
         return self.graph_outputs
 
 
-def _root_box(box: TensorBox) -> TensorBox:
-    """The box a chain of views reads from."""
-    while isinstance(box.data, ir.View):
-        box = box.data.base
-    return box
+def _whole_storages(gm, names) -> set:
+    """Those of `names` (placeholders) whose tensor is its storage, whole and dense, shared with
+    no other input: overwriting or freeing it touches nothing else. (Saved activations may be
+    views of one another; the fake tensors of aliasing placeholders share their storage.)"""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+    from torch.multiprocessing.reductions import StorageWeakRef
+    vals = {n.name: n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")}
+    storages = collections.Counter(StorageWeakRef(v.untyped_storage()) for v in vals.values()
+                                   if isinstance(v, torch.Tensor))
+    out = set()
+    for name in names:
+        v = vals.get(name)
+        if not isinstance(v, torch.Tensor) or storages[StorageWeakRef(v.untyped_storage())] != 1:
+            continue
+        if _dense(v) and statically_known_true(v.storage_offset() == 0) and \
+                statically_known_true(v.untyped_storage().nbytes() == v.numel() * v.element_size()):
+            out.add(name)
+    return out
+
+
+def _dense(v: torch.Tensor) -> bool:
+    """Strides a permutation of contiguous ones (with symbolic sizes: contiguous)."""
+    dims = [(st, sz) for st, sz in zip(v.stride(), v.shape) if sz != 1]
+    if not all(isinstance(x, int) for d in dims for x in d):
+        return v.is_contiguous()
+    expected = 1
+    for st, sz in sorted(dims):
+        if st != expected:
+            return False
+        expected *= sz
+    return True
 
 
 def inlined_reads(box: TensorBox) -> set:
     """Buffers that inlining this value into a user makes the user read."""
-    d = _root_box(box).data
+    d = ir.view_root(box).data
     if isinstance(d, ir.Loops):
         return ir.body_reads(d)
     if isinstance(d, ir.ReinterpretView):

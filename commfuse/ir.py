@@ -201,6 +201,12 @@ class InputBuffer(Buffer):
     """A graph input; named by its FX placeholder."""
 
 
+class DonatedBuffer(InputBuffer):
+    """A backward input whose memory is the graph's: a saved activation that only this graph
+    still references (AOTAutograd donates it), spanning its whole storage alone. Freed after
+    its last use like a buffer of ours, and its memory may be taken over by one."""
+
+
 class ConstantBuffer(Buffer):
     """A tensor constant of the graph module (get_attr)."""
 
@@ -361,6 +367,10 @@ class TensorBox(IRNode):
             self.data = buf
             return buf
         if isinstance(d, View):
+            from . import choices
+            root = view_root(self)
+            if isinstance(root.data, Pointwise) and choices.realize_view_base(self, root):
+                root.realize()  # the view becomes a strided view of it: one copy of the values
             strided = as_strided_view(self)
             if strided is not None:
                 return strided
@@ -380,24 +390,44 @@ class TensorBox(IRNode):
         return isinstance(self.data, (Buffer, ReinterpretView))
 
 
-def as_strided_view(box: TensorBox) -> ReinterpretView | None:
-    """If a view chain over a stored buffer is affine in its index, the strided view it is."""
+def view_root(box: TensorBox) -> TensorBox:
+    """The box a chain of views reads from."""
+    while isinstance(box.data, View):
+        box = box.data.base
+    return box
+
+
+def _view_affine(box: TensorBox, layout: Layout):
+    """(strides, offset) of a view chain over storage laid out as `layout`, if affine."""
     size = box.get_size()
     vars = [index_symbol("v", i) for i in range(len(size))]
     chain, node = [], box.data
     while isinstance(node, View):
         chain.append(node.reindex)
         node = node.base.data
+    index = list(vars)
+    for reindex in chain:
+        index = list(reindex(index))
+    return sizevars.affine_coefficients(layout.index(index), vars)
+
+
+def is_strided_over_contiguous(box: TensorBox) -> bool:
+    """Would this view chain be a strided view if the value it reads were stored contiguously?"""
+    root = view_root(box)
+    return _view_affine(box, contiguous_layout(root.get_device(), root.get_dtype(), root.get_size())) is not None
+
+
+def as_strided_view(box: TensorBox) -> ReinterpretView | None:
+    """If a view chain over a stored buffer is affine in its index, the strided view it is."""
+    size = box.get_size()
+    node = view_root(box).data
     if isinstance(node, ReinterpretView):
         base, layout = node.base, node.layout
     elif isinstance(node, Buffer):
         base, layout = node, node.layout
     else:
         return None
-    index = list(vars)
-    for reindex in chain:
-        index = list(reindex(index))
-    affine = sizevars.affine_coefficients(layout.index(index), vars)
+    affine = _view_affine(box, layout)
     if affine is None:
         return None
     strides, offset = affine

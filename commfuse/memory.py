@@ -5,7 +5,8 @@ Plain functions over the scheduler (`sched.groups` are fused groups in some orde
 each stored buffer the graph owns lives in a *storage* (its own allocation, or the one it shares:
 an output written in place over an input, an extern output written into its slice of a cat); a
 storage is allocated at the first group that touches it and freed after the last, or kept to the
-end when it holds a graph output. Inputs, constants and the persistent comm pools are not counted.
+end when it holds a graph output. A backward's donated inputs (the saved activations) are owned
+too, alive from the start; other inputs, constants and the persistent comm pools are not counted.
 The comm pools are planned here too: `pack_intervals` gives buffers offsets by live range.
 """
 from __future__ import annotations
@@ -24,10 +25,18 @@ from .virtualized import V
 # ----------------------------------------------------------------------------- what the graph owns
 def owned(name: str) -> bool:
     """Does the graph allocate (and so could free) this buffer? Inputs, constants and persistent
-    comm buffers are alive whatever the graph does; a multi-output op's tuple has no storage."""
+    comm buffers are alive whatever the graph does, but for donated inputs (saved activations
+    a backward holds alone), alive when it starts and freed by it; a multi-output op's tuple
+    has no storage."""
+    if donated(name):
+        return True
     buf = V.graph.name_to_buffer.get(name)
     return buf is not None and not isinstance(buf.layout, ir.CommLayout) and \
         not getattr(buf, "multi_output", False) and not getattr(buf, "side_effect", False)
+
+
+def donated(name: str) -> bool:
+    return isinstance(V.graph.graph_inputs.get(name), ir.DonatedBuffer)
 
 
 def buffer_bytes(name: str) -> int:
@@ -60,6 +69,8 @@ def recyclable(sched) -> set:
             if isinstance(buf, ir.ExternKernel) and (not buf.out_variant or buf.out_view is not None):
                 continue  # aten allocated it (it may be a view), or it is a slice of another buffer
             out.add(n.name)
+    out |= {name for name in sched.graph.graph_inputs
+            if donated(name) and name not in sched.output_names and name not in aliased}
     return out
 
 
@@ -88,14 +99,15 @@ def storage_of(sched, inplace: dict | None = None) -> dict:
 
 
 def lifetimes(sched, order, inplace: dict | None = None) -> dict:
-    """{storage: (first step, last step)}; storages holding graph outputs live to the end."""
+    """{storage: (first step, last step)}; donated inputs live from the start, storages holding
+    graph outputs to the end."""
     storage = storage_of(sched, inplace)
     span = {}
     for step, g in enumerate(order):
         for name in g.read_names | g.write_names:
             s = storage.get(name)
             if s is not None:
-                span[s] = (span.get(s, (step,))[0], step)
+                span[s] = (0 if donated(s) else span.get(s, (step,))[0], step)
     kept = {storage[n] for n in sched.output_names if n in storage}
     return {s: (a, len(order) - 1 if s in kept else b) for s, (a, b) in span.items()}
 
@@ -233,7 +245,8 @@ def order_least_peak_first(sched, order: list) -> list:
     kept = {storage[n] for n in sched.output_names if n in storage}
     waiting = {id(g): len(preds[id(g)]) for g in order}
     ready = [g for g in order if not waiting[id(g)]]
-    allocated, live, out = set(), 0, []
+    allocated = {s for s in users if donated(s)}  # alive from the start
+    live, out = sum(buffer_bytes(s) for s in allocated), []
     by_id = {id(g): g for g in order}
     while ready:
         def cost(g):

@@ -1,11 +1,13 @@
 """Indirect indexing: index (advanced indexing), gather; embedding decomposes to index.
 
 Indices are loaded, wrapped when negative, bounds-checked on the device, and masked
-so an out-of-range index can never read outside the buffer. Mutations (index_put,
-scatter, scatter_add) run through aten.
+so an out-of-range index can never read outside the buffer. Mutations (scatter_add,
+scatter in general) run through aten; a scatter that puts one value per row is pointwise (the
+one-hot of cross entropy's backward), and index_put runs in place on a buffer of our own.
 """
 from __future__ import annotations
 
+import sympy
 import torch
 
 from commfuse import ir, sizevars
@@ -68,3 +70,41 @@ def gather(x, dim, index_t, sparse_grad=False):
             full[dim] = ops.indirect_indexing(lidx(idx), size[dim])
         return load(full)
     return TensorBox(Pointwise(x.get_device(), x.get_dtype(), inner, list(index_t.get_size())))
+
+
+@register(aten.scatter.value, aten.scatter.src)
+def scatter(x, dim, index_t, src):
+    """`x` with `src` put at `index` along `dim`, when `index` is one element long along `dim`
+    and as large as `x` elsewhere: each output element compares its position with its row's
+    index, so no copy of `x` is scattered into (aten's out-of-place scatter stores two
+    tensors of x's size). Other shapes run through aten."""
+    _check_index(index_t)
+    size, isize = list(x.get_size()), list(index_t.get_size())
+    if not size:
+        raise ir.Unsupported("0-d scatter")
+    dim = canonical_dim(dim, len(size))
+    if len(isize) != len(size) or not sizevars.equal(isize[dim], 1) or \
+            not all(sizevars.equal(a, b) for d, (a, b) in enumerate(zip(size, isize)) if d != dim):
+        raise ir.Unsupported("scatter with more than one index per row")
+    load, lidx, dtype = x.make_loader(), index_t.make_loader(), x.get_dtype()
+    lsrc = src.make_loader() if isinstance(src, TensorBox) else lambda idx: ops.constant(src, dtype)
+
+    def inner(idx):
+        row = [sympy.Integer(0) if d == dim else i for d, i in enumerate(idx)]
+        hit = ops.eq(lidx(row), ops.index_expr(idx[dim], index_t.get_dtype()))
+        value = lsrc(row)
+        if isinstance(src, TensorBox) and src.get_dtype() != dtype:
+            value = ops.to_dtype(value, dtype)
+        return ops.where(hit, value, load(idx))
+    return TensorBox(Pointwise(x.get_device(), dtype, inner, size))
+
+
+@register(aten.index_put.default)
+def index_put(x, indices, values, accumulate=False):
+    """aten's in-place index_put_ on a new buffer holding `x` (zeros, for embedding's backward:
+    the fill kernel writes it): the out-of-place op would allocate and copy a second one."""
+    from .extern import fallback
+    target = TensorBox(Pointwise(x.get_device(), x.get_dtype(), x.make_loader(), list(x.get_size())))
+    target.realize()
+    fallback(aten.index_put_.default, (target, indices, values, accumulate), {}, None)
+    return target

@@ -337,6 +337,12 @@ def _scatter_src(dt):
             "d0": (R(10, 4, dt=dt), U(10, 4, 5).t(), R(5, 4, dt=dt), K(dim=0))}
 
 
+def _scatter_row(dt):
+    """One index per row along dim (cross entropy's one-hot): lowered pointwise."""
+    return {"d1": (R(6, 10, dt=dt), I(10, 6, 1), R(6, 1, dt=dt), K(dim=1)),
+            "d0": (R(10, 6, dt=dt), I(10, 1, 6), R(1, 6, dt=dt), K(dim=0))}
+
+
 def _scatter_dup(dt):
     return {"d1": (R(4, 10, dt=dt), I(10, 4, 8), R(4, 8, dt=dt), K(dim=1)),
             "d0": (R(6, 5, dt=dt), I(6, 9, 5), R(9, 5, dt=dt), K(dim=0))}
@@ -635,6 +641,8 @@ CASES: list[OpCase] = [
     C("setitem", "aten.index_put_.default", lambda x, i, v: (lambda y: (y.__setitem__(i, v), y)[1])(x.clone()), _put, FL, v=("unique",), grad=(0, 2)),
     C("scatter", "aten.scatter.src", lambda x, i, s, dim: torch.scatter(x, dim, i, s), _scatter_src, FL, v=("d0",), grad=(0, 2)),
     C("scatter-value", "aten.scatter.value", lambda x, i, s, dim: torch.scatter(x, dim, i, 2.5), _scatter_src, FL, v=("d1",), grad=(0,)),
+    C("scatter-row", "aten.scatter.src", lambda x, i, s, dim: torch.scatter(x, dim, i, s), _scatter_row, (f32, i64), v=("d1", "d0"), grad=(0, 2)),
+    C("scatter-row-value", "aten.scatter.value", lambda x, i, s, dim: torch.scatter(x, dim, i, -1.0), _scatter_row, FL, v=("d1",), grad=(0,)),
     C("scatter_add", "aten.scatter_add.default", lambda x, i, s, dim: torch.scatter_add(x, dim, i, s), _scatter_dup, (f32, i64), v=("d0",), grad=(0, 2)),
     C("scatter_reduce", "aten.scatter_reduce.two",
       lambda x, i, s, dim: (torch.scatter_reduce(x, dim, i, s, "prod", include_self=False), torch.scatter_reduce(x, dim, i, s, "amax"),
