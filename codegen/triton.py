@@ -50,7 +50,7 @@ class TritonKernel:
         rn = int(self.R) if sizevars.is_static(self.R) else None
         # a reduction kernel that also walks some buffer column-wise (e.g. a transposed store
         # after loop reordering) loops over square tiles so both directions stay coalesced
-        self.transposed = group.is_reduction() and not self.tiled and _walks_transposed(group)
+        self.transposed = group.is_reduction() and not self.tiled and group.walks_transposed()
         reads_peers = _reads_peers(group)
         self.persistent = self.tiled or (self.is_red and not self.transposed and choices.is_persistent(rn, reads_peers))
         self.args: dict[str, str] = {}            # buffer -> parameter
@@ -429,15 +429,6 @@ class TritonKernel:
 
 def _reads_peers(group) -> bool:
     return any(a.peer for n in group.nodes for a in n.reads)
-
-
-def _walks_transposed(group) -> bool:
-    """Does some access move along rows (stride 1 in x) but jump along the reduction axis?"""
-    for _, _, _, index in group.kernel_accesses():
-        aff = index is not None and sizevars.affine_coefficients(index, [XSYM, RSYM])
-        if aff and aff[0][0] == 1 and aff[0][1] != 0 and aff[0][1] != 1:
-            return True
-    return False
 
 
 def debug_code(scheduler, group) -> str:

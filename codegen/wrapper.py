@@ -176,7 +176,8 @@ class WrapperCodegen:
 
     @staticmethod
     def alloc_key(buf):
-        """Freed buffers are reused by any buffer of the same device, dtype and bytes."""
+        """Freed buffers are reused by the next buffer of the same device, dtype and bytes, if no
+        other allocation comes in between."""
         lay = buf.layout
         return str(lay.device), lay.dtype, str(sizevars.simplify(lay.storage_numel()))
 
@@ -199,6 +200,10 @@ class WrapperCodegen:
             self.body.writeline(f"{buf.name} = {self.view_as(old, old, buf)}; del {old}  # reuse")
             self.allocations.append({"name": buf.name, "bytes": nbytes, "reuses": old})
             return
+        # a freed buffer held for a later reuse would be counted while this one is allocated: past
+        # a fresh allocation, the ones freed before it are freed for good (the caching allocator
+        # recycles them anyway)
+        pool.clear()
         self.body.writeline(f"{buf.name} = empty_strided({self.shape(lay.size)}, {self.shape(lay.stride)}, "
                             f"device={self.value(lay.device)}, dtype={lay.dtype})")
         self.allocations.append({"name": buf.name, "bytes": nbytes})

@@ -25,6 +25,14 @@ def can_fuse(a, b) -> tuple[bool, str]:
     return True, ""
 
 
+def keep_apart_for_memory(stored_anyway: bool) -> bool:
+    """For a fusion into a reduction that walks its data transposed: a value that other kernels read
+    anyway saves only one read by joining it, and in that tiled kernel it can no longer be written
+    over a dying input (measured on CPU: a GELU backward joining its bias-gradient sum raised an
+    MLP step's peak above eager's). Keep them apart."""
+    return stored_anyway
+
+
 def score_fusion(a, b, shared_bytes: int, vertical: bool) -> tuple:
     """Higher first: vertical fusions (a pass over memory saved) before horizontal ones,
     then by bytes saved, then nodes that were close in program order."""

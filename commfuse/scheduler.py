@@ -185,6 +185,14 @@ class Group:
             for acc in n.writes:
                 yield n, "write", acc.name, sizevars.simplify(acc.index.subs(m))
 
+    def walks_transposed(self) -> bool:
+        """Does some access move along rows (stride 1 in x) but jump along the reduction axis?"""
+        for _, _, _, index in self.kernel_accesses():
+            aff = index is not None and sizevars.affine_coefficients(index, [XSYM, RSYM])
+            if aff and aff[0][0] == 1 and aff[0][1] != 0 and aff[0][1] != 1:
+                return True
+        return False
+
     def __repr__(self):
         return f"Group({'+'.join(self.names)}, X={self.X}, R={self.R})"
 
@@ -321,8 +329,20 @@ class Scheduler:
             return None
         merged = self._merge(a, b)
         if config.loop_ordering_after_fusion and (merged is None or self._walked_apart(merged, a, b)):
-            return self._merge_reordered(a, b) or merged
+            merged = self._merge_reordered(a, b) or merged
+        if merged is not None and merged.is_reduction() and merged.walks_transposed() and \
+                choices.keep_apart_for_memory(self._stored_anyway(merged, a, b)):
+            return None
         return merged
+
+    def _stored_anyway(self, merged: Group, a: Group, b: Group) -> bool:
+        """Is a value one side hands the other also read outside the fused kernel (or returned)?"""
+        inside = {n.name for n in merged.nodes}
+        for name in (a.write_names & b.read_names) | (b.write_names & a.read_names):
+            if name in self.output_names or any(
+                    name in n.read_names for n in self.nodes if n.name not in inside and n.name not in self.removed):
+                return True
+        return False
 
     def _merge_reordered(self, a: Group, b: Group):
         """Fuse after permuting the loops of one side so that both walk a shared buffer alike."""

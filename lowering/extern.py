@@ -82,8 +82,10 @@ def fallback(op, args, kwargs, meta):
             outs.append(TensorBox(graph.register_buffer(ir.MultiOutput, layout=meta_layout(m),
                                                         parent=kernel, index=i)))
         return type(meta)(outs) if isinstance(meta, tuple) else outs
-    if meta is None:  # side effects only
-        graph.register_buffer(ir.ExternKernel, layout=ir.Layout(torch.device("cpu"), torch.uint8, [], []),
+    if meta is None:  # side effects only: placed on the device of what it touches
+        dev = next((a.get_device() for a in pytree.tree_leaves((args, kwargs))
+                    if isinstance(a, ir.IRNode)), torch.device("cpu"))
+        graph.register_buffer(ir.ExternKernel, layout=ir.Layout(dev, torch.uint8, [], []),
                               op=op, args=tuple(args), kwargs=dict(kwargs), mutates=mutates,
                               side_effect=True)
         return None

@@ -293,7 +293,7 @@ def _mlp_backward(tmp_path, **options):
         torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-4)
     (graph,) = [g for g in dumps.graphs() if "_backward_" in os.path.basename(g)]
     code = dumps.code(graph)
-    inputs = re.search(r"def call\(args\):\n\s+(.*) = args", code).group(1).replace(",", " ").split()
+    inputs = re.search(r"def _?call\(args\):\n\s+(.*) = args", code).group(1).replace(",", " ").split()
     return dumps.summary(graph), code, inputs
 
 
