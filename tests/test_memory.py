@@ -355,7 +355,8 @@ def test_measured_mlp_peak_at_most_eager_and_near_the_estimate(tmp_path):
     from tests.common import Dumps
     estimate = max(Dumps(tmp_path).summary(g)["peak_memory_estimate"] for g in Dumps(tmp_path).graphs())
     assert ours["less_workspace"] <= eager["less_workspace"], (ours, eager)
-    # what the estimate leaves out: the loss, the tangent, gradients of the biases being summed
+    # the estimate leaves out the loss and the tangent, and on CPU one activation-sized buffer is
+    # measured freed later than its `del` (unexplained, see docs/results.md): a few activations
     assert estimate <= ours["less_workspace"] <= estimate + 4 * 128 * 32 * F32, (ours, estimate)
 
 
