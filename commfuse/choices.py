@@ -29,8 +29,8 @@ def keep_apart_for_memory(stored_anyway: bool) -> bool:
     """For a fusion into a reduction that walks its data transposed: a value that other kernels read
     anyway saves only one read by joining it, and in that tiled kernel it can no longer be written
     over a dying input (measured on CPU: a GELU backward joining its bias-gradient sum raised an
-    MLP step's peak above eager's). Keep them apart."""
-    return stored_anyway
+    MLP step's peak above eager's). Keep them apart, unless in-place writes are off anyway."""
+    return stored_anyway and config.inplace_buffers
 
 
 def score_fusion(a, b, shared_bytes: int, vertical: bool) -> tuple:
