@@ -114,6 +114,8 @@ def decode_table(rank, world, group, B=8, H=4096, F=14336) -> list[dict]:
         print("auto_select unavailable:", e, file=sys.stderr)
     variants["commfuse"] = torch.compile(step, backend="commfuse")
     torch._dynamo.reset()
+    variants["commfuse, aten mm"] = torch.compile(step, backend="commfuse", options={"mm_template": False})
+    torch._dynamo.reset()
     variants["commfuse cuda_graphs"] = torch.compile(step, backend="commfuse", options={"cuda_graphs": True})
     ref = step(x, res)
     rows = []
@@ -154,6 +156,10 @@ def ar_norm_table(rank, world, group, batches=(1, 8, 32, 128), hiddens=(4096, 81
         torch._dynamo.reset()
         # static shapes: each batch size gets its own graph (a dynamic one would take c10d)
         variants["commfuse fused"] = torch.compile(lambda x, r: step(produce(x), r), backend="commfuse", dynamic=False)
+        for algo in ("one_shot", "two_shot"):  # each algorithm with the epilogue fused, whatever the table says
+            variants[f"commfuse {algo.replace('_', '-')}"] = torch.compile(
+                lambda x, r: step(produce(x), r), backend="commfuse", dynamic=False,
+                options={"comm.algorithm": algo})
         variants["NCCL + inductor"] = torch.compile(lambda x, r: step(produce(x), r), dynamic=False)
         try:
             import torch._inductor.config as ic
@@ -266,12 +272,13 @@ def main():
                           f"+ RMSNorm), {world}x {name}:", "", "| variant | plain µs | CUDA graph µs |", "|---|---|---|"]
             lines += [f"| {r['variant']} | {fmt(r['plain µs'])} | {fmt(r['cuda graph µs'])} |" for r in dec]
         lines += ["", f"All-reduce + residual + RMSNorm, {world}x {name}, bf16, CUDA graphs (µs):", "",
-                  "| B | H | commfuse fused | inductor auto_select | NCCL + inductor | vs auto_select |",
-                  "|---|---|---|---|---|---|"]
+                  "| B | H | commfuse fused (auto) | one-shot | two-shot | inductor auto_select | NCCL + inductor "
+                  "| vs auto_select |", "|---|---|---|---|---|---|---|---|"]
         for r in norm:
             c, a = r.get("commfuse fused"), r.get("inductor auto_select")
             ratio = f"{a / c:.2f}" if c and a else "—"
-            lines.append(f"| {r['B']} | {r['H']} | {fmt(c)} | {fmt(a)} | {fmt(r.get('NCCL + inductor'))} | {ratio} |")
+            lines.append(f"| {r['B']} | {r['H']} | {fmt(c)} | {fmt(r.get('commfuse one-shot'))} | "
+                         f"{fmt(r.get('commfuse two-shot'))} | {fmt(a)} | {fmt(r.get('NCCL + inductor'))} | {ratio} |")
         if stack:
             lines += ["", f"{stack['layers']}-layer TP MLP stack, forward + backward, {world}x {name} "
                           f"(B={stack['B']}, H={stack['H']}, F={stack['F']}/{world}, bf16):", ""]

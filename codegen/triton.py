@@ -9,6 +9,7 @@ stored.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 
 import sympy
@@ -67,6 +68,7 @@ class TritonKernel:
         self.comm = None                          # set by a peer read: the kernel synchronizes ranks
         self.published: set[str] = set()          # comm buffers this kernel wrote, then synchronized on
         self.reads_outside_peers = False          # peer reads of buffers earlier kernels wrote
+        self.two_shot: dict[str, tuple] = {}      # comm buffer -> (index, mask, reduce op, value)
         self.new_section(loop=False)
 
     @staticmethod
@@ -251,9 +253,12 @@ class TritonKernel:
             for a in self.comm.sync_args():
                 self.arg(a)
         assert self.comm.group == group, "one process group per kernel"
+        two_shot = self._two_shot(name, index)
         if name not in self.values:
             self.reads_outside_peers = True
-        elif name not in self.published:
+        if two_shot:
+            return self._gather_share(name, index, reduce_op)
+        if name in self.values and name not in self.published:
             # the prologue wrote our copy in this kernel: publish it before anyone reads
             self.comm.barrier(self.cur.body, self.args, release=True)
             self.published |= {n for n in self.values if n in V.graph.comm_buffers}
@@ -261,6 +266,55 @@ class TritonKernel:
         loads = [f"tl.load({self.arg(comm_codegen.peer_arg(name, r))} + ({idx}), {mask}, other=0).to(tl.float32)"
                  for r in range(self.comm.world)]
         return self.newvar(comm_codegen.combine(loads, reduce_op, self.comm.world), V.graph.get_dtype(name))
+
+    def _two_shot(self, name: str, index: sympy.Expr) -> bool:
+        """Read `name` two-shot? Before the body, each rank reduces its share of every block into
+        its own copy (`_reduce_shares`); the body then gathers each element from the rank that
+        reduced it. The shares must be fixed by the block alone (a pointwise kernel, or whole
+        rows), the buffer read by this one node and nowhere else (it is overwritten), each
+        element once (its size is the kernel's), and written by an earlier kernel."""
+        if name in self.two_shot:
+            return True
+        if V.graph.comm_algorithms.get(name) != "two_shot" or name in self.values or self.mask_stack:
+            return False
+        if self.is_red and not (self.persistent and self.in_loop()):
+            return False
+        sched, buf = self.scheduler, V.graph.get_buffer(name)
+        return (len(sched.node_readers[name]) == 1 and name not in sched.output_names
+                and sizevars.equal(buf.get_numel(), self.X * self.R)
+                and index.has(XSYM) and (index.has(RSYM) or not self.is_red))
+
+    def _share_owner(self) -> str:
+        """The rank that reduces an element: a contiguous 1/W of each block's columns (or lanes)."""
+        w = self.comm.world
+        return f"(rindex * {w}) // rnumel" if self.is_red else f"((xindex - xoffset) * {w}) // XBLOCK"
+
+    def _gather_share(self, name: str, index: sympy.Expr, reduce_op: str) -> Var:
+        from . import comm as comm_codegen
+        idx, mask = self.index_str(index), self.mask()
+        if name in self.two_shot:
+            assert self.two_shot[name][0] == idx, f"two-shot buffer {name} read at two indices"
+            return self.two_shot[name][3]
+        self.arg(name)  # our own copy: where `_reduce_shares` stores this rank's share
+        owner = self._share_owner()
+        loads = [f"tl.load({self.arg(comm_codegen.peer_arg(name, r))} + ({idx}), {mask} & ({owner} == {r}), "
+                 "other=0).to(tl.float32)" for r in range(self.comm.world)]  # one of them per lane
+        value = self.newvar(" + ".join(loads), V.graph.get_dtype(name))
+        self.two_shot[name] = (idx, mask, reduce_op, value)
+        return value
+
+    def _reduce_shares(self, code: IndentedBuffer) -> None:
+        """Two-shot's first pass: this rank's share of each block, reduced over the peers, stored
+        into its own copy, where the peers gather it from once the barrier after it is passed."""
+        from . import comm as comm_codegen
+        with self._block_loop(code):
+            code.writeline(f"mine = ({self._share_owner()}) == {self.args['@rank']}")
+            for name, (idx, mask, reduce_op, _) in self.two_shot.items():
+                loads = [f"tl.load({self.arg(comm_codegen.peer_arg(name, r))} + ({idx}), {mask} & mine, "
+                         "other=0).to(tl.float32)" for r in range(self.comm.world)]
+                acc = comm_codegen.combine(loads, reduce_op, self.comm.world)
+                dtype = triton_dtype(V.graph.get_dtype(name))
+                code.writeline(f"tl.store({self.arg(name)} + ({idx}), ({acc}).to({dtype}), {mask} & mine)")
 
     # ------------------------------------------------------------------ reductions
     def reduction(self, dtype, src_dtype, rtype, value: Var) -> Var:
@@ -386,45 +440,67 @@ class TritonKernel:
         code.writeline("@triton.jit" + ("(debug=True)" if self.uses_assert else ""))
         code.writeline(f"def {self.name}({', '.join(params + consts)}):")
         with code.indent():
-            pid = "tl.program_id(0).to(tl.int64)" if self.int64 else "tl.program_id(0)"
-            code.writeline(f"xoffset = {pid} * XBLOCK")
             if self.is_red:
-                code.writeline("xindex = xoffset + tl.arange(0, XBLOCK)[:, None]")
-                code.writeline("xmask = xindex < xnumel")
                 code.writeline("rbase = tl.arange(0, RBLOCK)[None, :]")
+            if self.comm is None:
+                pid = "tl.program_id(0).to(tl.int64)" if self.int64 else "tl.program_id(0)"
+                self._block_header(code, f"{pid} * XBLOCK")
+                self._render_sections(code)
             else:
-                code.writeline("xindex = xoffset + tl.arange(0, XBLOCK)")
-                code.writeline("xmask = xindex < xnumel")
-            if self.comm is not None:  # every rank's input is written before anyone reads it
+                # every rank's input is written before anyone reads it
                 self.comm.enter(code, self.args, wait=self.reads_outside_peers)
-            for sec in self.sections:
-                if not sec.loop:
-                    code.splice(sec.body)
-                    continue
-                if self.tiled:
-                    code.writeline("roffset = tl.program_id(1) * RBLOCK")
-                    code.writeline("rindex = roffset + rbase")
-                    code.writeline("rmask = rindex < rnumel")
-                    code.splice(sec.body)
-                    continue
-                if self.persistent:
-                    code.writeline("rindex = rbase")
-                    code.writeline("rmask = rindex < rnumel")
-                    code.splice(sec.body)
-                    continue
-                code.splice(sec.init)
-                code.writeline("for roffset in range(0, rnumel, RBLOCK):")
-                with code.indent():
-                    code.writeline("rindex = roffset + rbase")
-                    code.writeline("rmask = rindex < rnumel")
-                    code.splice(sec.body)
-                code.splice(sec.final)
-            if self.comm is not None:  # nobody rewrites its input while a peer may still read it
-                self.comm.leave(code, self.args)
+                if self.two_shot:
+                    self._reduce_shares(code)
+                    self.comm.barrier(code, self.args, release=True)
+                with self._block_loop(code):
+                    self._render_sections(code)
+                self.comm.leave(code, self.args)  # nobody rewrites its input while a peer may still read it
         meta = {"params": params, "size_symbols": syms, "reduction": self.is_red, "kind": self.kind,
                 "persistent": self.persistent, "tiled": self.tiled,
-                "block_ptrs": len(self.block_ptr_accesses), "comm": self.comm}
+                "block_ptrs": len(self.block_ptr_accesses), "comm": self.comm,
+                "two_shot": sorted(self.two_shot)}
         return code.getvalue(), meta
+
+    def _block_header(self, code: IndentedBuffer, offset: str) -> None:
+        if offset != "xoffset":
+            code.writeline(f"xoffset = {offset}")
+        code.writeline("xindex = xoffset + tl.arange(0, XBLOCK)" + ("[:, None]" if self.is_red else ""))
+        code.writeline("xmask = xindex < xnumel")
+        if self.persistent and not self.tiled:
+            code.writeline("rindex = rbase")
+            code.writeline("rmask = rindex < rnumel")
+
+    @contextlib.contextmanager
+    def _block_loop(self, code: IndentedBuffer):
+        """A kernel that reads peers keeps its grid small (every program must be resident to meet
+        its peers at the barriers): each program strides over the blocks."""
+        pid = "tl.program_id(0).to(tl.int64)" if self.int64 else "tl.program_id(0)"
+        code.writeline(f"for xoffset in range({pid} * XBLOCK, xnumel, tl.num_programs(0) * XBLOCK):")
+        with code.indent():
+            self._block_header(code, "xoffset")
+            yield
+
+    def _render_sections(self, code: IndentedBuffer) -> None:
+        for sec in self.sections:
+            if not sec.loop:
+                code.splice(sec.body)
+                continue
+            if self.tiled:
+                code.writeline("roffset = tl.program_id(1) * RBLOCK")
+                code.writeline("rindex = roffset + rbase")
+                code.writeline("rmask = rindex < rnumel")
+                code.splice(sec.body)
+                continue
+            if self.persistent:  # whole rows: the block header set rindex
+                code.splice(sec.body)
+                continue
+            code.splice(sec.init)
+            code.writeline("for roffset in range(0, rnumel, RBLOCK):")
+            with code.indent():
+                code.writeline("rindex = roffset + rbase")
+                code.writeline("rmask = rindex < rnumel")
+                code.splice(sec.body)
+            code.splice(sec.final)
 
 
 def _reads_peers(group) -> bool:

@@ -12,6 +12,7 @@ from commfuse.scheduler import Scheduler
 
 from .common import IndentedBuffer, pexpr
 from . import comm as comm_codegen
+from . import matmul as matmul_codegen
 from .triton import TritonKernel, choose_tile, debug_code
 
 HEADER = """\
@@ -20,10 +21,11 @@ import torch
 import triton
 import triton.language as tl
 from codegen import triton_helpers
-from commfuse.runtime.support import empty_strided, reinterpret_tensor, cdiv
+from commfuse.runtime.support import empty_strided, reinterpret_tensor, cdiv, workspace
 aten = torch.ops.aten
 prims = torch.ops.prims
 constants = {{}}  # filled by the loader: tensor constants and non-tensor objects
+_workspaces = {{}}  # scratch of split-K matmuls, kept zeroed between calls
 """
 
 
@@ -245,7 +247,7 @@ class WrapperCodegen:
         args += [self.expr(s) for s in meta["size_symbols"]]
         args += [self.expr(X)] + ([self.expr(R)] if meta["reduction"] else [])
         consts = [f"XBLOCK={blocks['XBLOCK']}"] + ([f"RBLOCK={blocks['RBLOCK']}"] if meta["reduction"] else [])
-        grid = f"(cdiv({self.expr(X)}, {blocks['XBLOCK']}),)" if not meta["tiled"] else \
+        grid = f"({blocks['programs']},)" if comm else f"(cdiv({self.expr(X)}, {blocks['XBLOCK']}),)" if not meta["tiled"] else \
             f"(cdiv({self.expr(X)}, {blocks['XBLOCK']}), cdiv({self.expr(R)}, {blocks['RBLOCK']}))"
         launch = f"{name}[{grid}]({', '.join(args + consts)}, num_warps={blocks['num_warps']})"
         if sizevars.is_static(X) and int(X) == 0:
@@ -262,7 +264,8 @@ class WrapperCodegen:
                 "reduction": grp.is_reduction(), "persistent": meta["persistent"] and not meta["tiled"],
                 "tiled": meta["tiled"], "block_ptrs": meta["block_ptrs"]}
         if comm:
-            info.update(collective="all_reduce", group=comm.group, fused_nodes=len(grp.nodes))
+            info.update(collective="all_reduce", group=comm.group, fused_nodes=len(grp.nodes),
+                        algorithm="two_shot" if meta["two_shot"] else "one_shot")
         self.kernel_info.append(info)
 
     def debug_code(self, scheduler, group) -> str:
@@ -278,22 +281,56 @@ class WrapperCodegen:
             self.allocate_once(buf, pool)
             self.body.writeline(f"# {buf.name}: cat written in place by {', '.join(p.name for p in buf.parts)}")
             return
+        if isinstance(buf, ir.MatmulTemplate):
+            self.matmul(buf, pool)
+            return
         op = buf.op
         call = _op_path(op) if _is_aten(op) else self.value(op)
         args = ", ".join([self.value(a) for a in buf.args] +
                          [f"{k}={self.value(v)}" for k, v in buf.kwargs.items()])
         self.extern_calls.append(str(op))
         if buf.out_variant:
-            if buf.out_view is not None:  # its slice of a cat
-                self.allocate_once(buf.out_view.base, pool)
-                self.body.writeline(f"{buf.name} = {self.value(buf.out_view)}  # slice of {buf.out_view.base.name}")
-            else:
-                self.allocate(buf, pool)
+            self.allocate_out(buf, pool)
             self.body.writeline(f"{call}({args}{', ' if args else ''}out={buf.name})")
         elif buf.side_effect:
             self.body.writeline(f"{call}({args})")
         else:
             self.body.writeline(f"{buf.name} = {call}({args})")
+
+    def allocate_out(self, buf: ir.ExternKernel, pool):
+        if buf.out_view is not None:  # its slice of a cat
+            self.allocate_once(buf.out_view.base, pool)
+            self.body.writeline(f"{buf.name} = {self.value(buf.out_view)}  # slice of {buf.out_view.base.name}")
+        else:
+            self.allocate(buf, pool)
+
+    def matmul(self, buf: ir.MatmulTemplate, pool):
+        name = f"cf_mm_{buf.name}"
+        src, meta = matmul_codegen.render(buf, name)
+        self.kernels.splice(_lines(src))
+        self.kernels.writeline()
+        self.allocate_out(buf, pool)
+        cfg, m, n = meta["cfg"], meta["m"], meta["n"]
+        b = buf.args[1]
+        out_stride = (buf.out_view or buf).layout.stride
+        if cfg["SPLIT_K"] > 1:  # zeroed once, left zeroed by every call
+            dev = f"{buf.name}.device"
+            scratch = [f"workspace(_workspaces, {name + '_sums'!r}, {m * n}, torch.float32, {dev})",
+                       f"workspace(_workspaces, {name + '_count'!r}, {meta['column_blocks']}, torch.int32, {dev})"]
+        else:
+            scratch = [buf.name, buf.name]  # not read
+        args = [self.ref(a) for a in meta["loader_args"]] + [self.expr(s) for s in meta["size_symbols"]]
+        args += [self.value(b), buf.name, *scratch, str(m), str(meta["k"]), str(n),
+                 *(self.expr(s) for s in b.layout.stride), *(self.expr(s) for s in out_stride)]
+        consts = (f"XBLOCK={cfg['BLOCK_M']}, RBLOCK={cfg['BLOCK_K']}, BLOCK_N={cfg['BLOCK_N']}, "
+                  f"SPLIT_K={cfg['SPLIT_K']}, EVEN={meta['even']}, num_warps={cfg['num_warps']}, "
+                  f"num_stages={cfg['num_stages']}")
+        self.body.writeline(f"{name}[({meta['column_blocks']}, {cfg['SPLIT_K']})]({', '.join(args)}, {consts})")
+        reads = [getattr(r, "base", r).name for r in buf.inputs()]  # a view's base
+        self.kernel_info.append({"name": name, "reads": reads, "writes": [buf.name],
+                                 "nodes": [buf.name], "template": "mm", "prologue": buf.prologue,
+                                 "reduction": False, "persistent": False, "tiled": False,
+                                 "config": cfg})
 
     # ------------------------------------------------------------------ collectives
     def plan_comm_buffers(self) -> dict:
@@ -364,10 +401,7 @@ class WrapperCodegen:
                                 f"{buf.reduce_op!r}, {buf.group_name!r})")
             self.extern_calls.append("symm_mem.one_shot_all_reduce")
             return
-        algorithm = buf.algorithm
-        if algorithm == "two_shot" and (buf.inplace or any(n.name != buf.name for g in self.sched.readers[src]
-                                                            for n in g.nodes if src in n.read_names)):
-            algorithm = "one_shot"  # two-shot reduces into its input: only when nobody else reads it
+        algorithm = buf.algorithm  # in place: the two-shot gathers every share into its own buffer
         name = f"cf_{algorithm}_all_reduce_{buf.reduce_op}_{step}"
         if algorithm == "two_shot":
             src_code = comm_codegen.two_shot_all_reduce(name, buf.world_size, buf.reduce_op, buf.get_dtype())

@@ -162,18 +162,26 @@ def comm_launch(numel: int) -> dict:
     return {"BLOCK": block, "NPROG": nprog, "num_warps": max(4, min(16, block // 256))}
 
 
+def comm_prologue(algorithm: str | None) -> bool:
+    """Fuse an all-reduce input's pointwise producer into the comm kernel? For one-shot: it saves a
+    pass. Two-shot reduces each share before the kernel's body runs, so its input must be written
+    by an earlier kernel."""
+    return algorithm != "two_shot"
+
+
 def comm_kernel_blocks(xnumel: int, rnumel: int, persistent: bool, reduction: bool) -> dict:
     """A kernel that reads peers synchronizes program by program with the same program on every
-    rank: keep the grid within `comm.max_programs` so all of them are resident at once."""
-    cap = comm_max_programs()
+    rank: at most `comm.max_programs` of them, so that all are resident at once, each striding
+    over the blocks."""
     if reduction:
         blocks = reduction_blocks(xnumel, rnumel, persistent)
-        blocks["XBLOCK"] = max(blocks["XBLOCK"], next_pow2(-(-xnumel // cap)))
         # few programs: each needs many loads in flight; long rows need more threads to hold them
         blocks["num_warps"] = max(config.comm.num_warps, min(16, blocks["XBLOCK"] * blocks["RBLOCK"] // 512))
-        return blocks
-    xblock = max(config.comm.block, next_pow2(-(-xnumel // cap)))
-    return {"XBLOCK": xblock, "num_warps": 4 if xblock <= 1024 else 8}
+    else:
+        launch = comm_launch(xnumel)
+        blocks = {"XBLOCK": launch["BLOCK"], "num_warps": launch["num_warps"]}
+    blocks["programs"] = max(1, min(comm_max_programs(), -(-xnumel // blocks["XBLOCK"])))
+    return blocks
 
 
 def kernel_config(kind: str, xnumel: int, rnumel: int) -> dict:
@@ -273,3 +281,40 @@ def all_reduce_algorithm(world: int, nbytes: int, device) -> tuple[str, str]:
     if nbytes <= cfg.two_shot_max_bytes.get(world, 0):
         return "two_shot", ""
     return "c10d", f"{nbytes} bytes over the one-shot threshold and the two-shot threshold for {world} ranks"
+
+
+# ----------------------------------------------------------------------------- matmuls
+MM_TEMPLATE_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def use_mm_template(a, b) -> bool:
+    """Our Triton kernel for `a @ b` (codegen/matmul.py) instead of aten's mm: few rows and static
+    sizes, where the weight streams once from memory. On H200 it reached 3.3–3.7 TB/s against
+    cuBLAS's 3.0–3.5 at 1–16 rows, and a fused activation costs it nothing (bench/results/
+    skinny_mm_h200.md); at 32 rows they tie. bf16/fp16 only: fp32 would need tl.dot's slow
+    IEEE mode to match aten (whose fp32 mm does not use TF32)."""
+    from . import sizevars
+    if not config.mm_template or a.get_dtype() not in MM_TEMPLATE_DTYPES or b.get_dtype() != a.get_dtype():
+        return False
+    if a.get_device().type not in ("cuda", "cpu"):  # the CPU runs Triton's interpreter
+        return False
+    (m, k), (_, n) = a.get_size(), b.get_size()
+    if not all(sizevars.is_static(s) for s in (m, k, n)):
+        return False
+    return 1 <= int(m) <= config.mm_template_max_rows and int(k) >= 16 and int(n) >= 16
+
+
+def mm_template_config(m: int, n: int, k: int) -> dict:
+    """Blocks of the few-row matmul: one program per 64 columns, and K split over several
+    (partial sums added atomically) when the columns alone leave SMs idle. Thresholds from the
+    H200 sweep (132 SMs): 7168 columns run best unsplit with 256-deep steps, 4096 split in 4."""
+    programs = -(-n // 64)
+    split, block_k = 1, 256
+    if programs < 96:
+        block_k = 128
+        while programs * split < 192 and split < 8 and k >= 4 * split * 64:
+            split *= 2
+    while block_k > 16 and k < block_k * split:
+        block_k //= 2
+    return {"BLOCK_M": max(16, next_pow2(m)), "BLOCK_N": 64, "BLOCK_K": block_k, "SPLIT_K": split,
+            "num_warps": 4, "num_stages": 4 if split == 1 else 3}

@@ -29,6 +29,11 @@ realize_acc_reads_threshold = 8         # realize a pointwise value that inlines
 realize_acc_reads_size_threshold: int | None = None  # ... or reads more bytes than this; no fusion
                                                      # reads more either (None: off)
 
+# Matmuls.
+mm_template = True            # few-row matmuls (decode) by our own Triton kernel, with the left
+                              # operand's pointwise producer fused into it, instead of aten's mm
+mm_template_max_rows = 16     # ... up to this many rows (beyond, cuBLAS is as fast: bench/results)
+
 # Memory.
 reorder_for_peak_memory = True  # try memory-aware kernel orders, keep the lowest estimated peak
 inplace_buffers = True          # a kernel may write its output over an input it is last to read

@@ -44,6 +44,7 @@ class GraphLowering(torch.fx.Interpreter):
         self.comm_copies: list[str] = []             # comm buffers filled by a copy (input not ours)
         self.comm_fallbacks: list[dict] = []         # collectives left to c10d, with the reason
         self.comm_choices: list[dict] = []           # algorithm picked by a table or config, and why
+        self.comm_algorithms: dict[str, str] = {}    # comm buffer of a fused all-reduce -> one/two-shot
         self.comm_results: set[str] = set()          # buffers our collectives produce (no wait needed)
         self.fallback_ops: list[str] = []
         self.scalar_nodes: list[tuple] = []           # (symbol, fn, args, kwargs) computed at run time

@@ -244,6 +244,26 @@ class ExternKernel(Buffer):
 
 
 @dataclasses.dataclass(eq=False)
+class MatmulTemplate(ExternKernel):
+    """`a @ b` by our own Triton kernel (codegen/matmul.py) where aten's mm would run: an out
+    variant like it, so it can write into a comm buffer or a cat's slice. `a_loader` is how the
+    kernel loads `a`: a buffer's loads, or a pointwise producer recomputed where it is loaded
+    (the prologue), never stored; `a_reads` are the buffers that loader reads."""
+    a_loader: Any = None
+    a_reads: list = dataclasses.field(default_factory=list)
+    a_size: list = dataclasses.field(default_factory=list)
+    prologue: bool = False
+
+    def inputs(self) -> list:
+        return list(self.a_reads) + [self.args[1]]
+
+    def __str__(self):
+        what = "prologue" if self.prologue else "a"
+        return (f"{self.name}: MatmulTemplate({what} reading {[b.name for b in self.a_reads]}, "
+                f"{_arg_str(self.args[1])})")
+
+
+@dataclasses.dataclass(eq=False)
 class ConcatBuffer(Buffer):
     """A cat whose inputs write their own slices of it (extern kernels through `out=`): no copy."""
     parts: list = dataclasses.field(default_factory=list)  # ExternKernels, each with an `out_view`

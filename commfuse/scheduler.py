@@ -412,6 +412,8 @@ class Scheduler:
                     return False
                 # a pointwise producer of an all-reduce's input: each program writes the very
                 # elements it then reads from every rank, after a barrier (the comm prologue)
+                if kind == "peer" and not choices.comm_prologue(V.graph.comm_algorithms.get(name)):
+                    return False
         return True
 
     def _path_between(self, src: Group, dst: Group) -> bool:

@@ -8,7 +8,7 @@ import torch
 
 lowerings: dict = {}
 
-FAMILIES = ("pointwise", "reduction", "softmax", "views", "indexing", "comm", "extern")  # random ops fall back to aten
+FAMILIES = ("pointwise", "reduction", "softmax", "views", "indexing", "comm", "matmul", "extern")  # random ops fall back to aten
 
 
 def register(*ops, name: str | None = None) -> Callable:

@@ -1,10 +1,10 @@
 """Collectives (`_c10d_functional` ops).
 
-An eligible all-reduce (commfuse/choices.py: `comm_choice`) runs over symmetric memory: the
-one-shot as a loop body that reads every peer's copy (`ops.peer_reduce`), so its consumers fuse
-into it; two-shot, in-place and torch's kernel as a CommKernel. Its input is made a comm buffer
-here, at lowering time, so the
-kernel that produces it (a fused Triton kernel, or an extern mm through `out=`)
+An eligible all-reduce (commfuse/choices.py: `comm_choice`) runs over symmetric memory: one-shot
+and two-shot as a loop body that reads the peers' copies (`ops.peer_reduce`), so its consumers
+fuse into it (codegen/triton.py picks the loads by `graph.comm_algorithms`); in-place and torch's
+kernel as a CommKernel. Its input is made a comm buffer here, at lowering time, so the kernel
+that produces it (a fused Triton kernel, or an extern mm through `out=`)
 writes straight into the persistent pool: no copy in. Values we do not produce
 (graph inputs, views) get one copy kernel, fused with the pointwise op before it.
 Everything else — other collectives, ineligible all-reduces — runs the c10d op
@@ -61,9 +61,10 @@ def _all_reduce(x, reduce_op, group_name, inplace):
     if reason:
         graph.comm_choices.append({"op": "all_reduce", "algorithm": algorithm, "reason": reason})
     buf = make_comm_buffer(x, group_name, "all_reduce")
-    if algorithm == "one_shot" and not inplace:
-        # a loop body reading every peer's copy: it fuses with its consumers like any pointwise node
+    if algorithm in ("one_shot", "two_shot") and not inplace:
+        # a loop body reading the peers' copies: it fuses with its consumers like any pointwise node
         name, layout = buf.name, buf.layout
+        graph.comm_algorithms[name] = algorithm
         result = TensorBox(Pointwise(x.get_device(), x.get_dtype(),
                                      lambda idx: ops.peer_reduce(name, layout.index(idx), reduce_op),
                                      list(x.get_size())))

@@ -1,0 +1,58 @@
+"""The few-row matmul template: values against eager, the prologue fused, split-K across calls."""
+import glob
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from commfuse import config
+
+
+def _compile_and_check(fn, args, dump_dir, calls=3):
+    torch._dynamo.reset()
+    with config.patch(dump_dir=str(dump_dir)):
+        compiled = torch.compile(fn, backend="commfuse", dynamic=False)
+        want = fn(*args)
+        for call in range(calls):  # a split-K workspace left dirty would show from the second call
+            got = compiled(*args)
+            torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2, msg=f"call {call}")
+    (path,) = glob.glob(f"{dump_dir}/rank0/*/summary.json")
+    return json.load(open(path)), open(path.replace("summary.json", "output_code.py")).read()
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 256, 80), (8, 64, 96), (3, 512, 64), (16, 96, 130)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_silu_prologue_is_computed_in_the_matmul(tmp_path, m, k, n, dtype):
+    torch.manual_seed(0)
+    a, w = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype) / k ** 0.5
+    s, code = _compile_and_check(lambda a, w: F.silu(a * 2) @ w, (a, w), tmp_path)
+    (kernel,) = s["kernels"]  # silu is never stored: one kernel, no aten mm
+    assert kernel["template"] == "mm" and kernel["prologue"] and not s["extern_calls"], s
+    assert "tl.sigmoid" in code and "tl.dot" in code
+    if (m, k, n) == (3, 512, 64):  # one column block: K is split over four programs
+        assert kernel["config"]["SPLIT_K"] == 4 and "_workspaces" in code
+
+
+def test_strided_operands(tmp_path):
+    """a transposed (a view), b a Linear weight used through .t(): strides, not copies."""
+    torch.manual_seed(0)
+    x, weight = torch.randn(64, 8, dtype=torch.bfloat16), torch.randn(48, 64, dtype=torch.bfloat16) / 8
+    s, _ = _compile_and_check(lambda x, weight: F.linear(x.t(), weight), (x, weight), tmp_path)
+    assert [k.get("template") for k in s["kernels"]] == ["mm"] and not s["extern_calls"], s
+
+
+@pytest.mark.parametrize("case", ["rows", "fp32", "off"])
+def test_aten_mm_where_the_template_does_not_apply(tmp_path, case):
+    m, dtype = (17, torch.bfloat16) if case == "rows" else (8, torch.float32 if case == "fp32" else torch.bfloat16)
+    torch.manual_seed(0)
+    a, w = torch.randn(m, 32, dtype=dtype), torch.randn(32, 48, dtype=dtype)
+    with config.patch(mm_template=case != "off"):
+        s, _ = _compile_and_check(lambda a, w: a @ w, (a, w), tmp_path, calls=1)
+    assert s["extern_calls"] == ["aten.mm.out"] and not any(k.get("template") for k in s["kernels"]), s
+
+
+def test_mm_template_config_follows_the_sweep():
+    from commfuse.choices import mm_template_config
+    up, down = mm_template_config(8, 7168, 4096), mm_template_config(8, 4096, 7168)
+    assert (up["SPLIT_K"], up["BLOCK_K"], down["SPLIT_K"], down["BLOCK_K"]) == (1, 256, 4, 128)
