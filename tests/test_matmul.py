@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from commfuse import config
+from tests.common import DEVICE
 
 
 def _compile_and_check(fn, args, dump_dir, calls=3):
@@ -25,7 +26,7 @@ def _compile_and_check(fn, args, dump_dir, calls=3):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_silu_prologue_is_computed_in_the_matmul(tmp_path, m, k, n, dtype):
     torch.manual_seed(0)
-    a, w = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype) / k ** 0.5
+    a, w = torch.randn(m, k, dtype=dtype, device=DEVICE), torch.randn(k, n, dtype=dtype, device=DEVICE) / k ** 0.5
     s, code = _compile_and_check(lambda a, w: F.silu(a * 2) @ w, (a, w), tmp_path)
     (kernel,) = s["kernels"]  # silu is never stored: one kernel, no aten mm
     assert kernel["template"] == "mm" and kernel["prologue"] and not s["extern_calls"], s
@@ -37,7 +38,8 @@ def test_silu_prologue_is_computed_in_the_matmul(tmp_path, m, k, n, dtype):
 def test_strided_operands(tmp_path):
     """a transposed (a view), b a Linear weight used through .t(): strides, not copies."""
     torch.manual_seed(0)
-    x, weight = torch.randn(64, 8, dtype=torch.bfloat16), torch.randn(48, 64, dtype=torch.bfloat16) / 8
+    x = torch.randn(64, 8, dtype=torch.bfloat16, device=DEVICE)
+    weight = torch.randn(48, 64, dtype=torch.bfloat16, device=DEVICE) / 8
     s, _ = _compile_and_check(lambda x, weight: F.linear(x.t(), weight), (x, weight), tmp_path)
     assert [k.get("template") for k in s["kernels"]] == ["mm"] and not s["extern_calls"], s
 
@@ -46,10 +48,21 @@ def test_strided_operands(tmp_path):
 def test_aten_mm_where_the_template_does_not_apply(tmp_path, case):
     m, dtype = (17, torch.bfloat16) if case == "rows" else (8, torch.float32 if case == "fp32" else torch.bfloat16)
     torch.manual_seed(0)
-    a, w = torch.randn(m, 32, dtype=dtype), torch.randn(32, 48, dtype=dtype)
+    a, w = torch.randn(m, 32, dtype=dtype, device=DEVICE), torch.randn(32, 48, dtype=dtype, device=DEVICE)
     with config.patch(mm_template=case != "off"):
         s, _ = _compile_and_check(lambda a, w: a @ w, (a, w), tmp_path, calls=1)
     assert s["extern_calls"] == ["aten.mm.out"] and not any(k.get("template") for k in s["kernels"]), s
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,n", [(8, 4096, 7168), (8, 7168, 4096)])
+def test_decode_sizes_on_gpu(tmp_path, m, k, n):
+    """The sizes the configs were measured on: unsplit, and split-K in 4 (the atomics path)."""
+    torch.manual_seed(0)
+    a = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+    w = torch.randn(k, n, dtype=torch.bfloat16, device="cuda") / k ** 0.5
+    s, _ = _compile_and_check(lambda a, w: F.silu(a) @ w, (a, w), tmp_path)
+    assert s["kernels"][0]["template"] == "mm", s
 
 
 def test_mm_template_config_follows_the_sweep():
