@@ -241,6 +241,7 @@ def main():
     ap.add_argument("--out")
     ap.add_argument("--max-mib", type=int, default=64)
     ap.add_argument("--skip-decode", action="store_true")
+    ap.add_argument("--skip-ar", action="store_true", help="no all-reduce latency table")
     ap.add_argument("--only-norm", action="store_true", help="only the all-reduce + RMSNorm table")
     ap.add_argument("--only-stack", action="store_true", help="only the L-layer TP stack (planning)")
     ap.add_argument("--only-ar", action="store_true", help="only the all-reduce latency table")
@@ -252,7 +253,7 @@ def main():
     group = dist.group.WORLD
     sizes = [4 << 10 << i for i in range(0, 15) if (4 << 10 << i) <= args.max_mib << 20]
     only = args.only_norm or args.only_stack or args.only_ar
-    ar = [] if only and not args.only_ar else all_reduce_table(sizes, rank, world, group)
+    ar = [] if only and not args.only_ar or args.skip_ar else all_reduce_table(sizes, rank, world, group)
     dec = [] if args.skip_decode or only else decode_table(rank, world, group)
     norm = [] if args.only_stack or args.only_ar else ar_norm_table(rank, world, group)
     stack = tp_stack_table(rank, world) if args.only_stack or not only else None

@@ -31,6 +31,7 @@ def test_silu_prologue_is_computed_in_the_matmul(tmp_path, m, k, n, dtype):
     (kernel,) = s["kernels"]  # silu is never stored: one kernel, no aten mm
     assert kernel["template"] == "mm" and kernel["prologue"] and not s["extern_calls"], s
     assert "tl.sigmoid" in code and "tl.dot" in code
+    assert "pf0_now = pf0" in code  # the prologue's load is issued a step ahead
     if (m, k, n) == (3, 512, 64):  # one column block: K is split over four programs
         assert kernel["config"]["SPLIT_K"] == 4 and "_workspaces" in code
 

@@ -31,7 +31,7 @@ def main():
     x = torch.randn(B, H, device="cuda", dtype=torch.bfloat16)
     h = x @ w_up
     cases = {"mlp": (lambda x: F.silu(x @ w_up) @ w_down, x), "up": (lambda x: x @ w_up, x),
-             "silu+down": (lambda h: F.silu(h) @ w_down, h)}
+             "silu+down": (lambda h: F.silu(h) @ w_down, h), "down": (lambda h: h @ w_down, h)}
     lines = []
     for variant, opts in (("template", {}), ("aten mm", {"mm_template": False})):
         for name, (fn, arg) in cases.items():
