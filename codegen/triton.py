@@ -262,10 +262,14 @@ class TritonKernel:
             # the prologue wrote our copy in this kernel: publish it before anyone reads
             self.comm.barrier(self.cur.body, self.args, release=True)
             self.published |= {n for n in self.values if n in V.graph.comm_buffers}
-        idx, mask = self.index_str(index), self.mask()
-        loads = [f"tl.load({self.arg(comm_codegen.peer_arg(name, r))} + ({idx}), {mask}, other=0).to(tl.float32)"
-                 for r in range(self.comm.world)]
+        loads = self._peer_loads(name, self.index_str(index), lambda r: self.mask())
         return self.newvar(comm_codegen.combine(loads, reduce_op, self.comm.world), V.graph.get_dtype(name))
+
+    def _peer_loads(self, name: str, idx: str, mask_of) -> list[str]:
+        """Every rank's copy of comm buffer `name` at `idx` (as fp32), rank r's under `mask_of(r)`."""
+        from . import comm as comm_codegen
+        return [f"tl.load({self.arg(comm_codegen.peer_arg(name, r))} + ({idx}), {mask_of(r)}, other=0).to(tl.float32)"
+                for r in range(self.comm.world)]
 
     def _two_shot(self, name: str, index: sympy.Expr) -> bool:
         """Read `name` two-shot? Before the body, each rank reduces its share of every block into
@@ -290,15 +294,13 @@ class TritonKernel:
         return f"(rindex * {w}) // rnumel" if self.is_red else f"((xindex - xoffset) * {w}) // XBLOCK"
 
     def _gather_share(self, name: str, index: sympy.Expr, reduce_op: str) -> Var:
-        from . import comm as comm_codegen
         idx, mask = self.index_str(index), self.mask()
         if name in self.two_shot:
             assert self.two_shot[name][0] == idx, f"two-shot buffer {name} read at two indices"
             return self.two_shot[name][3]
         self.arg(name)  # our own copy: where `_reduce_shares` stores this rank's share
         owner = self._share_owner()
-        loads = [f"tl.load({self.arg(comm_codegen.peer_arg(name, r))} + ({idx}), {mask} & ({owner} == {r}), "
-                 "other=0).to(tl.float32)" for r in range(self.comm.world)]  # one of them per lane
+        loads = self._peer_loads(name, idx, lambda r: f"{mask} & ({owner} == {r})")  # one of them per lane
         value = self.newvar(" + ".join(loads), V.graph.get_dtype(name))
         self.two_shot[name] = (idx, mask, reduce_op, value)
         return value
@@ -310,8 +312,7 @@ class TritonKernel:
         with self._block_loop(code):
             code.writeline(f"mine = ({self._share_owner()}) == {self.args['@rank']}")
             for name, (idx, mask, reduce_op, _) in self.two_shot.items():
-                loads = [f"tl.load({self.arg(comm_codegen.peer_arg(name, r))} + ({idx}), {mask} & mine, "
-                         "other=0).to(tl.float32)" for r in range(self.comm.world)]
+                loads = self._peer_loads(name, idx, lambda r: f"{mask} & mine")
                 acc = comm_codegen.combine(loads, reduce_op, self.comm.world)
                 dtype = triton_dtype(V.graph.get_dtype(name))
                 code.writeline(f"tl.store({self.arg(name)} + ({idx}), ({acc}).to({dtype}), {mask} & mine)")
