@@ -25,7 +25,7 @@ import commfuse  # noqa: E402,F401
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed._functional_collectives as funcol  # noqa: E402
-from commfuse.tune import cuda_graph_time_us  # noqa: E402  (one timing method for both)
+from commfuse.tune import ar_norm_step, cuda_graph_time_us, rms_norm  # noqa: E402  (shared with the tuner)
 
 
 def eager_time_us(fn, iters=200, reps=5) -> float:
@@ -73,11 +73,6 @@ def all_reduce_table(sizes, rank, world, group) -> list[dict]:
         row["auto pick"], row["ours auto"] = pick, row[names[pick]]
         rows.append(row)
     return rows
-
-
-def rms_norm(x, w, eps=1e-6):
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
 
 
 def decode_table(rank, world, group, B=8, H=4096, F=14336) -> list[dict]:
@@ -141,14 +136,11 @@ def decode_table(rank, world, group, B=8, H=4096, F=14336) -> list[dict]:
 def ar_norm_table(rank, world, group, batches=(1, 8, 32, 128), hiddens=(4096, 8192)) -> list[dict]:
     """All-reduce + residual add + RMSNorm under CUDA graphs: commfuse (one fused kernel) vs Inductor
     with auto_select vs NCCL + Inductor's fused add+norm kernel."""
+    from commfuse import choices
     dev = torch.device("cuda", torch.cuda.current_device())
     rows = []
     for H in hiddens:
-        norm_w = torch.ones(H, device=dev, dtype=torch.bfloat16)
-
-        def step(y, res):
-            h = funcol.all_reduce(y, "sum", group) + res
-            return rms_norm(h, norm_w), h
+        step = ar_norm_step(group, torch.ones(H, device=dev, dtype=torch.bfloat16))
 
         def produce(x):  # the all-reduce input comes from a producer in the graph, as after a matmul
             return x * 1.0
@@ -170,7 +162,10 @@ def ar_norm_table(rank, world, group, batches=(1, 8, 32, 128), hiddens=(4096, 81
         for B in batches:
             x = torch.randn(B, H, device=dev, dtype=torch.bfloat16)
             res = torch.randn(B, H, device=dev, dtype=torch.bfloat16)
-            row = {"B": B, "H": H}
+            nbytes = B * H * 2
+            pick, _ = choices.all_reduce_algorithm(world, nbytes, dev)
+            fused_pick = choices.all_reduce_with_epilogue(world, B, nbytes, dev, pick, prologue=True)
+            row = {"B": B, "H": H, "auto pick": fused_pick[0] if fused_pick else pick}
             ref = step(produce(x), res)
             for name, fn in variants.items():
                 try:
@@ -274,12 +269,15 @@ def main():
             lines += [f"| {r['variant']} | {fmt(r['plain µs'])} | {fmt(r['cuda graph µs'])} |" for r in dec]
         lines += ["", f"All-reduce + residual + RMSNorm, {world}x {name}, bf16, CUDA graphs (µs):", "",
                   "| B | H | commfuse fused (auto) | one-shot | two-shot | inductor auto_select | NCCL + inductor "
-                  "| vs auto_select |", "|---|---|---|---|---|---|---|---|"]
+                  "| vs auto_select | auto picks | auto / best |", "|---|---|---|---|---|---|---|---|---|---|"]
         for r in norm:
             c, a = r.get("commfuse fused"), r.get("inductor auto_select")
             ratio = f"{a / c:.2f}" if c and a else "—"
+            forced = [t for t in (r.get("commfuse one-shot"), r.get("commfuse two-shot")) if t]
+            vs_best = f"{c / min(forced):.2f}" if c and forced else "—"
             lines.append(f"| {r['B']} | {r['H']} | {fmt(c)} | {fmt(r.get('commfuse one-shot'))} | "
-                         f"{fmt(r.get('commfuse two-shot'))} | {fmt(a)} | {fmt(r.get('NCCL + inductor'))} | {ratio} |")
+                         f"{fmt(r.get('commfuse two-shot'))} | {fmt(a)} | {fmt(r.get('NCCL + inductor'))} | {ratio} "
+                         f"| {r['auto pick']} | {vs_best} |")
         if stack:
             lines += ["", f"{stack['layers']}-layer TP MLP stack, forward + backward, {world}x {name} "
                           f"(B={stack['B']}, H={stack['H']}, F={stack['F']}/{world}, bf16):", ""]

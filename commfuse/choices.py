@@ -283,6 +283,22 @@ def all_reduce_algorithm(world: int, nbytes: int, device) -> tuple[str, str]:
     return "c10d", f"{nbytes} bytes over the one-shot threshold and the two-shot threshold for {world} ranks"
 
 
+def all_reduce_with_epilogue(world: int, rows: int, nbytes: int, device, current: str,
+                             prologue: bool) -> tuple[str, str] | None:
+    """The symmetric-memory algorithm for an all-reduce whose rows feed a fused row reduction (a
+    norm), from the table's fused measurements (`prologue`: its input's producer is pointwise, so
+    one-shot can fuse it too); None keeps `current` (forced by config, torch's kernel, or no such
+    measurements: the choice for the all-reduce alone stands)."""
+    from .tuning import lookup
+    if config.comm.algorithm != "auto" or current not in ("one_shot", "two_shot"):
+        return None
+    best = lookup(world, nbytes, device, rows=rows, prologue=prologue)
+    if best is None or best[0] not in ("one_shot", "two_shot"):
+        return None
+    algo, table = best
+    return algo, f"{algo} is fastest with a fused row epilogue at {rows} rows x {nbytes // rows} bytes in {table}"
+
+
 # ----------------------------------------------------------------------------- matmuls
 MM_TEMPLATE_DTYPES = (torch.bfloat16, torch.float16)
 

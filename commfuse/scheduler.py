@@ -209,6 +209,7 @@ class Scheduler:
         self.node_of = {n.name: n for n in self.nodes}
         self.groups = [self._single(n) for n in self.nodes]
         self.group_of = {n.name: g for g in self.groups for n in g.nodes}
+        self.choose_comm_algorithms()
         self.fuse()
         self.remat_log = remat.rematerialize(self) if config.rematerialize else []
         if self.remat_log:  # kernels now read other buffers: some values died, groups may fuse
@@ -267,6 +268,49 @@ class Scheduler:
 
     def group_deps(self, g: Group) -> set:
         return {id(self.group_of[d]) for n in g.nodes for d in n.deps if self.group_of[d] is not g}
+
+    # ------------------------------------------------------------------ comm
+    def choose_comm_algorithms(self):
+        """An all-reduce whose rows feed a row reduction (a norm) will have it fused into its
+        kernel, whose cost differs from the all-reduce alone: take its algorithm from the fused
+        measurements. Chosen before fusion, which depends on it (choices.comm_prologue)."""
+        graph, readers = self.graph, collections.defaultdict(list)
+        for n in self.nodes:
+            for r in n.read_names:
+                readers[r].append(n)
+        for name, current in list(graph.comm_algorithms.items()):
+            _, group, result = graph.comm_buffers[name]
+            if result not in self.node_of:
+                continue
+            rows = self._epilogue_rows(result, readers)
+            buf, producer = graph.get_buffer(name), self.node_of.get(name)
+            prologue = producer is not None and not producer.is_extern() and not producer.is_reduction()
+            picked = rows and choices.all_reduce_with_epilogue(
+                choices.group_size(group), rows, int(buf.get_numel()) * buf.get_dtype().itemsize,
+                buf.get_device(), current, prologue)
+            if not picked:
+                continue
+            graph.comm_algorithms[name] = picked[0]
+            graph.comm_choices[:] = [c for c in graph.comm_choices if c.get("buffer") != name]
+            graph.comm_choices.append({"op": "all_reduce", "buffer": name, "algorithm": picked[0], "reason": picked[1]})
+
+    def _epilogue_rows(self, result: str, readers) -> int | None:
+        """Rows of `result` when a reduction over its last dim reads it, directly or through
+        pointwise nodes of its size (a residual add, a cast): the shape of a norm after it."""
+        size = self.graph.get_buffer(result).get_size()
+        numel, row = sizevars.product(size), size[-1]
+        seen, todo = set(), [result]
+        while todo:
+            for n in readers[todo.pop()]:
+                if n.name in seen or n.is_extern():
+                    continue
+                seen.add(n.name)
+                if not n.is_reduction():
+                    if sizevars.equal(n.numel(), numel):
+                        todo.append(n.name)
+                elif sizevars.equal(sizevars.product(n.rranges), row) and sizevars.equal(n.numel() * row, numel):
+                    return int(n.numel())
+        return None
 
     # ------------------------------------------------------------------ fusion
     def fuse(self):

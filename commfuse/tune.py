@@ -1,6 +1,7 @@
 """`torchrun --nproc-per-node N -m commfuse.tune --out TABLE.json`: time commfuse's one-shot and
-two-shot all-reduce kernels and the c10d collective over a grid of sizes on this host, under CUDA
-graphs, and write the table the compiler's algorithm choice reads (commfuse/tuning.py)."""
+two-shot all-reduce kernels and the c10d collective over a grid of sizes on this host, and each
+symmetric-memory algorithm with a residual add and RMSNorm fused over a grid of (rows, hidden),
+under CUDA graphs; write the table the compiler's algorithm choice reads (commfuse/tuning.py)."""
 from __future__ import annotations
 
 import argparse
@@ -10,6 +11,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 from . import choices, tuning
 
@@ -88,11 +90,64 @@ def measure(sizes, dtype=torch.bfloat16) -> list[dict]:
     return rows
 
 
+def rms_norm(x, w, eps=1e-6):
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
+
+
+def ar_norm_step(group, norm_w):
+    """All-reduce, residual add, RMSNorm: what follows a row-parallel linear."""
+    def step(y, res):
+        h = funcol.all_reduce(y, "sum", group) + res
+        return rms_norm(h, norm_w), h
+    return step
+
+
+def measure_fused(rows_grid, hiddens, dtype=torch.bfloat16, k=16) -> list[dict]:
+    """Per (rows, hidden, producer): the compiled step `ar_norm_step(produce(x))` with each
+    symmetric-memory algorithm forced, timed whole. The producer writes the all-reduce input: a
+    pointwise one fuses into one-shot's kernel as its prologue (`"prologue": true`); a K=16 matmul,
+    as after a row-parallel linear, runs before either at a cost both share."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    torch.manual_seed(dist.get_rank())
+    out = []
+    for hidden in hiddens:
+        w = torch.randn(k, hidden, dtype=dtype, device=dev) / k ** 0.5
+        step = ar_norm_step(dist.group.WORLD, torch.randn(hidden, dtype=dtype, device=dev))
+        producers = {True: (lambda x: x * 1.0, hidden), False: (lambda x: x @ w, k)}
+        for prologue, (produce, width) in producers.items():
+            def fn(x, res, produce=produce):
+                return step(produce(x), res)
+            for rows in rows_grid:
+                x = torch.randn(rows, width, dtype=dtype, device=dev)
+                res = torch.randn(rows, hidden, dtype=dtype, device=dev)
+                want = fn(x, res)
+                row = {"rows": rows, "row_bytes": hidden * dtype.itemsize, "prologue": prologue}
+                for algo in ("one_shot", "two_shot"):
+                    torch._dynamo.reset()
+                    compiled = torch.compile(fn, backend="commfuse", dynamic=False,
+                                             options={"comm.algorithm": algo})
+                    for g, r in zip(compiled(x, res), want):
+                        torch.testing.assert_close(g.float(), r.float(), atol=5e-2, rtol=5e-2)
+                    row[algo] = cuda_graph_time_us(lambda: compiled(x, res))
+                out.append(row)
+    torch._dynamo.reset()
+    return out
+
+
+def _grid(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v.strip()]
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", required=True)
     ap.add_argument("--min-kib", type=int, default=4)
     ap.add_argument("--max-mib", type=int, default=64)
+    ap.add_argument("--fused-rows", type=_grid, default=[1, 2, 4, 8, 16, 32, 128, 512],
+                    help="rows of the fused all-reduce + RMSNorm grid (comma-separated)")
+    ap.add_argument("--fused-hidden", type=_grid, default=[4096, 8192],
+                    help="row lengths of the fused grid (comma-separated; empty: skip it)")
     args = ap.parse_args(argv)
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl")
@@ -101,14 +156,19 @@ def main(argv=None):
         sizes.append(n)
         n *= 2
     rows = measure(sizes)
+    fused = measure_fused(args.fused_rows, args.fused_hidden)
     if dist.get_rank() == 0:
         table = {"host": {**tuning.host_key(dist.get_world_size(), "cuda"), "link": "nvlink"},
-                 "dtype": "bfloat16", "unit": "us, CUDA graphs, median", "measurements": rows}
+                 "dtype": "bfloat16", "unit": "us, CUDA graphs, median", "measurements": rows,
+                 "fused": fused}
         with open(args.out, "w") as f:
             json.dump(table, f, indent=1)
-        for r in rows:
-            best = min(tuning.ALGORITHMS, key=lambda a: r[a])
-            print(f"{r['bytes']:>10} B  " + "  ".join(f"{a} {r[a]:7.1f}" for a in tuning.ALGORITHMS) + f"  -> {best}")
+        for r in rows + fused:
+            where = f"{r['bytes']:>10} B" if "bytes" in r else \
+                f"{r['rows']:>4} x {r['row_bytes']:>6} B + norm{', prologue' if r['prologue'] else ''}"
+            timed = {a: r[a] for a in tuning.ALGORITHMS if a in r}
+            print(f"{where}  " + "  ".join(f"{a} {t:7.1f}" for a, t in timed.items())
+                  + f"  -> {min(timed, key=timed.get)}")
     dist.barrier()
     dist.destroy_process_group()
 

@@ -1,9 +1,11 @@
 """Tuned all-reduce tables: which algorithm is fastest at which size, measured on a host.
 
 A table is the JSON that `python -m commfuse.tune` writes: the host it was measured on (GPU name,
-world size, link) and, per size, the latency of each algorithm. The compiler uses a table only when
-it matches this host and the size lies within the measured range; otherwise choices.py falls back
-to its built-in thresholds. Tables for shipped hosts live in commfuse/tables/.
+world size, link); per size, the latency of each algorithm alone; and per (rows, row bytes), its
+latency with a residual add and RMSNorm fused, whose cost differs (with few rows, one-shot pulls
+each whole row from every peer in one program; two-shot splits that pull). The compiler uses a
+table only when it matches this host and the size lies within the measured range; otherwise
+choices.py falls back to its built-in thresholds. Tables for shipped hosts live in commfuse/tables/.
 """
 from __future__ import annotations
 
@@ -44,20 +46,48 @@ def find_table(world: int, device):
     return None, None
 
 
-def best_algorithm(table: dict, nbytes: int) -> str | None:
-    """The fastest algorithm at the measured size nearest to `nbytes` (log scale), if in range."""
-    rows = table["measurements"]
-    sizes = [r["bytes"] for r in rows]
-    if not sizes or nbytes < min(sizes) / 2 or nbytes > max(sizes) * 2:
-        return None  # not enough confidence outside what was measured
-    row = min(rows, key=lambda r: abs(math.log2(r["bytes"]) - math.log2(max(nbytes, 1))))
+def _fastest(row: dict) -> str | None:
     timed = {a: row[a] for a in ALGORITHMS if row.get(a) is not None}
     return min(timed, key=timed.get) if timed else None
 
 
-def lookup(world: int, nbytes: int, device):
+def _nearest(rows: list[dict], point: dict) -> dict | None:
+    """The measured row nearest to `point` (log scale in each key), or None when some key lies
+    outside the measured range by more than a factor of 2: no confidence there."""
+    if not rows:
+        return None
+    for key, value in point.items():
+        seen = [r[key] for r in rows]
+        if value < min(seen) / 2 or value > max(seen) * 2:
+            return None
+
+    def distance(r):
+        return sum(abs(math.log2(r[k]) - math.log2(max(v, 1))) for k, v in point.items())
+    return min(rows, key=distance)
+
+
+def best_algorithm(table: dict, nbytes: int) -> str | None:
+    """The fastest all-reduce alone at the measured size nearest to `nbytes`, if in range."""
+    row = _nearest(table["measurements"], {"bytes": nbytes})
+    return _fastest(row) if row else None
+
+
+def best_fused_algorithm(table: dict, rows: int, row_bytes: int, prologue: bool) -> str | None:
+    """The fastest all-reduce with a row epilogue fused (residual add + RMSNorm, as `commfuse.tune`
+    times it) at the measured shape nearest to rows x row_bytes, measured with the input's producer
+    fusable as one-shot's prologue or not, if the table has such measurements."""
+    fused = table.get("fused", [])
+    row = _nearest([r for r in fused if r.get("prologue", False) == prologue] or fused,
+                   {"rows": rows, "row_bytes": row_bytes})
+    return _fastest(row) if row else None
+
+
+def lookup(world: int, nbytes: int, device, rows: int | None = None, prologue: bool = False):
+    """(algorithm, table file) from this host's table: for an all-reduce alone, or with a row
+    epilogue fused when `rows` is given (nbytes is then the whole tensor's); None without one."""
     table, path = find_table(world, device)
     if table is None:
         return None
-    algo = best_algorithm(table, nbytes)
+    algo = best_algorithm(table, nbytes) if rows is None else \
+        best_fused_algorithm(table, rows, nbytes // rows, prologue)
     return (algo, os.path.basename(path)) if algo else None

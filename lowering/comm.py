@@ -58,9 +58,9 @@ def _all_reduce(x, reduce_op, group_name, inplace):
         (log.warning if reason.startswith("symbolic size") else log.info)(
             "commfuse: all_reduce on %s runs through c10d: %s", group_name, reason)
         return None
-    if reason:
-        graph.comm_choices.append({"op": "all_reduce", "algorithm": algorithm, "reason": reason})
     buf = make_comm_buffer(x, group_name, "all_reduce")
+    if reason:
+        graph.comm_choices.append({"op": "all_reduce", "buffer": buf.name, "algorithm": algorithm, "reason": reason})
     if algorithm in ("one_shot", "two_shot") and not inplace:
         # a loop body reading the peers' copies: it fuses with its consumers like any pointwise node
         name, layout = buf.name, buf.layout

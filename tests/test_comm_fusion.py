@@ -146,6 +146,18 @@ def _two_shot(rank, world, dump_dir, table):
         for n in (256, 8192):  # 1 KiB: one-shot is fastest in the table; 32 KiB: two-shot
             x = torch.randn(n, device=device())
             torch.testing.assert_close(torch.compile(fn, backend="commfuse", dynamic=False)(x), fn(x))
+    # with a norm fused, from the table's fused measurements, by whether the producer is pointwise
+    x_mm, x_pw = torch.randn(12, 32, device=device()), torch.randn(12, 64, device=device())
+    for name, produce, arg in (("mm", lambda x: x @ w, x_mm), ("pointwise", lambda x: x * 2, x_pw)):
+        torch._dynamo.reset()
+
+        def step(x, res, produce=produce):
+            h = funcol.all_reduce(produce(x), "sum", g) + res
+            return rms_norm(h, norm_w), h
+        with config.patch({"comm.table": table, "dump_dir": f"{dump_dir}/fused_{name}"}):
+            out = torch.compile(step, backend="commfuse", dynamic=False)(arg, res)
+        for o, r in zip(out, step(arg, res)):
+            torch.testing.assert_close(o, r, atol=1e-5, rtol=1e-5, msg=name)
     return True
 
 
@@ -163,7 +175,10 @@ def test_two_shot_and_table_driven_choice(tmp_path):
     table.write_text(json.dumps({"host": {"gpu": "NVIDIA H200" if device_is_cuda() else "cpu", "world": 2},
                                  "measurements": [
                                      {"bytes": 1024, "one_shot": 5.0, "two_shot": 9.0, "c10d": 20.0},
-                                     {"bytes": 32768, "one_shot": 9.0, "two_shot": 7.0, "c10d": 20.0}]}))
+                                     {"bytes": 32768, "one_shot": 9.0, "two_shot": 7.0, "c10d": 20.0}],
+                                 "fused": [  # 12 rows x 64 fp32 columns, as in _two_shot
+                                     {"rows": 12, "row_bytes": 256, "prologue": False, "one_shot": 9.0, "two_shot": 7.0},
+                                     {"rows": 12, "row_bytes": 256, "prologue": True, "one_shot": 6.0, "two_shot": 7.0}]}))
     run_ranks(_two_shot, args=(str(tmp_path / "dumps"), str(table)))
     # residual add + RMSNorm run inside the two-shot kernel: each rank reduces its share of every
     # row block into its own buffer, passes a release barrier, then gathers and normalizes
@@ -182,6 +197,13 @@ def test_two_shot_and_table_driven_choice(tmp_path):
         if algos[-1] == "two_shot":
             assert "table.json" in s["comm_choices"][0]["reason"]
     assert algos == ["one_shot", "two_shot"], algos
+    # 3 KiB alone is one-shot in the table; with the norm fused after an mm, two-shot; after a
+    # pointwise producer (one-shot takes it as a prologue), one-shot
+    for name, want in (("mm", "two_shot"), ("pointwise", "one_shot")):
+        ((s, (kernel,), _),) = _comm_kernels(tmp_path / f"dumps/fused_{name}")
+        assert kernel["algorithm"] == want and kernel["reduction"], (name, kernel)
+        (choice,) = s["comm_choices"]
+        assert choice["algorithm"] == want and "fused row epilogue at 12 rows" in choice["reason"], choice
 
 
 def device_is_cuda():

@@ -1,0 +1,49 @@
+"""Tuned all-reduce tables: nearest measured point, confidence range, fused measurements by producer."""
+import glob
+import json
+
+from commfuse import tuning
+
+TABLE = {
+    "host": {"gpu": "cpu", "world": 2},
+    "measurements": [{"bytes": 4096, "one_shot": 4.0, "two_shot": 8.0, "c10d": 15.0},
+                     {"bytes": 1 << 20, "one_shot": 20.0, "two_shot": 12.0, "c10d": 30.0},
+                     {"bytes": 64 << 20, "one_shot": 600.0, "two_shot": 340.0, "c10d": 330.0}],
+    "fused": [{"rows": 1, "row_bytes": 8192, "prologue": False, "one_shot": 10.0, "two_shot": 8.0},
+              {"rows": 8, "row_bytes": 8192, "prologue": False, "one_shot": 8.0, "two_shot": 12.0},
+              {"rows": 1, "row_bytes": 8192, "prologue": True, "one_shot": 7.0, "two_shot": 8.0}],
+}
+
+
+def test_all_reduce_alone_takes_the_nearest_size_within_range():
+    assert tuning.best_algorithm(TABLE, 4096) == "one_shot"
+    assert tuning.best_algorithm(TABLE, 3 << 19) == "two_shot"   # 1.5 MiB: nearest is 1 MiB
+    assert tuning.best_algorithm(TABLE, 48 << 20) == "c10d"
+    assert tuning.best_algorithm(TABLE, 1024) is None             # below half the smallest size
+    assert tuning.best_algorithm(TABLE, 256 << 20) is None        # above twice the largest
+
+
+def test_fused_choice_by_rows_and_producer():
+    assert tuning.best_fused_algorithm(TABLE, 1, 8192, prologue=False) == "two_shot"
+    assert tuning.best_fused_algorithm(TABLE, 2, 8192, prologue=False) == "two_shot"
+    assert tuning.best_fused_algorithm(TABLE, 16, 8192, prologue=False) == "one_shot"
+    assert tuning.best_fused_algorithm(TABLE, 1, 8192, prologue=True) == "one_shot"
+    assert tuning.best_fused_algorithm(TABLE, 64, 8192, prologue=False) is None  # 8x the most rows
+    assert tuning.best_fused_algorithm(TABLE, 1, 1024, prologue=False) is None
+    # measured with one kind of producer only: those measurements stand for both
+    only_mm = {**TABLE, "fused": TABLE["fused"][:2]}
+    assert tuning.best_fused_algorithm(only_mm, 1, 8192, prologue=True) == "two_shot"
+    assert tuning.best_fused_algorithm({"measurements": []}, 1, 8192, prologue=False) is None
+
+
+def test_shipped_tables_are_complete():
+    paths = glob.glob(f"{tuning.TABLE_DIR}/*.json")
+    assert paths
+    for path in paths:
+        table = json.load(open(path))
+        assert {"gpu", "world"} <= set(table["host"]), path
+        for row in table["measurements"]:
+            assert all(row[a] > 0 for a in tuning.ALGORITHMS), (path, row)
+        for row in table.get("fused", []):
+            assert row["rows"] >= 1 and row["row_bytes"] > 0 and isinstance(row["prologue"], bool), (path, row)
+            assert row["one_shot"] > 0 and row["two_shot"] > 0, (path, row)
