@@ -26,6 +26,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed._functional_collectives as funcol  # noqa: E402
 from commfuse.tune import ar_norm_step, cuda_graph_time_us, rms_norm  # noqa: E402  (shared with the tuner)
+from commfuse.tuning import FUSED_ALGORITHMS as FUSED  # noqa: E402
 
 
 def eager_time_us(fn, iters=200, reps=5) -> float:
@@ -146,10 +147,13 @@ def ar_norm_table(rank, world, group, batches=(1, 8, 32, 128), hiddens=(4096, 81
             return x * 1.0
         variants = {}
         torch._dynamo.reset()
+        # one code object, compiled by every variant at every batch size: past dynamo's default
+        # recompile limit, the later ones would silently run eager
+        torch._dynamo.config.recompile_limit = 8 * len(batches)
         # static shapes: each batch size gets its own graph (a dynamic one would take c10d)
         variants["commfuse fused"] = torch.compile(lambda x, r: step(produce(x), r), backend="commfuse", dynamic=False)
-        for algo in ("one_shot", "two_shot"):  # each algorithm with the epilogue fused, whatever the table says
-            variants[f"commfuse {algo.replace('_', '-')}"] = torch.compile(
+        for algo in FUSED:  # each algorithm with the epilogue fused, whatever the table says
+            variants[f"commfuse {algo}"] = torch.compile(
                 lambda x, r: step(produce(x), r), backend="commfuse", dynamic=False,
                 options={"comm.algorithm": algo})
         variants["NCCL + inductor"] = torch.compile(lambda x, r: step(produce(x), r), dynamic=False)
@@ -268,16 +272,16 @@ def main():
                           f"+ RMSNorm), {world}x {name}:", "", "| variant | plain µs | CUDA graph µs |", "|---|---|---|"]
             lines += [f"| {r['variant']} | {fmt(r['plain µs'])} | {fmt(r['cuda graph µs'])} |" for r in dec]
         lines += ["", f"All-reduce + residual + RMSNorm, {world}x {name}, bf16, CUDA graphs (µs):", "",
-                  "| B | H | commfuse fused (auto) | one-shot | two-shot | inductor auto_select | NCCL + inductor "
-                  "| vs auto_select | auto picks | auto / best |", "|---|---|---|---|---|---|---|---|---|---|"]
+                  "| B | H | commfuse fused (auto) | " + " | ".join(FUSED) + " | inductor auto_select | NCCL + inductor "
+                  "| vs auto_select | auto picks | auto / best |", "|---" * (len(FUSED) + 8) + "|"]
         for r in norm:
             c, a = r.get("commfuse fused"), r.get("inductor auto_select")
             ratio = f"{a / c:.2f}" if c and a else "—"
-            forced = [t for t in (r.get("commfuse one-shot"), r.get("commfuse two-shot")) if t]
-            vs_best = f"{c / min(forced):.2f}" if c and forced else "—"
-            lines.append(f"| {r['B']} | {r['H']} | {fmt(c)} | {fmt(r.get('commfuse one-shot'))} | "
-                         f"{fmt(r.get('commfuse two-shot'))} | {fmt(a)} | {fmt(r.get('NCCL + inductor'))} | {ratio} "
-                         f"| {r['auto pick']} | {vs_best} |")
+            forced = [r.get(f"commfuse {algo}") for algo in FUSED]
+            best = min((t for t in forced if t), default=None)
+            vs_best = f"{c / best:.2f}" if c and best else "—"
+            lines.append(f"| {r['B']} | {r['H']} | {fmt(c)} | " + " | ".join(fmt(t) for t in forced) +
+                         f" | {fmt(a)} | {fmt(r.get('NCCL + inductor'))} | {ratio} | {r['auto pick']} | {vs_best} |")
         if stack:
             lines += ["", f"{stack['layers']}-layer TP MLP stack, forward + backward, {world}x {name} "
                           f"(B={stack['B']}, H={stack['H']}, F={stack['F']}/{world}, bf16):", ""]

@@ -286,7 +286,7 @@ class TritonKernel:
         sched, buf = self.scheduler, V.graph.get_buffer(name)
         return (len(sched.node_readers[name]) == 1 and name not in sched.output_names
                 and sizevars.equal(buf.get_numel(), self.X * self.R)
-                and index.has(XSYM) and (index.has(RSYM) or not self.is_red))
+                and (index.has(XSYM) or self.X == 1) and (index.has(RSYM) or not self.is_red))
 
     def _share_owner(self) -> str:
         """The rank that reduces an element: a contiguous 1/W of each block's columns (or lanes)."""

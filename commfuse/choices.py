@@ -162,11 +162,18 @@ def comm_launch(numel: int) -> dict:
     return {"BLOCK": block, "NPROG": nprog, "num_warps": max(4, min(16, block // 256))}
 
 
+# our symmetric-memory all-reduces: one-shot, one-shot with its input's producer kept in a kernel of
+# its own, two-shot (codegen/triton.py: `peer_reduce`)
+SYMM_ALGORITHMS = ("one_shot", "one_shot_apart", "two_shot")
+
+
 def comm_prologue(algorithm: str | None) -> bool:
-    """Fuse an all-reduce input's pointwise producer into the comm kernel? For one-shot: it saves a
-    pass. Two-shot reduces each share before the kernel's body runs, so its input must be written
-    by an earlier kernel."""
-    return algorithm != "two_shot"
+    """Fuse an all-reduce input's pointwise producer into the comm kernel? For one-shot it saves a
+    pass, but it puts a system-scope release fence in the kernel (its own copy is published there),
+    which with one row and a norm after it measured slower on H200 (4 ranks, 1 x 8192: 10.8 µs
+    fused against 8.1 apart): the tuned table picks `one_shot_apart` there. Two-shot reduces each
+    share before the kernel's body runs, so its input must be written by an earlier kernel."""
+    return algorithm not in ("two_shot", "one_shot_apart")
 
 
 def comm_kernel_blocks(xnumel: int, rnumel: int, persistent: bool, reduction: bool) -> dict:
@@ -263,7 +270,7 @@ def comm_choice(collective: str, x, reduce_op: str, group_name: str) -> tuple[st
         if x.get_device().type == "cuda" and reduce_op == "sum":
             return "torch_one_shot", ""
         return "one_shot", "torch's kernel needs CUDA and sum"
-    if cfg.algorithm in ("one_shot", "two_shot"):
+    if cfg.algorithm in SYMM_ALGORITHMS:
         return cfg.algorithm, "forced by config.comm.algorithm"
     return all_reduce_algorithm(world, nbytes, x.get_device())
 
@@ -290,10 +297,10 @@ def all_reduce_with_epilogue(world: int, rows: int, nbytes: int, device, current
     one-shot can fuse it too); None keeps `current` (forced by config, torch's kernel, or no such
     measurements: the choice for the all-reduce alone stands)."""
     from .tuning import lookup
-    if config.comm.algorithm != "auto" or current not in ("one_shot", "two_shot"):
+    if config.comm.algorithm != "auto" or current not in SYMM_ALGORITHMS:
         return None
     best = lookup(world, nbytes, device, rows=rows, prologue=prologue)
-    if best is None or best[0] not in ("one_shot", "two_shot"):
+    if best is None or best[0] not in SYMM_ALGORITHMS:
         return None
     algo, table = best
     return algo, f"{algo} is fastest with a fused row epilogue at {rows} rows x {nbytes // rows} bytes in {table}"

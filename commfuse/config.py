@@ -56,7 +56,7 @@ use_block_ptr = False                  # N-D block pointers for affine div/mod i
 class comm:
     """Collectives (`config.patch({"comm.enabled": False})`, env `COMMFUSE_COMM_ENABLED=0`)."""
     enabled = True                 # lower eligible all-reduces to symmetric-memory kernels
-    algorithm = "auto"             # auto | one_shot | two_shot | torch | c10d
+    algorithm = "auto"             # auto | one_shot | one_shot_apart | two_shot | torch | c10d
     # one-shot all-reduce up to this many bytes per world size (larger: c10d)
     one_shot_max_bytes = {2: 1 << 20, 4: 512 << 10, 8: 256 << 10}
     # built-in thresholds when no tuned table matches: two-shot up to this many bytes

@@ -106,8 +106,9 @@ def ar_norm_step(group, norm_w):
 def measure_fused(rows_grid, hiddens, dtype=torch.bfloat16, k=16) -> list[dict]:
     """Per (rows, hidden, producer): the compiled step `ar_norm_step(produce(x))` with each
     symmetric-memory algorithm forced, timed whole. The producer writes the all-reduce input: a
-    pointwise one fuses into one-shot's kernel as its prologue (`"prologue": true`); a K=16 matmul,
-    as after a row-parallel linear, runs before either at a cost both share."""
+    pointwise one fuses into one-shot's kernel as its prologue (`"prologue": true`), or runs in a
+    kernel of its own (`one_shot_apart`, and always before two-shot); a K=16 matmul, as after a
+    row-parallel linear, runs before either at a cost both share."""
     dev = torch.device("cuda", torch.cuda.current_device())
     torch.manual_seed(dist.get_rank())
     out = []
@@ -123,7 +124,7 @@ def measure_fused(rows_grid, hiddens, dtype=torch.bfloat16, k=16) -> list[dict]:
                 res = torch.randn(rows, hidden, dtype=dtype, device=dev)
                 want = fn(x, res)
                 row = {"rows": rows, "row_bytes": hidden * dtype.itemsize, "prologue": prologue}
-                for algo in ("one_shot", "two_shot"):
+                for algo in tuning.FUSED_ALGORITHMS if prologue else ("one_shot", "two_shot"):
                     torch._dynamo.reset()
                     compiled = torch.compile(fn, backend="commfuse", dynamic=False,
                                              options={"comm.algorithm": algo})
@@ -166,7 +167,7 @@ def main(argv=None):
         for r in rows + fused:
             where = f"{r['bytes']:>10} B" if "bytes" in r else \
                 f"{r['rows']:>4} x {r['row_bytes']:>6} B + norm{', prologue' if r['prologue'] else ''}"
-            timed = {a: r[a] for a in tuning.ALGORITHMS if a in r}
+            timed = {a: r[a] for a in tuning.ALGORITHMS + tuning.FUSED_ALGORITHMS if a in r}
             print(f"{where}  " + "  ".join(f"{a} {t:7.1f}" for a, t in timed.items())
                   + f"  -> {min(timed, key=timed.get)}")
     dist.barrier()

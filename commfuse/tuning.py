@@ -19,7 +19,8 @@ import torch
 
 from . import config
 
-ALGORITHMS = ("one_shot", "two_shot", "c10d")
+ALGORITHMS = ("one_shot", "two_shot", "c10d")       # measured for the all-reduce alone
+FUSED_ALGORITHMS = ("one_shot", "one_shot_apart", "two_shot")  # and with a norm fused (choices.SYMM_ALGORITHMS)
 TABLE_DIR = os.path.join(os.path.dirname(__file__), "tables")
 
 
@@ -46,8 +47,8 @@ def find_table(world: int, device):
     return None, None
 
 
-def _fastest(row: dict) -> str | None:
-    timed = {a: row[a] for a in ALGORITHMS if row.get(a) is not None}
+def _fastest(row: dict, algorithms=ALGORITHMS) -> str | None:
+    timed = {a: row[a] for a in algorithms if row.get(a) is not None}
     return min(timed, key=timed.get) if timed else None
 
 
@@ -79,7 +80,8 @@ def best_fused_algorithm(table: dict, rows: int, row_bytes: int, prologue: bool)
     fused = table.get("fused", [])
     row = _nearest([r for r in fused if r.get("prologue", False) == prologue] or fused,
                    {"rows": rows, "row_bytes": row_bytes})
-    return _fastest(row) if row else None
+    algo = _fastest(row, FUSED_ALGORITHMS) if row else None
+    return "one_shot" if algo == "one_shot_apart" and not prologue else algo  # nothing to keep apart
 
 
 def lookup(world: int, nbytes: int, device, rows: int | None = None, prologue: bool = False):

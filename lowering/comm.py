@@ -61,7 +61,7 @@ def _all_reduce(x, reduce_op, group_name, inplace):
     buf = make_comm_buffer(x, group_name, "all_reduce")
     if reason:
         graph.comm_choices.append({"op": "all_reduce", "buffer": buf.name, "algorithm": algorithm, "reason": reason})
-    if algorithm in ("one_shot", "two_shot") and not inplace:
+    if algorithm in choices.SYMM_ALGORITHMS and not inplace:
         # a loop body reading the peers' copies: it fuses with its consumers like any pointwise node
         name, layout = buf.name, buf.layout
         graph.comm_algorithms[name] = algorithm

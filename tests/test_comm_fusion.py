@@ -128,7 +128,7 @@ def _two_shot(rank, world, dump_dir, table):
     x, w = torch.randn(12, 32, device=device()), torch.randn(32, 64, device=device()) / 8
     res, norm_w = torch.randn(12, 64, device=device()), torch.randn(64, device=device())
     for name, fn, args in (("fused", fused, (x, w, res, norm_w)), ("shared", shared, (x,)),
-                           ("inplace", inplace, (x,))):
+                           ("inplace", inplace, (x,)), ("one_row", fused, (x[:1], w, res[:1], norm_w))):
         torch._dynamo.reset()
         with config.patch({"comm.algorithm": "two_shot", "comm.max_programs": 4, "dump_dir": f"{dump_dir}/{name}"}):
             if name == "inplace":
@@ -178,7 +178,8 @@ def test_two_shot_and_table_driven_choice(tmp_path):
                                      {"bytes": 32768, "one_shot": 9.0, "two_shot": 7.0, "c10d": 20.0}],
                                  "fused": [  # 12 rows x 64 fp32 columns, as in _two_shot
                                      {"rows": 12, "row_bytes": 256, "prologue": False, "one_shot": 9.0, "two_shot": 7.0},
-                                     {"rows": 12, "row_bytes": 256, "prologue": True, "one_shot": 6.0, "two_shot": 7.0}]}))
+                                     {"rows": 12, "row_bytes": 256, "prologue": True, "one_shot": 6.0,
+                                      "one_shot_apart": 5.0, "two_shot": 7.0}]}))
     run_ranks(_two_shot, args=(str(tmp_path / "dumps"), str(table)))
     # residual add + RMSNorm run inside the two-shot kernel: each rank reduces its share of every
     # row block into its own buffer, passes a release barrier, then gathers and normalizes
@@ -197,11 +198,15 @@ def test_two_shot_and_table_driven_choice(tmp_path):
         if algos[-1] == "two_shot":
             assert "table.json" in s["comm_choices"][0]["reason"]
     assert algos == ["one_shot", "two_shot"], algos
+    # a single row: two-shot too (the row's index has no row variable)
+    ((s, (kernel,), _),) = _comm_kernels(tmp_path / "dumps/one_row")
+    assert kernel["algorithm"] == "two_shot" and len(s["kernels"]) == 1, kernel
     # 3 KiB alone is one-shot in the table; with the norm fused after an mm, two-shot; after a
-    # pointwise producer (one-shot takes it as a prologue), one-shot
-    for name, want in (("mm", "two_shot"), ("pointwise", "one_shot")):
+    # pointwise producer, one-shot with the producer kept in a kernel of its own
+    for name, want, kernels in (("mm", "two_shot", 1), ("pointwise", "one_shot_apart", 2)):
         ((s, (kernel,), _),) = _comm_kernels(tmp_path / f"dumps/fused_{name}")
-        assert kernel["algorithm"] == want and kernel["reduction"], (name, kernel)
+        assert kernel["algorithm"] == want.replace("_apart", "") and kernel["reduction"], (name, kernel)
+        assert len(s["kernels"]) == kernels, s["kernels"]
         (choice,) = s["comm_choices"]
         assert choice["algorithm"] == want and "fused row epilogue at 12 rows" in choice["reason"], choice
 

@@ -11,7 +11,8 @@ TABLE = {
                      {"bytes": 64 << 20, "one_shot": 600.0, "two_shot": 340.0, "c10d": 330.0}],
     "fused": [{"rows": 1, "row_bytes": 8192, "prologue": False, "one_shot": 10.0, "two_shot": 8.0},
               {"rows": 8, "row_bytes": 8192, "prologue": False, "one_shot": 8.0, "two_shot": 12.0},
-              {"rows": 1, "row_bytes": 8192, "prologue": True, "one_shot": 7.0, "two_shot": 8.0}],
+              {"rows": 1, "row_bytes": 8192, "prologue": True, "one_shot": 7.0, "one_shot_apart": 6.0, "two_shot": 8.0},
+              {"rows": 8, "row_bytes": 8192, "prologue": True, "one_shot": 5.0, "one_shot_apart": 6.0, "two_shot": 8.0}],
 }
 
 
@@ -27,12 +28,15 @@ def test_fused_choice_by_rows_and_producer():
     assert tuning.best_fused_algorithm(TABLE, 1, 8192, prologue=False) == "two_shot"
     assert tuning.best_fused_algorithm(TABLE, 2, 8192, prologue=False) == "two_shot"
     assert tuning.best_fused_algorithm(TABLE, 16, 8192, prologue=False) == "one_shot"
-    assert tuning.best_fused_algorithm(TABLE, 1, 8192, prologue=True) == "one_shot"
+    assert tuning.best_fused_algorithm(TABLE, 1, 8192, prologue=True) == "one_shot_apart"
+    assert tuning.best_fused_algorithm(TABLE, 8, 8192, prologue=True) == "one_shot"
     assert tuning.best_fused_algorithm(TABLE, 64, 8192, prologue=False) is None  # 8x the most rows
     assert tuning.best_fused_algorithm(TABLE, 1, 1024, prologue=False) is None
     # measured with one kind of producer only: those measurements stand for both
     only_mm = {**TABLE, "fused": TABLE["fused"][:2]}
     assert tuning.best_fused_algorithm(only_mm, 1, 8192, prologue=True) == "two_shot"
+    only_pointwise = {**TABLE, "fused": TABLE["fused"][2:]}  # apart means one-shot without a producer
+    assert tuning.best_fused_algorithm(only_pointwise, 1, 8192, prologue=False) == "one_shot"
     assert tuning.best_fused_algorithm({"measurements": []}, 1, 8192, prologue=False) is None
 
 
@@ -47,3 +51,4 @@ def test_shipped_tables_are_complete():
         for row in table.get("fused", []):
             assert row["rows"] >= 1 and row["row_bytes"] > 0 and isinstance(row["prologue"], bool), (path, row)
             assert row["one_shot"] > 0 and row["two_shot"] > 0, (path, row)
+            assert row["prologue"] == ("one_shot_apart" in row), (path, row)
