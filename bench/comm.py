@@ -10,11 +10,17 @@
 2. The TP MLP decode step (B=8, H=4096, F=14336 split over ranks, bf16; all-reduce, residual add,
    RMSNorm): eager, Inductor, Inductor with _collective.auto_select, commfuse; each captured in a CUDA
    graph after warm-up, and without graphs.
+3. All-reduce + residual add + RMSNorm at B = 1 ... 128 rows x H = 4096, 8192 under CUDA graphs:
+   commfuse's choice ("auto picks", from the tuned table's fused measurements) against each of its
+   algorithms forced, Inductor with auto_select, and NCCL + Inductor's fused norm; the variants are
+   timed in interleaved rounds, so that they see the same drift.
+4. An L-layer TP MLP stack, forward + backward: step time and planned comm-buffer bytes.
 Set NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 (multicast stays off).
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -25,7 +31,7 @@ import commfuse  # noqa: E402,F401
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed._functional_collectives as funcol  # noqa: E402
-from commfuse.tune import ar_norm_step, cuda_graph_time_us, rms_norm  # noqa: E402  (shared with the tuner)
+from commfuse.tune import ar_norm_step, cuda_graph_time_us, interleaved_times_us, rms_norm  # noqa: E402
 from commfuse.tuning import FUSED_ALGORITHMS as FUSED  # noqa: E402
 
 
@@ -171,15 +177,18 @@ def ar_norm_table(rank, world, group, batches=(1, 8, 32, 128), hiddens=(4096, 81
             fused_pick = choices.all_reduce_with_epilogue(world, B, nbytes, dev, pick, prologue=True)
             row = {"B": B, "H": H, "auto pick": fused_pick[0] if fused_pick else pick}
             ref = step(produce(x), res)
+            runs, failed = {}, {}
             for name, fn in variants.items():
                 try:
                     out = fn(x, res)
                     torch.testing.assert_close(out[0].float(), ref[0].float(), atol=5e-2, rtol=5e-2)
-                    row[name] = cuda_graph_time_us(lambda: fn(x, res))
+                    runs[name] = functools.partial(fn, x, res)
                 except Exception as e:
-                    row[name] = None
-                    if rank == 0:
-                        print(f"{name} B={B} H={H}: {type(e).__name__}: {e}", file=sys.stderr)
+                    failed[name] = e
+            row.update(dict.fromkeys(variants), **interleaved_times_us(runs, failed=failed))
+            if rank == 0:
+                for name, e in failed.items():
+                    print(f"{name} B={B} H={H}: {type(e).__name__}: {e}", file=sys.stderr)
             rows.append(row)
         if ic is not None:
             ic._collective.auto_select = False

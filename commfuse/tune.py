@@ -5,6 +5,7 @@ under CUDA graphs; write the table the compiler's algorithm choice reads (commfu
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -18,6 +19,29 @@ from . import choices, tuning
 
 def cuda_graph_time_us(fn, iters=100, reps=5) -> float:
     """Median per-call µs of `fn` replayed from a CUDA graph of `iters` calls."""
+    return replay_time_us(capture(fn, iters), iters, reps)
+
+
+def interleaved_times_us(fns: dict, rounds=3, iters=100, failed=None) -> dict:
+    """Per-call µs of each of `fns`, its best median over rounds that take them in turn: variants
+    compared side by side see the same drift (clocks, the other ranks' skew). With a `failed`
+    dict, one that cannot be captured is left out and its error put there instead of raised."""
+    graphs, best = {}, {}
+    for name, fn in fns.items():
+        try:
+            graphs[name] = capture(fn, iters)
+        except Exception as e:
+            if failed is None:
+                raise
+            failed[name] = e
+    for _ in range(rounds):
+        for name, graph in graphs.items():
+            best[name] = min(best.get(name, float("inf")), replay_time_us(graph, iters))
+    return best
+
+
+def capture(fn, iters=100):
+    """A CUDA graph of `iters` calls of `fn`, after warm-up calls on a side stream."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -29,6 +53,10 @@ def cuda_graph_time_us(fn, iters=100, reps=5) -> float:
     with torch.cuda.graph(graph):
         for _ in range(iters):
             fn()
+    return graph
+
+
+def replay_time_us(graph, iters, reps=5) -> float:
     times = []
     for _ in range(reps):
         dist.barrier()
@@ -123,15 +151,16 @@ def measure_fused(rows_grid, hiddens, dtype=torch.bfloat16, k=16) -> list[dict]:
                 x = torch.randn(rows, width, dtype=dtype, device=dev)
                 res = torch.randn(rows, hidden, dtype=dtype, device=dev)
                 want = fn(x, res)
-                row = {"rows": rows, "row_bytes": hidden * dtype.itemsize, "prologue": prologue}
+                runs = {}
                 for algo in tuning.FUSED_ALGORITHMS if prologue else ("one_shot", "two_shot"):
                     torch._dynamo.reset()
                     compiled = torch.compile(fn, backend="commfuse", dynamic=False,
                                              options={"comm.algorithm": algo})
                     for g, r in zip(compiled(x, res), want):
                         torch.testing.assert_close(g.float(), r.float(), atol=5e-2, rtol=5e-2)
-                    row[algo] = cuda_graph_time_us(lambda: compiled(x, res))
-                out.append(row)
+                    runs[algo] = functools.partial(compiled, x, res)
+                out.append({"rows": rows, "row_bytes": hidden * dtype.itemsize, "prologue": prologue,
+                            **interleaved_times_us(runs)})
     torch._dynamo.reset()
     return out
 
