@@ -4,11 +4,9 @@ from __future__ import annotations
 import contextlib
 import math
 
-import sympy
 import torch
 from sympy.printing.str import StrPrinter
 
-from commfuse.sizevars import FloorDiv, Mod
 
 
 class IndentedBuffer:

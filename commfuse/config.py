@@ -7,7 +7,6 @@ manager and decorator), or per compile through `torch.compile(..., options={...}
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import sys
 from typing import Any

@@ -9,7 +9,6 @@ Lowering produces `TensorBox`es. A box holds one of:
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from typing import Any, Callable, Sequence
 
 import sympy

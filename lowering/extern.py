@@ -13,7 +13,6 @@ from commfuse.graph import meta_layout
 from commfuse.ir import TensorBox
 from commfuse.virtualized import V
 
-from . import register
 
 aten = torch.ops.aten
 

@@ -12,10 +12,10 @@ import torch
 
 from commfuse import ir, sizevars
 from commfuse.ir import Pointwise, TensorBox
-from commfuse.virtualized import V, ops
+from commfuse.virtualized import ops
 
 from . import register
-from .common import broadcast_loader, broadcast_shapes, canonical_dim, to_size
+from .common import broadcast_loader, broadcast_shapes, canonical_dim
 
 aten = torch.ops.aten
 

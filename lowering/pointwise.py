@@ -9,7 +9,7 @@ from commfuse.ir import Pointwise, TensorBox
 from commfuse.virtualized import V, ops
 
 from . import register
-from .common import (BOOL, DEFAULT, INT_TO_FLOAT, NO_OPMATH, broadcast_shapes, full, is_tensor,
+from .common import (BOOL, DEFAULT, INT_TO_FLOAT, broadcast_shapes, full, is_tensor,
                      loader_of, make_pointwise, promote, to_size)
 
 aten = torch.ops.aten

@@ -9,12 +9,12 @@ from __future__ import annotations
 import sympy
 import torch
 
-from commfuse import config, ir, sizevars
+from commfuse import ir, sizevars
 from commfuse.ir import Pointwise, Reduction, TensorBox
 from commfuse.virtualized import V, ops
 
 from . import register
-from .common import canonical_dim, is_tensor, make_pointwise, to_size
+from .common import canonical_dim, make_pointwise
 
 aten = torch.ops.aten
 prims = torch.ops.prims

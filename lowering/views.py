@@ -9,11 +9,11 @@ import torch
 
 from commfuse import ir, sizevars
 from commfuse.ir import Pointwise, TensorBox, View
-from commfuse.sizevars import FloorDiv, Mod
+from commfuse.sizevars import FloorDiv
 from commfuse.virtualized import V, ops
 
 from . import register
-from .common import canonical_dim, is_tensor, to_size
+from .common import canonical_dim, to_size
 
 aten = torch.ops.aten
 prims = torch.ops.prims

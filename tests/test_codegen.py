@@ -3,7 +3,6 @@ import itertools
 import json
 import os
 
-import pytest
 import torch
 import torch.nn.functional as F
 

@@ -2,7 +2,6 @@
 (emulated) symmetric memory, persistent pool slices, and the c10d path for what is ineligible."""
 import glob
 import json
-import os
 
 import pytest
 import torch
@@ -105,7 +104,6 @@ def _inplace(rank, world, dump_dir):
 
 def _tp_mlp(rank, world, dump_dir):
     from torch.distributed.device_mesh import init_device_mesh
-    from commfuse import config
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     class MLP(torch.nn.Module):
@@ -156,7 +154,6 @@ def test_producers_write_into_the_pool(tmp_path):
     (s0,), (s1,) = _summaries(tmp_path, 0), _summaries(tmp_path, 1)
     (code0,) = _code(tmp_path, 0)
     assert len(s0["comm_buffers"]) == 3
-    by_copy = {b["copy_in"]: b for b in s0["comm_buffers"]}
     # (a) buffers we produce are written by their producers: mm through out=, a fused kernel
     mm_buf = next(b["name"] for b in s0["comm_buffers"] if f"aten.mm.out(arg0_1, arg1_1, out={b['name']})"
                   in code0 or f"out={b['name']})" in code0)

@@ -3,7 +3,6 @@ identical on every rank, and a cross-rank check that turns divergent programs in
 import glob
 import json
 
-import pytest
 import torch
 
 from tests.dist_utils import device, run_ranks

@@ -3,7 +3,6 @@ import math
 import re
 import os
 
-import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
