@@ -152,8 +152,8 @@ def measure_fused(rows_grid, hiddens, dtype=torch.bfloat16, k=16) -> list[dict]:
                 res = torch.randn(rows, hidden, dtype=dtype, device=dev)
                 want = fn(x, res)
                 runs = {}
+                torch._dynamo.reset()  # one code object: a fresh cache per shape, under the recompile limit
                 for algo in tuning.FUSED_ALGORITHMS if prologue else ("one_shot", "two_shot"):
-                    torch._dynamo.reset()
                     compiled = torch.compile(fn, backend="commfuse", dynamic=False,
                                              options={"comm.algorithm": algo})
                     for g, r in zip(compiled(x, res), want):

@@ -4,9 +4,8 @@ one-shot with the producer fused, under variants of the generated kernel: the in
 
     torchrun --standalone --nproc-per-node 4 tools/probe_one_row.py
 
-Session 4 on 4x H200 (µs, H=8192, 1 row / 2 rows): zeros 11.7 / 9.2, broadcast 11.2 / 8.9,
-4 warps 23.1 / 10.3, 16 warps 10.9 / 8.9, two-shot 15.3 / 15.2. The one-row cost of the fused
-producer is not the index form; the tuned table keeps that producer apart instead."""
+Results: bench/results/probe_one_row_4xh200.txt. The one-row cost of the fused producer is not the
+index form; the tuned table keeps that producer apart instead."""
 import os
 import sys
 
@@ -44,7 +43,6 @@ def compile_variant(step, index_str, warps, algorithm, x, res):
     tk.TritonKernel.index_str = index_str
     choices.comm_kernel_blocks = GENERATED_BLOCKS if warps is None else \
         (lambda *a: {**GENERATED_BLOCKS(*a), "num_warps": warps})
-    torch._dynamo.reset()
     fn = torch.compile(lambda x, r: step(x * 1.0, r), backend="commfuse", dynamic=False,
                        options={"comm.algorithm": algorithm})
     fn(x, res)  # compiles under the patched code generator
@@ -61,6 +59,7 @@ def main():
         for rows in (1, 2):
             x = torch.randn(rows, hidden, dtype=torch.bfloat16, device=dev)
             res = torch.randn(rows, hidden, dtype=torch.bfloat16, device=dev)
+            torch._dynamo.reset()  # not between variants: a reset would recompile the earlier ones unpatched
             runs = {name: compile_variant(step, *v, x, res) for name, v in VARIANTS.items()}
             times = interleaved_times_us(runs)
             if dist.get_rank() == 0:
