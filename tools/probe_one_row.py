@@ -16,7 +16,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from codegen import triton as tk  # noqa: E402
 from commfuse import choices  # noqa: E402
-from commfuse.tune import ar_norm_step, interleaved_times_us  # noqa: E402
+from commfuse.tune import ar_norm_step, cuda_graph_time_us  # noqa: E402
 
 GENERATED_INDEX, GENERATED_BLOCKS = tk.TritonKernel.index_str, choices.comm_kernel_blocks
 
@@ -39,15 +39,19 @@ VARIANTS = {  # name: (index_str, num_warps or None, algorithm)
 }
 
 
-def compile_variant(step, index_str, warps, algorithm, x, res):
+def time_variant(step, index_str, warps, algorithm, x, res) -> float:
+    """Compile under the patched code generator and time at once: Dynamo reuses a compiled graph
+    for a later torch.compile with equal options, so each variant gets a fresh cache."""
     tk.TritonKernel.index_str = index_str
     choices.comm_kernel_blocks = GENERATED_BLOCKS if warps is None else \
         (lambda *a: {**GENERATED_BLOCKS(*a), "num_warps": warps})
-    fn = torch.compile(lambda x, r: step(x * 1.0, r), backend="commfuse", dynamic=False,
-                       options={"comm.algorithm": algorithm})
-    fn(x, res)  # compiles under the patched code generator
-    tk.TritonKernel.index_str, choices.comm_kernel_blocks = GENERATED_INDEX, GENERATED_BLOCKS
-    return lambda: fn(x, res)
+    try:
+        torch._dynamo.reset()
+        fn = torch.compile(lambda x, r: step(x * 1.0, r), backend="commfuse", dynamic=False,
+                           options={"comm.algorithm": algorithm})
+        return cuda_graph_time_us(lambda: fn(x, res))
+    finally:
+        tk.TritonKernel.index_str, choices.comm_kernel_blocks = GENERATED_INDEX, GENERATED_BLOCKS
 
 
 def main():
@@ -59,9 +63,7 @@ def main():
         for rows in (1, 2):
             x = torch.randn(rows, hidden, dtype=torch.bfloat16, device=dev)
             res = torch.randn(rows, hidden, dtype=torch.bfloat16, device=dev)
-            torch._dynamo.reset()  # not between variants: a reset would recompile the earlier ones unpatched
-            runs = {name: compile_variant(step, *v, x, res) for name, v in VARIANTS.items()}
-            times = interleaved_times_us(runs)
+            times = {name: time_variant(step, *v, x, res) for name, v in VARIANTS.items()}
             if dist.get_rank() == 0:
                 print(f"H={hidden} rows={rows}: " + "  ".join(f"{k} {t:.1f}" for k, t in times.items()), flush=True)
     dist.destroy_process_group()
