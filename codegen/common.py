@@ -8,7 +8,6 @@ import torch
 from sympy.printing.str import StrPrinter
 
 
-
 class IndentedBuffer:
     def __init__(self, indent: int = 0):
         self.lines: list[str] = []

@@ -168,11 +168,11 @@ SYMM_ALGORITHMS = ("one_shot", "one_shot_apart", "two_shot")
 
 
 def comm_prologue(algorithm: str | None) -> bool:
-    """Fuse an all-reduce input's pointwise producer into the comm kernel? For one-shot it saves a
-    pass, but it puts a system-scope release fence in the kernel (its own copy is published there),
-    which with one row and a norm after it measured slower on H200 (4 ranks, 1 x 8192: 10.8 µs
-    fused against 8.1 apart): the tuned table picks `one_shot_apart` there. Two-shot reduces each
-    share before the kernel's body runs, so its input must be written by an earlier kernel."""
+    """Fuse an all-reduce input's pointwise producer into the comm kernel? For one-shot it usually
+    saves a pass; with one row and a norm after it, it measured slower on 4x H200 (1 x 4096:
+    10.4 µs fused against 7.9 apart; why was not found), so the tuned table picks `one_shot_apart`
+    there. Two-shot reduces each share before the kernel's body runs, so its input must be written
+    by an earlier kernel."""
     return algorithm not in ("two_shot", "one_shot_apart")
 
 

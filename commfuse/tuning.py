@@ -2,10 +2,10 @@
 
 A table is the JSON that `python -m commfuse.tune` writes: the host it was measured on (GPU name,
 world size, link); per size, the latency of each algorithm alone; and per (rows, row bytes), its
-latency with a residual add and RMSNorm fused, whose cost differs (with few rows, one-shot pulls
-each whole row from every peer in one program; two-shot splits that pull). The compiler uses a
-table only when it matches this host and the size lies within the measured range; otherwise
-choices.py falls back to its built-in thresholds. Tables for shipped hosts live in commfuse/tables/.
+latency with a residual add and RMSNorm fused, whose ranking differs (two-shot wins at fewer
+bytes with a norm in its kernel; a one-row one-shot runs faster with its producer apart). The
+compiler uses a table only when it matches this host and the size lies within the measured range;
+otherwise choices.py falls back to its built-in thresholds. Tables for shipped hosts live in commfuse/tables/.
 """
 from __future__ import annotations
 
