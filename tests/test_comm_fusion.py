@@ -59,6 +59,47 @@ def test_all_reduce_residual_rmsnorm_is_one_kernel(tmp_path):
         assert not buf["copy_in"]
 
 
+def _other_epilogues(rank, world, dump_dir):
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    from commfuse import config
+    g = dist.group.WORLD
+    torch.manual_seed(0)
+    w, bias = torch.randn(32, 64, device=device()) / 8, torch.randn(64, device=device())
+    ln_w, ln_b = torch.rand(64, device=device()) + 0.5, torch.randn(64, device=device())
+
+    def bias_layernorm_gelu(x, res):
+        h = funcol.all_reduce(x @ w, "sum", g) + bias + res
+        return torch.nn.functional.gelu(torch.nn.functional.layer_norm(h, (64,), ln_w, ln_b)), h
+
+    def quantize(x, res):  # per-row absmax int8
+        h = funcol.all_reduce(x @ w, "sum", g) + res
+        scale = h.abs().amax(-1, keepdim=True).clamp(min=1e-6) / 127
+        return torch.round(h / scale).clamp(-127, 127).to(torch.int8), scale
+    torch.manual_seed(rank)
+    x, res = torch.randn(8, 32, device=device()), torch.randn(8, 64, device=device())
+    for fn in (bias_layernorm_gelu, quantize):
+        torch._dynamo.reset()
+        with config.patch({"dump_dir": f"{dump_dir}/{fn.__name__}"}):
+            out = torch.compile(fn, backend="commfuse", dynamic=False)(x, res)
+        for o, r in zip(out, fn(x, res)):
+            if o.dtype == torch.int8:  # a value at a rounding boundary may land one step away
+                assert (o.int() - r.int()).abs().max() <= 1, fn.__name__
+            else:
+                torch.testing.assert_close(o, r, atol=1e-4, rtol=1e-4, msg=fn.__name__)
+    return True
+
+
+def test_layernorm_gelu_and_quantize_fuse_into_the_comm_kernel(tmp_path):
+    run_ranks(_other_epilogues, args=(str(tmp_path),))
+    for name in ("bias_layernorm_gelu", "quantize"):
+        ((s, (kernel,), code),) = _comm_kernels(tmp_path / name)
+        # the mm writes the comm buffer; one kernel reduces, adds, normalizes (or quantizes), writes both
+        assert s["extern_calls"] == ["aten.mm.out"] and len(s["kernels"]) == 1, (name, s["kernels"])
+        assert kernel["reduction"] and len(kernel["writes"]) == 2, (name, kernel)
+        assert "_peer1 + (" in code
+
+
 def _replays(rank, world, steps):
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
