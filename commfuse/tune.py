@@ -179,7 +179,14 @@ def main(argv=None):
     ap.add_argument("--fused-hidden", type=_grid, default=[4096, 8192],
                     help="row lengths of the fused grid (comma-separated; empty: skip it)")
     args = ap.parse_args(argv)
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if not torch.cuda.is_available() or local_rank >= torch.cuda.device_count():
+        ap.error("the tuner times CUDA kernels over NVLink: run it with torchrun, one process per GPU "
+                 f"(this process is local rank {local_rank}; CUDA GPUs visible: "
+                 f"{torch.cuda.device_count() if torch.cuda.is_available() else 0})")
+    if "WORLD_SIZE" not in os.environ:
+        ap.error("run it under torchrun: torchrun --nproc-per-node N -m commfuse.tune --out TABLE.json")
+    torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl")
     sizes, n = [], args.min_kib << 10
     while n <= args.max_mib << 20:

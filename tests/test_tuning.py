@@ -52,3 +52,13 @@ def test_shipped_tables_are_complete():
             assert row["rows"] >= 1 and row["row_bytes"] > 0 and isinstance(row["prologue"], bool), (path, row)
             assert row["one_shot"] > 0 and row["two_shot"] > 0, (path, row)
             assert row["prologue"] == ("one_shot_apart" in row), (path, row)
+
+
+def test_tuner_outside_torchrun_says_how_to_run_it(tmp_path, capsys, monkeypatch):
+    import pytest
+    from commfuse import tune
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(SystemExit) as e:
+        tune.main(["--out", str(tmp_path / "t.json")])
+    assert e.value.code == 2 and "torchrun" in capsys.readouterr().err
+    assert not (tmp_path / "t.json").exists()
