@@ -29,6 +29,8 @@ COMBINE = {"sum": "{a} + {b}", "avg": "{a} + {b}", "max": "tl.maximum({a}, {b})"
            "min": "tl.minimum({a}, {b})"}
 
 
+BARRIER_STEP = "epoch += 1"  # one per barrier in a kernel's source (the plan check counts them)
+
 # On the GPU the barrier's lanes are one per thread (no thread holds a copy of another's lane, so
 # each signal is sent once) and the memory order is spelled out in PTX; Triton's interpreter has
 # no inline PTX and takes the same steps with atomics.
@@ -48,7 +50,7 @@ def barrier_lines(world: int, params: dict, release: bool, inline_ptx: bool) -> 
         dst = f"tl.where(peer == {p}, {params[f'@sig{p}']}, {dst})"
     lanes = LANES if inline_ptx else max(2, next_pow2(w))
     lines = ["tl.debug_barrier()  # every thread's loads and stores come before the signal",
-             "epoch += 1",
+             BARRIER_STEP,
              f"peer = tl.arange(0, {lanes})",
              f"live = (peer != {rank}) & (peer < {w})"]
     sem = "release" if release else "relaxed"

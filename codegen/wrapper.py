@@ -37,6 +37,7 @@ class WrapperCodegen:
         self.kernels = IndentedBuffer()
         self.body = IndentedBuffer(1)
         self.kernel_info: list[dict] = []   # for the summary
+        self.comm_protocol: list[list] = []  # each comm kernel's algorithm, grid and barriers, in order
         self.extern_calls: list[str] = []
         self.allocations: list[dict] = []
         self.constants: dict[str, object] = dict(graph.constants)
@@ -266,6 +267,7 @@ class WrapperCodegen:
         if comm:
             info.update(collective="all_reduce", group=comm.group, fused_nodes=len(grp.nodes),
                         algorithm="two_shot" if meta["two_shot"] else "one_shot")
+            self.note_comm_kernel(name, info["algorithm"], blocks["programs"], src)
         self.kernel_info.append(info)
 
     def debug_code(self, scheduler, group) -> str:
@@ -389,7 +391,7 @@ class WrapperCodegen:
             code.writeline(f"_comm = CommState({self.graph.graph_id!r}, {pools!r}, [")
             with code.indent():
                 code.writelines(f"{b}," for b in bufs)
-            code.writeline("])")
+            code.writeline(f"], {self.comm_protocol!r})")
         return code
 
     def comm_kernel(self, buf: ir.CommKernel, step: int, pool):
@@ -400,6 +402,7 @@ class WrapperCodegen:
             self.body.writeline(f"{buf.name} = torch.ops.symm_mem.one_shot_all_reduce({src}, "
                                 f"{buf.reduce_op!r}, {buf.group_name!r})")
             self.extern_calls.append("symm_mem.one_shot_all_reduce")
+            self.note_comm_kernel(buf.name, buf.algorithm, 0, "")
             return
         algorithm = buf.algorithm  # in place: the two-shot gathers every share into its own buffer
         name = f"cf_{algorithm}_all_reduce_{buf.reduce_op}_{step}"
@@ -425,6 +428,12 @@ class WrapperCodegen:
                                  "reduction": False, "persistent": False, "tiled": False,
                                  "collective": buf.collective, "reduce_op": buf.reduce_op,
                                  "algorithm": algorithm})
+        self.note_comm_kernel(name, algorithm, cfg["NPROG"], src_code)
+
+    def note_comm_kernel(self, name: str, algorithm: str, programs: int, src: str) -> None:
+        """What the ranks must agree on for their barriers to meet: which comm kernels run, in
+        which order, with how many programs (one barrier slot each) and barriers."""
+        self.comm_protocol.append([name, algorithm, programs, src.count(comm_codegen.BARRIER_STEP)])
 
     def output(self, o) -> str:
         if isinstance(o, (ir.Buffer, ir.ReinterpretView)):

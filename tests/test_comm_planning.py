@@ -103,11 +103,14 @@ def _divergent(rank, world, mode):
     if mode == "branch":  # rank 1 reduces a slice: different comm buffers
         fn = (lambda x: funcol.all_reduce(x * 2, "sum", g)) if rank == 0 else \
             (lambda x: funcol.all_reduce(x[:16] * 2, "sum", g))
+    elif mode == "algorithm":  # same graph and buffers; the ranks' configs pick different kernels
+        fn = lambda x: funcol.all_reduce(x * 2, "sum", g)  # noqa: E731
     else:  # rank 1 takes a branch with no collective at all
         fn = (lambda x: funcol.all_reduce(x * 2, "sum", g)) if rank == 0 else (lambda x: x * 2)
+    algorithm = ("one_shot", "two_shot")[rank] if mode == "algorithm" else "auto"
     start = time.time()
     try:
-        with config.patch({"comm.plan_check_timeout_s": 3}):
+        with config.patch({"comm.plan_check_timeout_s": 3, "comm.algorithm": algorithm}):
             torch.compile(fn, backend="commfuse")(x)
     except Exception as e:
         return ("error", str(e), time.time() - start)
@@ -119,6 +122,15 @@ def test_rank_divergent_branch_fails_on_every_rank():
     for status, message, seconds in results:
         assert status == "error"
         assert "ranks disagree on the comm-buffer plan" in message and "buf" in message, message
+        assert seconds < 30
+
+
+def test_ranks_running_different_comm_kernels_fail_before_any_barrier():
+    # a config or tuned table that differs between ranks: the buffers agree, the kernels do not
+    results = run_ranks(_divergent, args=("algorithm",))
+    for status, message, seconds in results:
+        assert status == "error", message
+        assert "ranks disagree" in message and "comm kernel" in message and "two_shot" in message, message
         assert seconds < 30
 
 

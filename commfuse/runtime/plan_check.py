@@ -22,12 +22,16 @@ def _describe(plan: dict) -> list:
     return [(b["name"], b["pool"], b["offset"], b["bytes"], str(b["dtype"]), list(b["size"])) for b in plan["buffers"]]
 
 
-def check_plans_agree(graph_id: str, pools: dict, buffers: list) -> None:
+def check_plans_agree(graph_id: str, pools: dict, buffers: list, protocol: list = ()) -> None:
+    """`protocol`: each comm kernel's [name, algorithm, programs, barriers] in launch order; ranks
+    that differ there (another algorithm, grid or prologue, from a differing config or table)
+    would wait at barriers the others never reach."""
     from torch.distributed.distributed_c10d import _get_default_store
     from .symm import group_of
     plan = {"graph": graph_id.split("_", 1)[1], "buffers": buffers,
             "pools": {k: [g, n] for k, (g, _d, n) in pools.items()}}
-    mine = json.dumps({"graph": plan["graph"], "buffers": _describe(plan), "pools": plan["pools"]})
+    mine = json.dumps({"graph": plan["graph"], "buffers": _describe(plan), "pools": plan["pools"],
+                       "protocol": [list(p) for p in protocol]})
     for group_name in sorted({g for g, _, _ in pools.values()}):
         group = group_of(group_name)
         ranks = dist.get_process_group_ranks(group)
@@ -62,4 +66,11 @@ def _first_difference(me: int, mine: str, other: int, theirs: str) -> str:
             return f"first differing buffer {x[0]}: rank {me} has {x}, rank {other} has {y}"
     if len(a["buffers"]) != len(b["buffers"]):
         return f"rank {me} has {len(a['buffers'])} comm buffers, rank {other} has {len(b['buffers'])}"
+    fields = ("algorithm", "programs", "barriers")
+    for x, y in zip(a["protocol"], b["protocol"]):
+        if x != y:
+            return (f"comm kernel {x[0]}: rank {me} runs {dict(zip(fields, x[1:]))}, "
+                    f"rank {other} runs {dict(zip(fields, y[1:]))} ({y[0]})")
+    if len(a["protocol"]) != len(b["protocol"]):
+        return f"rank {me} runs {len(a['protocol'])} comm kernels, rank {other} runs {len(b['protocol'])}"
     return f"pools differ: rank {me} {a['pools']}, rank {other} {b['pools']}"

@@ -155,10 +155,10 @@ class CommState:
     """A compiled graph's view of its comm buffers: checked across ranks at the first call, then
     the same tensors (same pool, same offsets) on every call."""
 
-    def __init__(self, graph_id: str, pools: dict, buffers: list):
+    def __init__(self, graph_id: str, pools: dict, buffers: list, protocol: list = ()):
         self.graph_id, self.pools_needed, self.buffers = graph_id, pools, buffers
         from .plan_check import check_plans_agree
-        check_plans_agree(graph_id, pools, buffers)
+        check_plans_agree(graph_id, pools, buffers, list(protocol))
         self.refresh()
 
     def refresh(self):
