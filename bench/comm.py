@@ -180,7 +180,7 @@ def ar_norm_table(rank, world, group, batches=(1, 8, 32, 128), hiddens=(4096, 81
             res = torch.randn(B, H, device=dev, dtype=torch.bfloat16)
             nbytes = B * H * 2
             pick, _ = choices.all_reduce_algorithm(world, nbytes, dev)
-            fused_pick = choices.all_reduce_with_epilogue(world, B, nbytes, dev, pick, prologue=True)
+            fused_pick = choices.all_reduce_with_epilogue(world, B, nbytes, dev, pick, prologue=True, row_numel=H)
             row = {"B": B, "H": H, "auto pick": fused_pick[0] if fused_pick else pick}
             ref = step(produce(x), res)
             runs, failed = {}, {}

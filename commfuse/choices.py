@@ -291,11 +291,11 @@ def all_reduce_algorithm(world: int, nbytes: int, device) -> tuple[str, str]:
 
 
 def all_reduce_with_epilogue(world: int, rows: int, nbytes: int, device, current: str,
-                             prologue: bool) -> tuple[str, str] | None:
-    """The symmetric-memory algorithm for an all-reduce whose rows feed a fused row reduction (a
-    norm), from the table's fused measurements (`prologue`: its input's producer is pointwise, so
-    one-shot can fuse it too); None keeps `current` (forced by config, torch's kernel, or no such
-    measurements: the choice for the all-reduce alone stands)."""
+                             prologue: bool, row_numel: int) -> tuple[str, str] | None:
+    """The symmetric-memory algorithm for an all-reduce whose rows (of `row_numel` elements) feed a
+    fused row reduction (a norm), from the table's fused measurements (`prologue`: its input's
+    producer is pointwise, so one-shot can fuse it too); None keeps `current` (forced by config,
+    torch's kernel, or no such measurements: the choice for the all-reduce alone stands)."""
     from .tuning import lookup
     if config.comm.algorithm != "auto" or current not in SYMM_ALGORITHMS:
         return None
@@ -303,6 +303,8 @@ def all_reduce_with_epilogue(world: int, rows: int, nbytes: int, device, current
     if best is None or best[0] not in SYMM_ALGORITHMS:
         return None
     algo, table = best
+    if algo == "two_shot" and not is_persistent(row_numel, reads_peers=True):
+        return None  # its rows would be looped, which two-shot cannot gather (codegen reads one-shot)
     return algo, f"{algo} is fastest with a fused row epilogue at {rows} rows x {nbytes // rows} bytes in {table}"
 
 

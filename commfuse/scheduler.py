@@ -285,9 +285,10 @@ class Scheduler:
             rows = self._epilogue_rows(result, readers)
             buf, producer = graph.get_buffer(name), self.node_of.get(name)
             prologue = producer is not None and not producer.is_extern() and not producer.is_reduction()
+            numel = int(buf.get_numel())
             picked = rows and choices.all_reduce_with_epilogue(
-                choices.group_size(group), rows, int(buf.get_numel()) * buf.get_dtype().itemsize,
-                buf.get_device(), current, prologue)
+                choices.group_size(group), rows, numel * buf.get_dtype().itemsize,
+                buf.get_device(), current, prologue, numel // rows)
             if not picked:
                 continue
             graph.comm_algorithms[name] = picked[0]

@@ -189,13 +189,15 @@ def _two_shot(rank, world, dump_dir, table):
             torch.testing.assert_close(torch.compile(fn, backend="commfuse", dynamic=False)(x), fn(x))
     # with a norm fused, from the table's fused measurements, by whether the producer is pointwise
     x_mm, x_pw = torch.randn(12, 32, device=device()), torch.randn(12, 64, device=device())
-    for name, produce, arg in (("mm", lambda x: x @ w, x_mm), ("pointwise", lambda x: x * 2, x_pw)):
+    for name, produce, arg, row_max in (("mm", lambda x: x @ w, x_mm, 8192), ("pointwise", lambda x: x * 2, x_pw, 8192),
+                                        ("mm_looped_rows", lambda x: x @ w, x_mm, 32)):
         torch._dynamo.reset()
 
         def step(x, res, produce=produce):
             h = funcol.all_reduce(produce(x), "sum", g) + res
             return rms_norm(h, norm_w), h
-        with config.patch({"comm.table": table, "dump_dir": f"{dump_dir}/fused_{name}"}):
+        with config.patch({"comm.table": table, "dump_dir": f"{dump_dir}/fused_{name}",
+                           "comm.persistent_reduction_max": row_max}):
             out = torch.compile(step, backend="commfuse", dynamic=False)(arg, res)
         for o, r in zip(out, step(arg, res)):
             torch.testing.assert_close(o, r, atol=1e-5, rtol=1e-5, msg=name)
@@ -250,6 +252,10 @@ def test_two_shot_and_table_driven_choice(tmp_path):
         assert len(s["kernels"]) == kernels, s["kernels"]
         (choice,) = s["comm_choices"]
         assert choice["algorithm"] == want and "fused row epilogue at 12 rows" in choice["reason"], choice
+    # rows too long for one block: two-shot cannot gather them, the choice for the all-reduce alone stays
+    ((s, (kernel,), _),) = _comm_kernels(tmp_path / "dumps/fused_mm_looped_rows")
+    assert kernel["algorithm"] == "one_shot" and not kernel["persistent"], kernel
+    assert all("epilogue" not in c["reason"] and c["algorithm"] == "one_shot" for c in s["comm_choices"]), s
 
 
 def device_is_cuda():
