@@ -274,10 +274,7 @@ class Scheduler:
         """An all-reduce whose rows feed a row reduction (a norm) will have it fused into its
         kernel, whose cost differs from the all-reduce alone: take its algorithm from the fused
         measurements. Chosen before fusion, which depends on it (choices.comm_prologue)."""
-        graph, readers = self.graph, collections.defaultdict(list)
-        for n in self.nodes:
-            for r in n.read_names:
-                readers[r].append(n)
+        graph, readers = self.graph, self._node_readers()
         for name, current in list(graph.comm_algorithms.items()):
             _, group, result = graph.comm_buffers[name]
             if result not in self.node_of:
@@ -302,7 +299,7 @@ class Scheduler:
         numel, row = sizevars.product(size), size[-1]
         seen, todo = set(), [result]
         while todo:
-            for n in readers[todo.pop()]:
+            for n in map(self.node_of.get, readers[todo.pop()]):
                 if n.name in seen or n.is_extern():
                     continue
                 seen.add(n.name)
@@ -498,13 +495,10 @@ class Scheduler:
     def compute_buffer_users(self):
         """Which groups read each buffer; buffers used only inside their own kernel are not stored."""
         self.readers = collections.defaultdict(list)
-        self.node_readers = collections.defaultdict(set)
         for g in self.groups:
             for name in g.read_names:
                 self.readers[name].append(g)
-            for n in g.nodes:
-                for name in n.read_names:
-                    self.node_readers[name].add(n.name)
+        self.node_readers = self._node_readers()
         self.internal = set()
         for g in self.groups:
             if g.is_extern():
@@ -515,6 +509,14 @@ class Scheduler:
                 users = self.readers.get(n.name, [])
                 if all(u is g for u in users):
                     self.internal.add(n.name)
+
+    def _node_readers(self) -> dict:
+        """Buffer name -> names of the nodes that read it."""
+        readers = collections.defaultdict(set)
+        for n in self.nodes:
+            for name in n.read_names:
+                readers[name].add(n.name)
+        return readers
 
     def kernel_internal(self, nodes) -> set:
         """Buffers written by `nodes` that a kernel of exactly these nodes need not store."""
