@@ -20,8 +20,10 @@ _EXTRA = [
     aten.nll_loss_forward, aten.split_with_sizes, aten.unbind,
 ]
 
-# Ops we lower better ourselves than their decompositions would.
-_KEEP = {aten.addmm.default}
+# Ops we lower better ourselves than their decompositions would, and ops whose decomposition is
+# wrong for us: the CPU flash attention's is for export only (its second output is not the
+# logsumexp its backward reads, so gradients through it would be silently wrong).
+_KEEP = {aten.addmm.default, aten._scaled_dot_product_flash_attention_for_cpu.default}
 
 
 @functools.lru_cache(None)
