@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 from codegen import triton_helpers
-from commfuse.runtime.support import empty_strided, reinterpret_tensor, cdiv, workspace
+from commfuse.runtime.support import empty_strided, reinterpret_tensor, cdiv, workspace, as_meta_layout
 aten = torch.ops.aten
 prims = torch.ops.prims
 constants = {{}}  # filled by the loader: tensor constants and non-tensor objects
@@ -277,7 +277,8 @@ class WrapperCodegen:
     def extern(self, node, pool):
         buf = node.buf
         if isinstance(buf, ir.MultiOutput):
-            self.body.writeline(f"{buf.name} = {self.ref(buf.parent.name)}[{buf.index}]")
+            item = self.ref(buf.parent.name) + "".join(f"[{i}]" for i in buf.index)
+            self.body.writeline(f"{buf.name} = {self.checked_layout(item, buf, buf.parent.aliases)}")
             return
         if isinstance(buf, ir.ConcatBuffer):
             self.allocate_once(buf, pool)
@@ -294,10 +295,18 @@ class WrapperCodegen:
         if buf.out_variant:
             self.allocate_out(buf, pool)
             self.body.writeline(f"{call}({args}{', ' if args else ''}out={buf.name})")
-        elif buf.side_effect:
-            self.body.writeline(f"{call}({args})")
+        elif buf.side_effect or buf.multi_output:
+            self.body.writeline(f"{buf.name if buf.multi_output else '_'} = {call}({args})")
         else:
-            self.body.writeline(f"{buf.name} = {call}({args})")
+            self.body.writeline(f"{buf.name} = {self.checked_layout(f'{call}({args})', buf, buf.aliases)}")
+
+    def checked_layout(self, value: str, buf: ir.Buffer, aliases: bool) -> str:
+        """An aten result in the layout its meta function promised, which the kernels after it
+        index by. A result that may alias an input is taken as is: a copy would lose the alias."""
+        if aliases:
+            return value
+        lay = buf.layout
+        return f"as_meta_layout({value}, {self.shape(lay.size)}, {self.shape(lay.stride)})"
 
     def allocate_out(self, buf: ir.ExternKernel, pool):
         if buf.out_view is not None:  # its slice of a cat

@@ -21,6 +21,7 @@ from .decompositions import decomposition_table
 
 log = logging.getLogger("commfuse")
 _graph_counter = itertools.count()
+summaries: list[dict] = []  # every graph this process compiled or fell back on, in order (as summary.json)
 
 
 def commfuse_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None = None,
@@ -43,7 +44,7 @@ def commfuse_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | N
         gm, example_inputs,
         fw_compiler=compiler("forward"), bw_compiler=compiler("backward"),
         inference_compiler=compiler("inference"),
-        decompositions=decomposition_table(),
+        decompositions=decomposition_table(tuple(sorted(settings["fallback_ops"]))),
         partition_fn=min_cut_rematerialization_partition,
         keep_inference_input_mutations=True,
     )
@@ -84,8 +85,13 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, kind: str = "inferen
     except Exception as e:
         if not config.fallback_on_error:
             raise
-        log.warning("commfuse: graph %s failed to compile (%s: %s); running it through aten",
-                    graph_id, type(e).__name__, e)
+        reason = f"{type(e).__name__}: {e}"
+        log.warning("commfuse: graph %s failed to compile (%s); the whole graph runs through aten, "
+                    "op by op. Set fallback_on_error=False to raise instead, or list the op in "
+                    "fallback_ops to run only it through aten.", graph_id, reason)
+        summary = {"graph_id": graph_id, "compiled": False, "fallback_reason": reason}
+        summaries.append(summary)
+        dump.write(graph_id, {"fx_graph.txt": gm.print_readable(print_output=False)}, summary)
         return _aten_fallback(gm)
 
 
@@ -131,9 +137,11 @@ def _compile(gm, example_inputs, graph_id, donated=frozenset()):
         module.call = CudaGraphed(module.call, graph_id)
     summary = {
         "graph_id": graph_id,
+        "compiled": True,
         "kernels": wrapper.kernel_info,
         "extern_calls": wrapper.extern_calls,
         "fallback_ops": graph.fallback_ops,
+        "fallback_reasons": graph.fallback_reasons,
         "buffers": wrapper.allocations,
         "comm_buffers": list(wrapper.comm_plan.values()),
         "comm_pools": wrapper.pool_summary(),
@@ -145,11 +153,13 @@ def _compile(gm, example_inputs, graph_id, donated=frozenset()):
         "rematerialized": sched.remat_log,
         "compile_seconds": round(time.time() - t0, 3),
     }
+    summaries.append(summary)
     dump.write(graph_id, {"fx_graph.txt": gm.print_readable(print_output=False),
                           "ir_pre_fusion.txt": pre_fusion + "\n",
                           "ir_post_fusion.txt": post_fusion,
                           "output_code.py": source}, summary)
     if config.debug:
-        log.warning("commfuse: %s: %d kernels, %d extern calls -> %s", graph_id,
-                    len(summary["kernels"]), len(summary["extern_calls"]), path)
+        log.warning("commfuse: %s compiled: %d kernels, %d extern calls (not lowered: %s) -> %s",
+                    graph_id, len(summary["kernels"]), len(summary["extern_calls"]),
+                    graph.fallback_reasons or "none", path)
     return CompiledGraph(module, graph_id, path, summary)

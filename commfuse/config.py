@@ -14,7 +14,12 @@ from typing import Any
 # Debugging and dumps.
 debug = False                 # log each compiled graph's summary
 dump_dir: str | None = None   # write per-rank dumps under this folder (COMMFUSE_DUMP_DIR)
-fallback_on_error = True      # a graph we fail to compile runs through aten instead of raising
+fallback_on_error = True      # a graph we fail to compile runs through aten instead of raising;
+                              # a lowering that fails costs only its op (run through aten)
+fallback_ops: list = []       # aten ops run as they are, neither decomposed nor lowered, by name:
+                              # an overload ("aten.native_layer_norm.default") or all overloads
+                              # ("aten.native_layer_norm"); an escape hatch, and how tests reach
+                              # the fallback of ops we normally lower
 
 # Execution.
 cuda_graphs = False           # capture each compiled graph in a CUDA graph after warm-up, replay it
@@ -74,6 +79,8 @@ _SECTIONS = {"comm": comm}
 
 
 def _coerce(value: str, default: Any) -> Any:
+    if isinstance(default, list) and not value.lstrip().startswith("["):
+        return [v.strip() for v in value.split(",") if v.strip()]  # COMMFUSE_FALLBACK_OPS=aten.sort,aten.topk
     if isinstance(default, (dict, list)):
         import json
         parsed = json.loads(value)

@@ -27,9 +27,11 @@ _KEEP = {aten.addmm.default, aten._scaled_dot_product_flash_attention_for_cpu.de
 
 
 @functools.lru_cache(None)
-def decomposition_table() -> dict:
+def decomposition_table(keep: tuple = ()) -> dict:
+    """`keep`: names of ops (overloads or packets) left whole, as in `config.fallback_ops`."""
     table = dict(core_aten_decompositions())
     table.update(get_decompositions(_EXTRA))
-    for op in _KEEP:
-        table.pop(op, None)
+    for op in list(table):
+        if op in _KEEP or str(op) in keep or str(op.overloadpacket) in keep:
+            del table[op]
     return table

@@ -28,6 +28,10 @@ def meta_layout(val: torch.Tensor, cls=ir.FixedLayout) -> ir.Layout:
                [sizevars.from_torch(s) for s in val.stride()])
 
 
+class LoweringError(RuntimeError):
+    """Lowering stopped at an FX node; the message names it."""
+
+
 class GraphLowering(torch.fx.Interpreter):
     def __init__(self, gm: torch.fx.GraphModule, example_inputs, graph_id: str = "graph",
                  donated: set = frozenset()):
@@ -46,7 +50,8 @@ class GraphLowering(torch.fx.Interpreter):
         self.comm_choices: list[dict] = []           # algorithm picked by a table or config, and why
         self.comm_algorithms: dict[str, str] = {}    # comm buffer of a fused all-reduce -> one/two-shot
         self.comm_results: set[str] = set()          # buffers our collectives produce (no wait needed)
-        self.fallback_ops: list[str] = []
+        self.fallback_ops: list[str] = []             # aten ops run as they are, in graph order
+        self.fallback_reasons: dict[str, str] = {}    # ... and why each was not lowered
         self.scalar_nodes: list[tuple] = []           # (symbol, fn, args, kwargs) computed at run time
         self.device_types: set[str] = set()
         self.example_inputs = example_inputs
@@ -84,7 +89,12 @@ class GraphLowering(torch.fx.Interpreter):
 
     def run_node(self, n):
         self.current_node = n
-        return super().run_node(n)
+        try:
+            return super().run_node(n)
+        except LoweringError:
+            raise
+        except Exception as e:
+            raise LoweringError(f"lowering {n.format_node()}: {type(e).__name__}: {e}") from e
 
     def placeholder(self, target, args, kwargs):
         example = super().placeholder(target, args, kwargs)
@@ -144,17 +154,23 @@ class GraphLowering(torch.fx.Interpreter):
             return self.runtime_scalar(target, args, kwargs)
         if target is operator.getitem:
             return args[0][args[1]]
-        result = None
-        lowering_fn = lowerings.get(target)
-        if lowering_fn is not None and not _touches_complex(args, kwargs, val):
+        result, reason = None, _why_not_lowered(target, lowerings, args, kwargs, val)
+        if reason is None:
             self._bound_read_bytes(args, kwargs)
             try:
-                result = lowering_fn(*args, **kwargs)
+                result = lowerings[target](*args, **kwargs)
             except ir.Unsupported as e:
-                log.debug("%s: falling back to aten (%s)", target, e)
+                reason = f"unsupported: {e}"
+            except Exception as e:  # a lowering bug costs this op, not the graph
+                if not config.fallback_on_error:
+                    raise
+                reason = f"lowering failed: {type(e).__name__}: {e}"
+                log.warning("commfuse: lowering %s failed (%s); running it through aten", target, reason)
         if result is None:
+            log.debug("%s: falling back to aten (%s)", target, reason)
             result = fallback(target, args, kwargs, val)
             self.fallback_ops.append(str(target))
+            self.fallback_reasons.setdefault(str(target), reason)
         self._maybe_realize(node, result)
         return result
 
@@ -248,6 +264,16 @@ def inlined_reads(box: TensorBox) -> set:
     if isinstance(d, ir.ReinterpretView):
         return {d.base.name}
     return {d.name} if isinstance(d, ir.Buffer) else set()
+
+
+def _why_not_lowered(target, lowerings, args, kwargs, meta) -> str | None:
+    if str(target) in config.fallback_ops or str(getattr(target, "overloadpacket", "")) in config.fallback_ops:
+        return "listed in config.fallback_ops"
+    if target not in lowerings:
+        return "no lowering"
+    if _touches_complex(args, kwargs, meta):
+        return "complex dtype"
+    return None
 
 
 def _touches_complex(args, kwargs, meta) -> bool:

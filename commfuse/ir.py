@@ -299,9 +299,9 @@ class CommKernel(Buffer):
 
 @dataclasses.dataclass(eq=False)
 class MultiOutput(Buffer):
-    """Item `index` of a multi-output extern kernel."""
+    """The item of a multi-output extern kernel's result at path `index` (`result[i][j]...`)."""
     parent: ExternKernel = None
-    index: int = 0
+    index: tuple = ()
 
 
 @dataclasses.dataclass(eq=False)

@@ -58,34 +58,48 @@ def _returns_alias(op) -> bool:
 
 
 def fallback(op, args, kwargs, meta):
-    """Run `op` through aten; returns TensorBox(es) over its outputs."""
+    """Run `op` through aten; returns what the FX node's value is made of: TensorBox(es) over its
+    tensor outputs, in the structure of `meta` (the op's own meta result: tuples, lists, None,
+    ints). Layouts come from `meta`; the wrapper checks them against what aten returned."""
     args, kwargs = pytree.tree_map(_realize_arg, (args, kwargs))
     mutates = _mutated_args(op, args, kwargs)
     graph = V.graph
+    fields = dict(op=op, args=tuple(args), kwargs=dict(kwargs), mutates=mutates,
+                  aliases=_returns_alias(op))
     if isinstance(meta, torch.Tensor):
         out = out_overload(op)
-        kernel = graph.register_buffer(ir.ExternKernel, layout=meta_layout(meta), op=out or op,
-                                       args=tuple(args), kwargs=dict(kwargs), out_variant=out is not None,
-                                       mutates=mutates, aliases=_returns_alias(op))
+        kernel = graph.register_buffer(ir.ExternKernel, layout=meta_layout(meta),
+                                       **{**fields, "op": out or op}, out_variant=out is not None)
         return TensorBox(kernel)
-    if isinstance(meta, (list, tuple)) and all(isinstance(m, torch.Tensor) or m is None for m in meta):
-        dev = next((m.device for m in meta if m is not None), torch.device("cpu"))
-        kernel = graph.register_buffer(ir.ExternKernel, layout=ir.Layout(dev, torch.uint8, [], []),
-                                       op=op, args=tuple(args), kwargs=dict(kwargs), multi_output=True,
-                                       mutates=mutates, aliases=_returns_alias(op))
-        outs = []
-        for i, m in enumerate(meta):
-            if m is None:
-                outs.append(None)
-                continue
-            outs.append(TensorBox(graph.register_buffer(ir.MultiOutput, layout=meta_layout(m),
-                                                        parent=kernel, index=i)))
-        return type(meta)(outs) if isinstance(meta, tuple) else outs
-    if meta is None:  # side effects only: placed on the device of what it touches
+    leaves, spec = pytree.tree_flatten(meta)
+    plain = {i: _plain_value(m) for i, m in enumerate(leaves) if not isinstance(m, torch.Tensor)}
+    tensors = [m for m in leaves if isinstance(m, torch.Tensor)]
+    if not tensors:  # side effects only (or plain values): placed on the device of what it touches
         dev = next((a.get_device() for a in pytree.tree_leaves((args, kwargs))
                     if isinstance(a, ir.IRNode)), torch.device("cpu"))
         graph.register_buffer(ir.ExternKernel, layout=ir.Layout(dev, torch.uint8, [], []),
-                              op=op, args=tuple(args), kwargs=dict(kwargs), mutates=mutates,
-                              side_effect=True)
-        return None
-    raise NotImplementedError(f"cannot fall back on {op}: output {type(meta).__name__}")
+                              **fields, side_effect=True)
+        return pytree.tree_unflatten([plain[i] for i in range(len(leaves))], spec)
+    kernel = graph.register_buffer(ir.ExternKernel, layout=ir.Layout(tensors[0].device, torch.uint8, [], []),
+                                   **fields, multi_output=True)
+    paths = [path for path, _ in pytree.tree_flatten_with_path(meta)[0]]
+    outs = []
+    for i, (path, m) in enumerate(zip(paths, leaves)):
+        if isinstance(m, torch.Tensor):
+            index = tuple(k.idx for k in path)  # meta is tuples and lists only
+            outs.append(TensorBox(graph.register_buffer(ir.MultiOutput, layout=meta_layout(m),
+                                                        parent=kernel, index=index)))
+        else:
+            outs.append(plain[i])
+    return pytree.tree_unflatten(outs, spec)
+
+
+def _plain_value(m):
+    """A non-tensor output (an int such as flash attention's max sequence length, a None): its
+    value is known when compiling; a symbolic one is an expression over the graph's sizes."""
+    if isinstance(m, torch.SymInt):
+        from commfuse import sizevars
+        return sizevars.from_torch(m)
+    if m is None or isinstance(m, (int, float, bool)):
+        return m
+    raise ir.Unsupported(f"output of type {type(m).__name__}")

@@ -12,6 +12,19 @@ def empty_strided(size, stride, device, dtype) -> torch.Tensor:
     return torch.empty_strided(size, stride, device=device, dtype=dtype)
 
 
+def as_meta_layout(t: torch.Tensor, size, stride) -> torch.Tensor:
+    """`t`, an aten op's result, in the size and strides of the op's meta function, which the
+    compiled kernels index by. A kernel may return other strides than its meta function says
+    (for some inputs, on some devices): it is then copied, never read wrongly."""
+    shape = t.shape
+    if len(shape) != len(size) or any(a != b for a, b in zip(shape, size)):
+        raise RuntimeError(f"commfuse: an aten op returned shape {tuple(shape)} where its meta "
+                           f"function said {tuple(size)}")
+    if all(a == b or n <= 1 for a, b, n in zip(t.stride(), stride, size)):
+        return t
+    return torch.empty_strided(size, stride, dtype=t.dtype, device=t.device).copy_(t)
+
+
 def reinterpret_tensor(base: torch.Tensor, size, stride, offset) -> torch.Tensor:
     return base.as_strided(size, stride, base.storage_offset() + offset)
 
