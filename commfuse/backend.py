@@ -17,6 +17,7 @@ from torch._functorch.aot_autograd import aot_module_simplified
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from . import config, dump
+from .attention import use_sdpa_gqa
 from .decompositions import decomposition_table
 
 log = logging.getLogger("commfuse")
@@ -33,6 +34,8 @@ def commfuse_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | N
     elif mode not in (None, "default"):
         log.warning("commfuse: mode=%r is not supported; compiling with defaults", mode)
     settings = {**config.snapshot(), **_check_options(options)}
+    if settings["sdpa_gqa"]:
+        use_sdpa_gqa(gm)
 
     def compiler(kind):
         def compile_fn(graph_module, inputs):

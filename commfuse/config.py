@@ -25,6 +25,10 @@ fallback_ops: list = []       # aten ops run as they are, neither decomposed nor
 cuda_graphs = False           # capture each compiled graph in a CUDA graph after warm-up, replay it
                               # (also `mode="reduce-overhead"`)
 
+# Attention.
+sdpa_gqa = True               # K/V repeated for grouped-query attention reach SDPA unrepeated,
+                              # with enable_gqa=True (no copies of K/V: attention.py)
+
 # Fusion.
 max_fusion_size = 64          # cap on the number of IR nodes in one fused kernel
 realize_reads_threshold = 4   # a value with more users than this is stored, not recomputed by each

@@ -240,7 +240,15 @@ def to_dtype(x, dtype=None, **kwargs):
                                list(x.get_size())))
 
 
-@register(aten.clone, aten.alias, aten.lift_fresh_copy, aten.detach)
+@register(aten.alias, aten.detach)
+def alias(x):
+    """The same values, no copy (a graph output aliasing another one, a saved activation)."""
+    if not is_tensor(x):
+        raise ir.Unsupported("alias of a non-tensor")
+    return x
+
+
+@register(aten.clone, aten.lift_fresh_copy)
 def clone(x, **kwargs):
     if not is_tensor(x):
         raise ir.Unsupported("clone of a non-tensor")

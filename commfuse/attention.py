@@ -1,0 +1,91 @@
+"""Attention rewrites on the graph Dynamo hands us, before AOTAutograd.
+
+Grouped-query attention: models repeat each K/V head for the query heads that share it (HF's
+`repeat_kv`, an unsqueeze + expand + reshape, or `repeat_interleave` on the head dim) and pass the
+copies to `scaled_dot_product_attention`. The copies are as large as K and V times the group size
+and are written and read once per call (in decode: the whole KV cache, every step). SDPA takes
+the unrepeated K/V with `enable_gqa=True` and maps query head h to K/V head h // group, which is
+exactly what both repeats compute, so the rewrite is exact; aten then picks a kernel that reads K/V
+in place (flash on CPU and CUDA) or repeats them itself where none can.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+
+log = logging.getLogger("commfuse")
+
+_SDPA = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+def _shape(node) -> tuple | None:
+    v = node.meta.get("example_value") if isinstance(node, torch.fx.Node) else None
+    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
+
+
+def _is(node, *names) -> bool:
+    """A call of a torch function or tensor method by one of these names."""
+    if not isinstance(node, torch.fx.Node) or node.op not in ("call_function", "call_method"):
+        return False
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    return name in names
+
+
+def repeated_heads(node):
+    """(the unrepeated K/V, the group size, the nodes that only served the repeat) when `node` is
+    K/V repeated along the head dim (dim 1 of b, h, s, d), else None."""
+    out = _shape(node)
+    if out is None or len(out) != 4:
+        return None
+    if _is(node, "repeat_interleave"):
+        src = node.args[0]
+        reps = node.args[1] if len(node.args) > 1 else node.kwargs.get("repeats")
+        dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
+        if isinstance(reps, int) and dim in (1, -3) and not node.kwargs.get("output_size") \
+                and _shape(src) is not None and _shape(src)[1] * reps == out[1]:
+            return src, reps, [node]
+        return None
+    if _is(node, "reshape", "view") and _is(node.args[0], "expand"):
+        expand = node.args[0]
+        unsq, big = expand.args[0], _shape(expand)
+        small = _shape(unsq)
+        if big is None or small is None or len(big) != 5 or len(small) != 5 or small[2] != 1:
+            return None
+        b, kvh, group, s, d = big
+        if small != (b, kvh, 1, s, d) or out != (b, kvh * group, s, d):
+            return None
+        return (unsq, 2), group, [node, expand]
+    return None
+
+
+def use_sdpa_gqa(gm: torch.fx.GraphModule) -> int:
+    """Pass unrepeated K/V to SDPA with `enable_gqa=True`; returns how many calls changed."""
+    changed = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in _SDPA:
+            continue
+        bound = dict(zip(_SDPA_ARGS, node.args)) | dict(node.kwargs)
+        q = _shape(bound["query"])
+        k, v = repeated_heads(bound["key"]), repeated_heads(bound["value"])
+        if bound.get("enable_gqa") or q is None or k is None or v is None or k[1] != v[1] or len(q) != 4:
+            continue
+        with gm.graph.inserting_before(node):
+            for name, (src, _, _) in (("key", k), ("value", v)):
+                if isinstance(src, tuple):  # x[:, :, None] of the repeat: squeeze the None back out
+                    src = gm.graph.call_function(torch.squeeze, src)
+                bound[name] = src
+        node.args = tuple(bound.pop(n) for n in _SDPA_ARGS[:3])
+        node.kwargs = {**bound, "enable_gqa": True}
+        for d in dict.fromkeys(k[2] + v[2]):  # users first
+            if not d.users:
+                gm.graph.erase_node(d)
+        changed += 1
+    if changed:
+        gm.graph.lint()
+        gm.recompile()
+        log.debug("commfuse: %d attention call(s) take unrepeated K/V (enable_gqa)", changed)
+    return changed

@@ -1,0 +1,99 @@
+"""Attention: SDPA runs aten's fused attention kernel for the device, forward and backward, and
+grouped-query attention passes K/V unrepeated (no copies), against eager."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from commfuse.attention import use_sdpa_gqa
+from tests.common import DEVICE, compile_and_run
+
+
+def repeat_kv(x, n):
+    """HF transformers' repeat_kv: each K/V head repeated for the n query heads sharing it."""
+    b, h, s, d = x.shape
+    return x[:, :, None, :, :].expand(b, h, n, s, d).reshape(b, h * n, s, d)
+
+
+def interleave(x, n):
+    return torch.repeat_interleave(x, n, dim=1)
+
+
+def _inputs(heads=8, kv_heads=2, seq=16, dim=32):
+    torch.manual_seed(0)
+    shapes = [(2, heads, seq, dim), (2, kv_heads, seq, dim), (2, kv_heads, seq, dim)]
+    return [torch.randn(s, device=DEVICE, requires_grad=True) for s in shapes]
+
+
+def _run(fn, inputs, tmp_path, **patch):
+    out, dumps = compile_and_run(fn, *inputs, tmp_path=tmp_path, **patch)
+    out.backward(torch.ones_like(out))
+    grads = [t.grad for t in inputs]
+    for t in inputs:
+        t.grad = None
+    return out, grads, [dumps.summary(g) for g in dumps.graphs()]
+
+
+def _allocated(summaries) -> int:
+    return sum(a["bytes"] for s in summaries for a in s["buffers"] if "in_place_of" not in a)
+
+
+@pytest.mark.parametrize("repeat", [repeat_kv, interleave])
+def test_gqa_passes_kv_unrepeated(tmp_path, repeat):
+    def fn(q, k, v):
+        return F.scaled_dot_product_attention(q, repeat(k, 4), repeat(v, 4), is_causal=True) * 2
+    inputs = _inputs()
+    want = fn(*inputs)
+    want.backward(torch.ones_like(want))
+    want_grads = [t.grad for t in inputs]
+    for t in inputs:
+        t.grad = None
+
+    got, grads, summaries = _run(fn, inputs, tmp_path / "gqa")
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for g, w in zip(grads, want_grads):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+    assert all(s["compiled"] for s in summaries)
+    assert any("scaled_dot_product" in c for s in summaries for c in s["extern_calls"])
+
+    # the same program with the rewrite off materializes the repeated K and V
+    _, _, copied = _run(fn, inputs, tmp_path / "copies", sdpa_gqa=False)
+    kv_copy = 2 * 8 * 16 * 32 * 4  # one repeated K (or V) in fp32
+    assert _allocated(copied) - _allocated(summaries) >= 2 * kv_copy, (_allocated(copied), _allocated(summaries))
+
+
+def _rewrites(fn, inputs) -> int:
+    """How many SDPA calls the rewrite changes in the graph Dynamo captures of fn."""
+    counts = []
+
+    def backend(gm, example_inputs):
+        counts.append(use_sdpa_gqa(gm))
+        return gm
+    torch._dynamo.reset()
+    torch.compile(fn, backend=backend)(*inputs)
+    return sum(counts)
+
+
+def test_gqa_rewrite_leaves_other_attention_alone():
+    """Equal head counts, a repeat on another dim, or K and V repeated differently are not
+    grouped-query attention; the HF pattern is."""
+    q, k, v = (t.detach() for t in _inputs())
+    k4, v4 = repeat_kv(k, 4), repeat_kv(v, 4)
+    assert _rewrites(lambda q, k, v: F.scaled_dot_product_attention(q, repeat_kv(k, 4), repeat_kv(v, 4)), (q, k, v)) == 1
+    assert _rewrites(lambda q, k, v: F.scaled_dot_product_attention(q, k, v), (q, k4, v4)) == 0
+    assert _rewrites(lambda q, k, v: F.scaled_dot_product_attention(q, k.repeat_interleave(1, dim=2), v), (q, k4, v4)) == 0
+    assert _rewrites(lambda q, k, v: F.scaled_dot_product_attention(q, repeat_kv(k, 4), v), (q, k, v4)) == 0
+
+
+def test_attention_output_feeds_a_fused_kernel(tmp_path):
+    """SDPA's output is a buffer like any other: the projection and residual after it compile."""
+    q, k, v = _inputs(heads=4, kv_heads=4)
+    w = torch.randn(32, 32, device=DEVICE, requires_grad=True)
+
+    def fn(q, k, v, w):
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return torch.relu(a @ w + q).sum(-1)
+    want = fn(q, k, v, w)
+    got, dumps = compile_and_run(fn, q, k, v, w, tmp_path=tmp_path)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    summary = dumps.summary(dumps.graphs()[0])
+    assert summary["kernels"] and any("scaled_dot_product" in c for c in summary["extern_calls"])
