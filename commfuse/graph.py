@@ -302,4 +302,17 @@ def realize_output(box: TensorBox, meta) -> ir.IRNode:
             buf = V.graph.register_buffer(ir.ComputedBuffer, layout=layout, data=d)
             box.data = buf
             return buf
-    return box.realize()
+    stored = box.realize()
+    if isinstance(meta, torch.Tensor) and not _strides_match(stored.layout, meta):
+        # Other graphs index this output by its meta strides (a backward reads a saved activation
+        # by them, a user sees them): a view of ours in another order is copied into them.
+        layout = meta_layout(meta)
+        if layout.is_dense():
+            data = ir.Pointwise(stored.get_device(), stored.get_dtype(), stored.make_loader(), list(stored.get_size()))
+            return V.graph.register_buffer(ir.ComputedBuffer, layout=layout, data=data)
+    return stored
+
+
+def _strides_match(layout: ir.Layout, meta: torch.Tensor) -> bool:
+    return all(size == 1 or sizevars.equal(a, sizevars.from_torch(b))
+               for a, b, size in zip(layout.stride, meta.stride(), layout.size))

@@ -18,10 +18,16 @@ def interleave(x, n):
     return torch.repeat_interleave(x, n, dim=1)
 
 
+# On CUDA, bf16 as models run: flash attention takes grouped K/V there (fp32 goes to the math
+# kernel, which repeats them itself). Tolerances follow the dtype.
+DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+TOL = dict(atol=2e-2, rtol=2e-2) if DTYPE == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
+
+
 def _inputs(heads=8, kv_heads=2, seq=16, dim=32):
     torch.manual_seed(0)
     shapes = [(2, heads, seq, dim), (2, kv_heads, seq, dim), (2, kv_heads, seq, dim)]
-    return [torch.randn(s, device=DEVICE, requires_grad=True) for s in shapes]
+    return [torch.randn(s, device=DEVICE, dtype=DTYPE, requires_grad=True) for s in shapes]
 
 
 def _run(fn, inputs, tmp_path, **patch):
@@ -49,15 +55,15 @@ def test_gqa_passes_kv_unrepeated(tmp_path, repeat):
         t.grad = None
 
     got, grads, summaries = _run(fn, inputs, tmp_path / "gqa")
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, want, **TOL)
     for g, w in zip(grads, want_grads):
-        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(g, w, **TOL)
     assert all(s["compiled"] for s in summaries)
     assert any("scaled_dot_product" in c for s in summaries for c in s["extern_calls"])
 
     # the same program with the rewrite off materializes the repeated K and V
     _, _, copied = _run(fn, inputs, tmp_path / "copies", sdpa_gqa=False)
-    kv_copy = 2 * 8 * 16 * 32 * 4  # one repeated K (or V) in fp32
+    kv_copy = 2 * 8 * 16 * 32 * DTYPE.itemsize  # one repeated K (or V)
     assert _allocated(copied) - _allocated(summaries) >= 2 * kv_copy, (_allocated(copied), _allocated(summaries))
 
 
@@ -87,13 +93,35 @@ def test_gqa_rewrite_leaves_other_attention_alone():
 def test_attention_output_feeds_a_fused_kernel(tmp_path):
     """SDPA's output is a buffer like any other: the projection and residual after it compile."""
     q, k, v = _inputs(heads=4, kv_heads=4)
-    w = torch.randn(32, 32, device=DEVICE, requires_grad=True)
+    w = torch.randn(32, 32, device=DEVICE, dtype=DTYPE, requires_grad=True)
 
     def fn(q, k, v, w):
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return torch.relu(a @ w + q).sum(-1)
     want = fn(q, k, v, w)
     got, dumps = compile_and_run(fn, q, k, v, w, tmp_path=tmp_path)
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got, want, **(TOL if DTYPE == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)))
     summary = dumps.summary(dumps.graphs()[0])
     assert summary["kernels"] and any("scaled_dot_product" in c for c in summary["extern_calls"])
+
+
+@pytest.mark.parametrize("q_len", [1, 4])
+def test_math_attention_gradients(tmp_path, q_len):
+    """SDPA's math kernel (fp32 on CUDA, or forced) decomposes into ops we lower; its backward
+    reads activations the forward saved as transposed views. They must reach it in the strides
+    its graph was traced with (a view in another order once gave a wrong grad of V)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def fn(q, k, v):
+        return F.scaled_dot_product_attention(q, repeat_kv(k, 4), repeat_kv(v, 4)) * 2
+    torch.manual_seed(0)
+    q = torch.randn(2, 8, q_len, 16, device=DEVICE, requires_grad=True)
+    k, v = (torch.randn(2, 2, 8, 16, device=DEVICE, requires_grad=True) for _ in range(2))
+    with sdpa_kernel(SDPBackend.MATH):
+        want = fn(q, k, v)
+        want_grads = torch.autograd.grad(want, (q, k, v), torch.ones_like(want))
+        got, _ = compile_and_run(fn, q, k, v, tmp_path=tmp_path, sdpa_gqa=False)
+        grads = torch.autograd.grad(got, (q, k, v), torch.ones_like(got))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for g, w in zip(grads, want_grads):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
