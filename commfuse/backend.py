@@ -18,6 +18,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from . import config, dump
 from .attention import use_sdpa_gqa
+from .reinplace import reinplace_input_updates
 from .decompositions import decomposition_table
 
 log = logging.getLogger("commfuse")
@@ -126,6 +127,7 @@ def _compile(gm, example_inputs, graph_id, donated=frozenset()):
     from .virtualized import V
 
     t0 = time.time()
+    reinplace_input_updates(gm)
     graph = GraphLowering(gm, example_inputs, graph_id, donated).run()
     with V.set_graph(graph):
         pre_fusion = "\n".join(str(b) for b in graph.buffers)

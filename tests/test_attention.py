@@ -125,3 +125,46 @@ def test_math_attention_gradients(tmp_path, q_len):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     for g, w in zip(grads, want_grads):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+
+
+class CachedAttention(torch.nn.Module):
+    """One decode layer over a static KV cache kept as module buffers: the new K/V are written at
+    `pos` in place, and the mask comes from `pos`."""
+
+    def __init__(self, heads=4, kv_heads=2, dim=16, cache_len=32):
+        super().__init__()
+        self.heads, self.kv_heads, self.dim = heads, kv_heads, dim
+        self.q = torch.nn.Linear(heads * dim, heads * dim, bias=False)
+        self.kv = torch.nn.Linear(heads * dim, 2 * kv_heads * dim, bias=False)
+        self.register_buffer("k_cache", torch.zeros(1, kv_heads, cache_len, dim))
+        self.register_buffer("v_cache", torch.zeros(1, kv_heads, cache_len, dim))
+
+    def forward(self, x, pos):
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, self.heads, self.dim).transpose(1, 2)
+        k, v = self.kv(x).view(b, s, 2, self.kv_heads, self.dim).unbind(2)
+        self.k_cache.index_copy_(2, pos, k.transpose(1, 2))
+        self.v_cache.index_copy_(2, pos, v.transpose(1, 2))
+        mask = torch.arange(self.k_cache.shape[2], device=x.device)[None, :] <= pos[:, None]
+        out = F.scaled_dot_product_attention(q, repeat_kv(self.k_cache, 2), repeat_kv(self.v_cache, 2), attn_mask=mask)
+        return out.transpose(1, 2).reshape(b, s, -1)
+
+
+def test_decode_updates_the_static_cache_in_place(tmp_path):
+    torch.manual_seed(0)
+    model, ref = CachedAttention().to(DEVICE), CachedAttention().to(DEVICE)
+    ref.load_state_dict(model.state_dict())
+    compiled = torch.compile(model, backend="commfuse")
+    from commfuse import config
+    from tests.common import Dumps
+    with torch.no_grad(), config.patch(dump_dir=str(tmp_path)):
+        for step in range(4):
+            x, pos = torch.randn(1, 1, 64, device=DEVICE), torch.tensor([step], device=DEVICE)
+            torch.testing.assert_close(compiled(x, pos), ref(x, pos), atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(model.k_cache, ref.k_cache)
+            torch.testing.assert_close(model.v_cache, ref.v_cache)
+    summary, code = Dumps(tmp_path).only()
+    # the cache is written where it lives: no copy of it in, none back
+    assert summary["extern_calls"].count("aten.index_put_.default") == 2, summary["extern_calls"]
+    assert "copy_" not in code
+    assert any("scaled_dot_product" in c for c in summary["extern_calls"])
