@@ -563,7 +563,7 @@ def _quiet():
 
 
 def run_all(names: list[str], cfg: dict, jobs: int, on_result) -> None:
-    """In `jobs` spawned workers, renewed every 50 ops (memory). A worker that dies (a crash in
+    """In `jobs` spawned workers, fresh ones every 50 ops (memory). A worker that dies (a crash in
     generated code) takes its ops with it; they are rerun one per process to pin the culprit."""
     if not jobs:
         for n in names:
@@ -573,24 +573,23 @@ def run_all(names: list[str], cfg: dict, jobs: int, on_result) -> None:
     from concurrent.futures import ProcessPoolExecutor
     from concurrent.futures.process import BrokenProcessPool
 
-    def pool(n_tasks=50):
-        return ProcessPoolExecutor(jobs, mp.get_context("spawn"), initializer=_quiet,
-                                   max_tasks_per_child=n_tasks)
-    broken = []
-    with pool() as ex:
-        futures = {n: ex.submit(_worker, n, cfg) for n in names}
-        for n, f in futures.items():
-            try:
-                on_result(f.result())
-            except BrokenProcessPool:
-                broken.append(n)
-    for n in broken:
-        with pool(1) as ex:
-            try:
-                on_result(ex.submit(_worker, n, cfg).result())
-            except BrokenProcessPool:
-                r = OpResult(n, samples=[SampleResult(-1, "", fw=RUNTIME_ERROR, fw_msg="worker died")])
-                on_result(r.classify())
+    # (not max_tasks_per_child: Python 3.11's executor hangs when it renews a worker)
+    batches = [names[i:i + 50] for i in range(0, len(names), 50)]
+    while batches:
+        batch = batches.pop(0)
+        with ProcessPoolExecutor(jobs, mp.get_context("spawn"), initializer=_quiet) as ex:
+            futures = {n: ex.submit(_worker, n, cfg) for n in batch}
+            broken = []
+            for n, f in futures.items():
+                try:
+                    on_result(f.result())
+                except BrokenProcessPool:
+                    broken.append(n)
+        if len(batch) > 1:
+            batches[:0] = [[n] for n in broken]
+        elif broken:
+            r = OpResult(batch[0], samples=[SampleResult(-1, "", fw=RUNTIME_ERROR, fw_msg="worker died")])
+            on_result(r.classify())
 
 
 def main(argv=None) -> int:
