@@ -21,7 +21,7 @@ from commfuse.virtualized import V
 
 from .block_ptr import Axis, block_ptr
 from .common import IndentedBuffer, compute_dtype, literal, texpr, triton_dtype
-from .triton_ops import TritonOps, Var
+from .triton_ops import TritonOps, Var, store_text
 
 XNAME, RNAME = sympy.Symbol("xindex", integer=True, nonnegative=True), \
     sympy.Symbol("rindex", integer=True, nonnegative=True)
@@ -230,9 +230,7 @@ class TritonKernel:
         if self.recompute or name in self.internal:
             return value
         dtype = V.graph.get_buffer(name).get_dtype()
-        v = value.name
-        if dtype != value.dtype or compute_dtype(dtype) != dtype:
-            v = f"{v}.to({triton_dtype(dtype)})"
+        v = store_text(value.name, value.dtype, dtype)
         bp = self.block_ptr(index, store=True)
         if bp:
             if dtype == torch.bool:  # block pointers take the stored type exactly: bools are bytes
@@ -314,8 +312,9 @@ class TritonKernel:
             for name, (idx, mask, reduce_op, _) in self.two_shot.items():
                 loads = self._peer_loads(name, idx, lambda r: f"{mask} & mine")
                 acc = comm_codegen.combine(loads, reduce_op, self.comm.world)
-                dtype = triton_dtype(V.graph.get_dtype(name))
-                code.writeline(f"tl.store({self.arg(name)} + ({idx}), ({acc}).to({dtype}), {mask} & mine)")
+                dtype = V.graph.get_dtype(name)
+                code.writeline(f"tl.store({self.arg(name)} + ({idx}), {store_text(f'({acc})', torch.float32, dtype)}, "
+                               f"{mask} & mine)")
 
     # ------------------------------------------------------------------ reductions
     def reduction(self, dtype, src_dtype, rtype, value: Var) -> Var:
@@ -420,7 +419,7 @@ class TritonKernel:
         sid = self.cur.id
         if not self.recompute and name not in self.internal:
             dtype = V.graph.get_buffer(name).get_dtype()
-            v = f"{value}.to({triton_dtype(dtype)})" if dtype != compute_dtype(dtype) or dtype != value.dtype else str(value)
+            v = store_text(str(value), value.dtype, dtype)
             was = self.cur.loop
             self.cur.loop = False
             line = f"tl.store({self.arg(name)} + ({self.index_str(index)}), {v}, xmask)"

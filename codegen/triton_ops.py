@@ -19,6 +19,26 @@ class Var:
         return self.name
 
 
+def round_bf16(x: str, src: torch.dtype) -> str:
+    """Float `x` rounded to bfloat16, to nearest even, held as fp32. Triton's interpreter
+    truncates in `.to(tl.bfloat16)` (and mangles fp64 there) where a GPU rounds, so the rounding
+    is done on the bits: after it, the cast to bf16 is exact on both."""
+    if src != torch.float32:  # fp64 and ints through fp32, as torch converts them
+        x = f"{x}.to(tl.float32)"
+    bits = f"{x}.to(tl.int32, bitcast=True)"
+    rounded = f"(({bits} + (0x7FFF + (({bits} >> 16) & 1))) & -65536).to(tl.float32, bitcast=True)"
+    return f"tl.where({x} != {x}, {x}, {rounded})"  # NaN: its bits must not carry into the sign
+
+
+def store_text(x: str, src: torch.dtype, dtype: torch.dtype) -> str:
+    """Value `x` of logical dtype `src` as stored into a buffer of `dtype`."""
+    if dtype == torch.bfloat16:
+        return f"{round_bf16(x, compute_dtype(src))}.to(tl.bfloat16)"
+    if dtype != src or compute_dtype(dtype) != dtype:
+        return f"{x}.to({triton_dtype(dtype)})"
+    return x
+
+
 class TritonOps:
     """The `ops` handler that writes Triton."""
 
@@ -57,9 +77,10 @@ class TritonOps:
             return self.k.newvar(f"({x} != 0)", dtype)
         cd = compute_dtype(dtype)
         text = f"{x}.to({triton_dtype(dtype)})"
-        if cd != dtype:  # round to the narrow type, keep computing in fp32
-            src = x if x.dtype.is_floating_point else f"{x}.to(tl.float32)"  # int->bf16 goes via fp32
-            text = f"{src}.to({triton_dtype(dtype)}).to(tl.float32)"
+        if dtype == torch.bfloat16:
+            text = round_bf16(x.name, compute_dtype(x.dtype))
+        elif cd != dtype:  # round to the narrow type, keep computing in fp32
+            text = f"{x}.to({triton_dtype(dtype)}).to(tl.float32)"
         elif compute_dtype(x.dtype) == cd:
             return Var(x.name, dtype)
         return self.k.newvar(text, dtype)

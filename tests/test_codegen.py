@@ -135,3 +135,20 @@ def test_post_fusion_dump_shows_code_per_node_and_group(tmp_path):
         body = [line.split("| ", 1)[1] for line in itertools.takewhile(lambda l: "| " in l, after)]  # noqa: E741
         assert len(body) > 3 and "\n".join(body) in code
     assert "# extern: " in text and "aten.mm" in text
+
+
+def test_bfloat16_rounds_to_nearest_even(tmp_path):
+    """Triton's interpreter truncates in `.to(tl.bfloat16)` (a GPU rounds): casts, stores of fp32
+    values and of reductions into bf16 must still match torch's rounding bit for bit."""
+    ties = 1 + torch.arange(8) * 2.0 ** -7 + 2.0 ** -8   # halfway between two bf16 values
+    x = torch.cat([ties, -ties, torch.randn(500) * 100]).to(DEVICE)
+    x64 = x.double() + 1e-12
+    cases = [
+        (lambda x: x.bfloat16(), x),                      # to_dtype
+        (lambda x: x.bfloat16() * 3 + 1, x),             # fp32 math stored into a bf16 buffer
+        (lambda x: x.view(-1, 4).bfloat16().sum(1), x),  # a reduction stored as bf16
+        (lambda x: x.to(torch.bfloat16), x64),            # fp64 goes through fp32, as in torch
+    ]
+    for i, (fn, inp) in enumerate(cases):
+        out, _ = compile_and_run(fn, inp, tmp_path=tmp_path / str(i))
+        assert torch.equal(out, fn(inp)), (i, (out.float() - fn(inp).float()).abs().max())
