@@ -307,6 +307,7 @@ class SampleResult:
     bw_fallbacks: list = dataclasses.field(default_factory=list)
     graphs: int = 0          # FX graphs Dynamo handed the backend (forward run)
     detail: str = ""         # traceback tail of the first error
+    stage: str = ""          # eager / fw / bw: where a timeout struck
 
 
 @dataclasses.dataclass
@@ -393,6 +394,7 @@ def run_sample(op, index: int, sample, backend, summaries: _Summaries, backward:
         return [clone_exact(t, grad) for t in tensors]
 
     # Eager, twice: random and nondeterministic ops are not comparable.
+    res.stage = "eager"
     eager_in = fresh()
     try:
         expected = fn(*eager_in)
@@ -409,6 +411,7 @@ def run_sample(op, index: int, sample, backend, summaries: _Summaries, backward:
         return res
 
     # Forward: the inference graph.
+    res.stage = "fw"
     probe, compiled_in = _Probe(backend), fresh()
     torch._dynamo.reset()
     try:
@@ -417,19 +420,20 @@ def run_sample(op, index: int, sample, backend, summaries: _Summaries, backward:
         dynamo = isinstance(e, torch._dynamo.exc.TorchDynamoException)
         res.fw, res.fw_msg = _error(e, probe.phase == "run" or (probe.phase is None and not dynamo))
         res.detail = "".join(traceback.format_exception(e))[-2500:]
-        return res
-    finally:
-        res.graphs = probe.graphs
-    res.fw_fallbacks = _fallbacks(summaries.new())
-    diff = compare(expected, actual, accumulating) or next(
-        (d for i, (e, c) in enumerate(zip(eager_in, compiled_in))
-         if (d := compare(e, c, accumulating, f"input {i} after the call"))), None)
-    if diff:
-        res.fw, res.fw_msg = MISMATCH, diff
-    elif not probe.graphs:
-        res.fw_msg = "Dynamo handed the backend no graph"
     else:
-        res.fw = PASS
+        res.fw_fallbacks = _fallbacks(summaries.new())
+        diff = compare(expected, actual, accumulating) or next(
+            (d for i, (e, c) in enumerate(zip(eager_in, compiled_in))
+             if (d := compare(e, c, accumulating, f"input {i} after the call"))), None)
+        if diff:
+            res.fw, res.fw_msg = MISMATCH, diff
+        elif not probe.graphs:
+            res.fw_msg = "Dynamo handed the backend no graph"
+        else:
+            res.fw = PASS
+    res.graphs = probe.graphs
+    summaries.new()  # what a failed forward left is not the backward's
+    res.stage = "bw"
     if backward:
         _backward(fn, tensors, fresh, backend, summaries, accumulating, res)
     else:
@@ -506,17 +510,19 @@ def run_op(op, samples: int = 2, op_timeout: float | None = 120, backward: bool 
                 picked = pick_samples(op, samples, seed)
                 for n, sample in picked:
                     res = SampleResult(n, describe(((sample.input, *sample.args), sample.kwargs)))
-                    result.samples.append(run_sample(op, n, sample, backend, summaries, backward, res))
+                    result.samples.append(res)
+                    run_sample(op, n, sample, backend, summaries, backward, res)
                 if not picked:
                     result.skip_reason = "no applicable sample"
         except OpTimeout as e:
             if res is None:
                 result.skip_reason = f"timed out generating samples: {e}"
-            else:  # the sample's eager half passed: a slow compiled half is ours
-                for d in DIRECTIONS:
-                    if getattr(res, d) == SKIPPED and not getattr(res, f"{d}_msg"):
-                        setattr(res, d, TIMEOUT)
-                        setattr(res, f"{d}_msg", str(e))
+            elif res.stage == "eager":  # eager too slow: not the backend's doing
+                res.fw_msg = f"eager {e}"
+            else:
+                for d in DIRECTIONS[DIRECTIONS.index(res.stage):]:
+                    setattr(res, d, TIMEOUT)
+                    setattr(res, f"{d}_msg", str(e))
         except Exception as e:  # OpInfo's sample generation itself
             result.skip_reason = f"sample generation failed: {type(e).__name__}: {e}"[:300]
         finally:
