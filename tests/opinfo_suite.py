@@ -108,7 +108,12 @@ def ops_by_name() -> dict:
     global _OPS
     if _OPS is None:
         with _op_db_import():
-            from torch.testing._internal.common_methods_invocations import op_db
+            import torch.testing._internal.common_methods_invocations as cmi
+        # Dropout, SDPA, rrelu... call their op through wrapper_set_seed, whose RNG state juggling
+        # makes Dynamo run the whole call eagerly: nothing compiled. Seeding is not needed here
+        # (samples that draw random numbers are skipped), so the wrapper just calls the op.
+        cmi.wrapper_set_seed = lambda op, *args, **kwargs: op(*args, **kwargs)
+        op_db = cmi.op_db
         _OPS = {full_name(o): o for o in sorted(op_db, key=full_name)}
     return _OPS
 
@@ -265,7 +270,10 @@ class _RngWatch(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if torch.Tag.nondeterministic_seeded in func.tags:
-            self.seen.append(str(func))
+            names = [a.name for a in func._schema.arguments]  # attention without dropout is not random
+            p = (kwargs or {}).get("dropout_p", args[names.index("dropout_p")] if "dropout_p" in names[:len(args)] else 0)
+            if "dropout_p" not in names or p:
+                self.seen.append(str(func))
         return func(*args, **(kwargs or {}))
 
 
