@@ -33,6 +33,7 @@ import json
 import os
 import re
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -566,6 +567,13 @@ def _line(r: OpResult) -> str:
     return line
 
 
+def _compact(obj):
+    """JSON without the empty fields."""
+    if isinstance(obj, dict):
+        return {k: _compact(v) for k, v in obj.items() if v not in ("", [], None) and k != "stage"}
+    return [_compact(v) for v in obj] if isinstance(obj, list) else obj
+
+
 def _worker(name: str, cfg: dict) -> OpResult:
     return run_op(name, cfg["samples"], cfg["op_timeout"], cfg["backward"])
 
@@ -629,8 +637,12 @@ def main(argv=None) -> int:
         return 0
     if not args.verbose:
         _quiet()
+    git = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True,  # noqa: E731
+                                    cwd=Path(__file__).parent.parent).stdout.strip()
     cfg = {"backend": BACKEND, "samples": args.samples, "op_timeout": args.op_timeout,
-           "backward": args.backward, "dtype": "float32", "device": DEVICE, "torch": torch.__version__}
+           "backward": args.backward, "dtype": "float32", "device": DEVICE, "torch": torch.__version__,
+           "commit": git("rev-parse", "--short", "HEAD"),
+           "uncommitted": git("status", "--porcelain", "--untracked-files=no", "--", "commfuse", "lowering", "codegen")}
     print(f"# {len(names)} ops  {cfg}", flush=True)
     t0, results = time.perf_counter(), {}
 
@@ -638,7 +650,7 @@ def main(argv=None) -> int:
         if args.json:
             ordered = [results[n] for n in names if n in results]
             report = {"config": cfg, "elapsed_s": round(time.perf_counter() - t0), "summary": summarize(ordered),
-                      "ops": [dataclasses.asdict(r) for r in ordered]}
+                      "ops": [_compact(dataclasses.asdict(r)) for r in ordered]}
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
 
