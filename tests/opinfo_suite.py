@@ -312,8 +312,8 @@ class SampleResult:
     bw: str = SKIPPED
     fw_msg: str = ""
     bw_msg: str = ""
-    fw_fallbacks: list = dataclasses.field(default_factory=list)  # aten ops run as fallbacks
-    bw_fallbacks: list = dataclasses.field(default_factory=list)
+    fw_fallbacks: dict = dataclasses.field(default_factory=dict)  # aten op run as a fallback -> why
+    bw_fallbacks: dict = dataclasses.field(default_factory=dict)
     graphs: int = 0          # FX graphs Dynamo handed the backend (forward run)
     detail: str = ""         # traceback tail of the first error
     stage: str = ""          # eager / fw / bw: where a timeout struck
@@ -379,8 +379,8 @@ class _Summaries:
         return out
 
 
-def _fallbacks(summaries: list[dict]) -> list[str]:
-    return sorted({op for s in summaries for op in s.get("fallback_ops", ())})
+def _fallbacks(summaries: list[dict]) -> dict[str, str]:
+    return {op: s.get("fallback_reasons", {}).get(op, "") for s in summaries for op in s.get("fallback_ops", ())}
 
 
 def _error(exc: BaseException, ran: bool) -> tuple[str, str]:
@@ -553,8 +553,9 @@ def summarize(results: list[OpResult]) -> dict:
             out[f"{d}_{c}"] = {r.name: next(getattr(s, f"{d}_msg") for s in r.samples
                                             if getattr(s, d) in (MISMATCH,) + ERROR_STATUSES)
                                for r in results if getattr(r, d) == c}
-        out[f"{d}_extern_ops"] = dict(Counter(op for r in results if getattr(r, d) == "extern"
-                                              for s in r.samples for op in getattr(s, f"{d}_fallbacks")))
+        out[f"{d}_extern_ops"] = dict(Counter(f"{op}: {why}" for r in results if getattr(r, d) == "extern"
+                                              for s in r.samples for op, why in getattr(s, f"{d}_fallbacks").items()
+                                              ).most_common())
     return out
 
 
