@@ -85,7 +85,7 @@ class CompiledGraph:
 def compile_graph(gm: torch.fx.GraphModule, example_inputs, kind: str = "inference"):
     graph_id = graph_id_for(gm, kind)
     try:
-        return _compile(gm, example_inputs, graph_id, donated_inputs(gm, kind))
+        return _compile(gm, example_inputs, graph_id, kind, donated_inputs(gm, kind))
     except Exception as e:
         if not config.fallback_on_error:
             raise
@@ -118,7 +118,7 @@ def _aten_fallback(gm):
     return run
 
 
-def _compile(gm, example_inputs, graph_id, donated=frozenset()):
+def _compile(gm, example_inputs, graph_id, kind="inference", donated=frozenset()):
     from codegen.wrapper import WrapperCodegen
     from .graph import GraphLowering
     from .remat import cross_kernel_bytes
@@ -138,8 +138,8 @@ def _compile(gm, example_inputs, graph_id, donated=frozenset()):
     check_triton_mode(graph.device_types)
     module, path = load_module(source, wrapper.constants)
     if config.cuda_graphs and graph.device_types == {"cuda"}:
-        from .runtime.cudagraphs import CudaGraphed
-        module.call = CudaGraphed(module.call, graph_id)
+        from .runtime.cudagraphs import CudaGraphed, input_roles
+        module.call = CudaGraphed(module.call, graph_id, input_roles(gm, kind))
     summary = {
         "graph_id": graph_id,
         "compiled": True,

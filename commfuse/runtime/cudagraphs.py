@@ -1,13 +1,21 @@
 """CUDA-graph mode: capture a compiled graph after warm-up and replay it.
 
 The first call runs normally (it allocates and rendezvouses the comm pools, checks plans across
-ranks, compiles the kernels); the second captures the call into a graph over static copies of the
-inputs. Later calls copy an input into its static buffer only when its address differs, replay, and
-return copies of the outputs (the graph's own outputs are rewritten by the next replay). A call
-whose shapes or scalars differ from the captured ones runs without the graph.
+ranks, compiles the kernels); the second captures the call into a graph. Inputs are of two kinds:
+- static (parameters and module buffers, as AOTAutograd reports them): captured as they are, at
+  their own address, so a replay reads and writes them in place: a KV cache or a BatchNorm's running
+  stats updated by the graph are updated for the caller, with no copy. Should one move (weights
+  reloaded into new tensors), the graph is captured again.
+- the others (activations, token ids, positions): copied into a static copy before each replay
+  when their address differs from it, and copied back after it when the graph writes them.
+Outputs are returned as copies, since the next replay rewrites the graph's own (a saved activation
+or a logits tensor may outlive it), except those that are inputs. A graph with symbolic sizes
+checks each call's shapes and scalars and runs without the graph when they differ from the
+captured ones.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -15,9 +23,23 @@ import torch
 log = logging.getLogger("commfuse")
 
 
+@dataclasses.dataclass(frozen=True)
+class InputRoles:
+    """What the replay does with each input: indices into the graph's arguments."""
+    static: frozenset    # used in place: parameters and module buffers
+    mutated: frozenset   # written by the graph (copied back after a replay unless static)
+    dynamic: bool        # sizes or scalars may change between calls
+
+    def copy_in(self, n: int) -> list[int]:
+        return [i for i in range(n) if i not in self.static]
+
+    def copy_back(self) -> list[int]:
+        return sorted(self.mutated - self.static)
+
+
 class CudaGraphed:
-    def __init__(self, call, graph_id: str):
-        self.call, self.graph_id = call, graph_id
+    def __init__(self, call, graph_id: str, roles: InputRoles):
+        self.call, self.graph_id, self.roles = call, graph_id, roles
         self.calls = 0
         self.graph = None
 
@@ -25,37 +47,80 @@ class CudaGraphed:
         self.calls += 1
         if self.calls == 1:
             return self.call(args)
-        if self.graph is None:
+        if self.graph is None or not self._static_in_place(args):
             self._capture(args)
-        if not self._matches(args):
+        if self.roles.dynamic and self._signature(args) != self.captured_signature:
             return self.call(args)
-        for static, a in zip(self.static_inputs, args):
+        for i in self.copy_in:
+            a, static = args[i], self.inputs[i]
             if isinstance(a, torch.Tensor) and a.data_ptr() != static.data_ptr():
                 static.copy_(a)
+        back = [(args[i], self.inputs[i]) for i in self.copy_back]
         args.clear()
         self.graph.replay()
-        return [o.clone() if isinstance(o, torch.Tensor) else o for o in self.static_outputs]
+        for a, static in back:
+            if a.data_ptr() != static.data_ptr():
+                a.copy_(static)
+        return [o.clone() if i in self.cloned else o for i, o in enumerate(self.outputs)]
+
+    def _static_in_place(self, args) -> bool:
+        return all(args[i].data_ptr() == p for i, p in self.static_ptrs)
 
     def _signature(self, args):
-        return [(tuple(a.shape), tuple(a.stride()), a.dtype, a.device) if isinstance(a, torch.Tensor) else a
-                for a in args]
-
-    def _matches(self, args) -> bool:
-        return self._signature(args) == self.captured_signature
+        return [(tuple(a.shape), tuple(a.stride())) if isinstance(a, torch.Tensor) else a for a in args]
 
     def _capture(self, args):
         self.captured_signature = self._signature(args)
-        self.static_inputs = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+        self.copy_in = [i for i in self.roles.copy_in(len(args)) if isinstance(args[i], torch.Tensor)]
+        self.copy_back = [i for i in self.roles.copy_back() if isinstance(args[i], torch.Tensor)]
+        self.inputs = [a.clone() if i in self.copy_in else a for i, a in enumerate(args)]
+        self.static_ptrs = [(i, args[i].data_ptr()) for i in sorted(self.roles.static)
+                            if isinstance(args[i], torch.Tensor)]
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            self.call(list(self.static_inputs))  # one more warm run on the capture stream
+            self.call(list(self.inputs))  # one more warm run on the capture stream
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(self.graph, stream=stream):
-                self.static_outputs = self.call(list(self.static_inputs))
+                self.outputs = self.call(list(self.inputs))
         except Exception as e:
             raise RuntimeError(f"commfuse: graph {self.graph_id} cannot be captured in a CUDA graph: {e}. "
                                "Run it with options={'cuda_graphs': False}") from e
+        # an output that is a caller's tensor (a static input, or a view of one) is returned as is
+        caller = {a.untyped_storage().data_ptr() for i, a in enumerate(self.inputs)
+                  if i in self.roles.static and isinstance(a, torch.Tensor)}
+        self.cloned = {i for i, o in enumerate(self.outputs)
+                       if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() not in caller}
         log.info("commfuse: captured graph %s in a CUDA graph", self.graph_id)
+
+
+def input_roles(gm: torch.fx.GraphModule, kind: str) -> InputRoles:
+    """Each placeholder's role, from the graph (which inputs it writes, whether sizes are symbolic)
+    and AOTAutograd (which forward inputs are parameters or buffers)."""
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    index = {p: i for i, p in enumerate(placeholders)}
+    mutated = set()
+    for node in gm.graph.nodes:
+        schema = getattr(node.target, "_schema", None)
+        if node.op != "call_function" or schema is None:
+            continue
+        for i, arg in enumerate(schema.arguments):
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+                for v in torch.utils._pytree.tree_leaves(value):
+                    if v in index:
+                        mutated.add(index[v])
+    static = set()
+    ctx = torch._guards.TracingContext.try_get()
+    if kind != "backward" and ctx is not None and ctx.fw_metadata is not None:
+        static = set(ctx.fw_metadata.static_input_indices or ())
+    dynamic = False
+    for p in placeholders:
+        val = p.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            dynamic |= any(isinstance(s, torch.SymInt) for s in (*val.shape, *val.stride()))
+        elif val is not None and not isinstance(val, torch.Tensor):
+            dynamic = True  # a scalar argument
+    return InputRoles(frozenset(static), frozenset(mutated), dynamic)
