@@ -568,11 +568,19 @@ def _line(r: OpResult) -> str:
     return line
 
 
-def _compact(obj):
-    """JSON without the empty fields."""
-    if isinstance(obj, dict):
-        return {k: _compact(v) for k, v in obj.items() if v not in ("", [], None) and k != "stage"}
-    return [_compact(v) for v in obj] if isinstance(obj, list) else obj
+def _op_record(r: OpResult) -> dict:
+    """One op in the JSON report: its classes, the aten ops it fell back on, and the samples that
+    did not pass (passing ones add nothing the command cannot rerun)."""
+    rec = {"name": r.name, "fw": r.fw, "bw": r.bw, "time_s": r.time_s}
+    if r.skip_reason:
+        rec["skip"] = r.skip_reason
+    for d in DIRECTIONS:
+        if ops := sorted({op for s in r.samples for op in getattr(s, f"{d}_fallbacks")}):
+            rec[f"{d}_extern"] = ops
+    keep = ("index", "desc", "fw", "bw", "fw_msg", "bw_msg", "detail")
+    rec["samples"] = [{k: v for k, v in dataclasses.asdict(s).items() if k in keep and v != ""}
+                      for s in r.samples if (s.fw, s.bw) != (PASS, PASS)]
+    return rec
 
 
 def _worker(name: str, cfg: dict) -> OpResult:
@@ -650,10 +658,10 @@ def main(argv=None) -> int:
     def write():
         if args.json:
             ordered = [results[n] for n in names if n in results]
-            report = {"config": cfg, "elapsed_s": round(time.perf_counter() - t0), "summary": summarize(ordered),
-                      "ops": [_compact(dataclasses.asdict(r)) for r in ordered]}
+            report = {"config": cfg, "elapsed_s": round(time.perf_counter() - t0), "summary": summarize(ordered)}
+            ops = ",\n  ".join(json.dumps(_op_record(r)) for r in ordered)  # one line per op
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+            Path(args.json).write_text(json.dumps(report, indent=1)[:-2] + f',\n "ops": [\n  {ops}\n ]\n}}\n')
 
     def on_result(r):
         results[r.name] = r
