@@ -180,9 +180,6 @@ class Buffer(LaidOut):
     name: str
     layout: Layout
 
-    def get_name(self):
-        return self.name
-
     def make_loader(self):
         name, layout = self.name, self.layout
 
@@ -304,11 +301,6 @@ class MultiOutput(Buffer):
     index: tuple = ()
 
 
-@dataclasses.dataclass(eq=False)
-class NoneOutput(IRNode):
-    """A None item of a multi-output op (e.g. an undefined gradient)."""
-
-
 def _arg_str(a):
     if isinstance(a, Buffer):
         return a.name
@@ -397,16 +389,6 @@ class TensorBox(IRNode):
             return self.realize()
         raise AssertionError(type(d))
 
-    def realize_buffer(self) -> Buffer:
-        """A real buffer of its own (copying a strided view if needed)."""
-        r = self.realize()
-        if isinstance(r, Buffer):
-            return r
-        self.data = Pointwise(r.get_device(), r.get_dtype(), r.make_loader(), list(r.get_size()))
-        return self.realize()
-
-    def is_stored(self) -> bool:
-        return isinstance(self.data, (Buffer, ReinterpretView))
 
 
 def view_root(box: TensorBox) -> TensorBox:
@@ -454,10 +436,6 @@ def as_strided_view(box: TensorBox) -> ReinterpretView | None:
         base.freeze_layout()
     return ReinterpretView(base, FixedLayout(layout.device, layout.dtype, list(size),
                                              list(strides), offset))
-
-
-def unwrap(x):
-    return x.data if isinstance(x, TensorBox) else x
 
 
 def body_reads(loops: Loops) -> set:

@@ -13,7 +13,6 @@ class _Context(threading.local):
     def __init__(self):
         self.graph = None
         self.ops = None
-        self.kernel = None
 
     @contextlib.contextmanager
     def _swap(self, attr, value):
@@ -29,9 +28,6 @@ class _Context(threading.local):
 
     def set_ops(self, handler):
         return self._swap("ops", handler)
-
-    def set_kernel(self, kernel):
-        return self._swap("kernel", kernel)
 
 
 V = _Context()

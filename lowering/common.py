@@ -109,11 +109,6 @@ def make_pointwise(fn: Callable, args: Sequence, kind=DEFAULT, out_dtype=None,
     return TensorBox(Pointwise(device_of(*args), result, inner, size))
 
 
-def pointwise_like(x: TensorBox, fn: Callable, dtype=None) -> TensorBox:
-    """A pointwise node over x's shape; fn(index) -> value."""
-    return TensorBox(Pointwise(x.get_device(), dtype or x.get_dtype(), fn, list(x.get_size())))
-
-
 def full(size, value, dtype, device) -> TensorBox:
     return TensorBox(Pointwise(device, dtype, lambda index: ops.constant(value, dtype), list(size)))
 
