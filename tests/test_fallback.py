@@ -248,9 +248,9 @@ def test_a_failing_lowering_costs_only_its_op(tmp_path, monkeypatch):
     assert len(summary["kernels"]) == 2  # x * 2 before it, + 1 after it
 
 
-def test_a_graph_that_fails_falls_back_whole_and_says_so(tmp_path, monkeypatch, caplog):
-    """The safety net: a failure after lowering runs the graph through aten, with a warning and a
-    summary that give the reason."""
+def test_a_graph_that_fails_falls_back_whole_and_says_so(tmp_path, monkeypatch):
+    """The safety net: a failure after lowering runs the graph through aten, with a summary that
+    gives the reason (the warning: test_backend.py)."""
     from commfuse import scheduler
 
     def broken(self, *a, **k):
@@ -263,4 +263,3 @@ def test_a_graph_that_fails_falls_back_whole_and_says_so(tmp_path, monkeypatch, 
     torch.testing.assert_close(got, fn(x))
     summary = dumps.summary(dumps.graphs()[0])
     assert summary["compiled"] is False and "scheduler boom" in summary["fallback_reason"]
-    assert any("scheduler boom" in r.message for r in caplog.records)
