@@ -1,7 +1,7 @@
 """Where the few-row matmul template's time goes (one GPU): the decode MLP's matmuls compiled with
 the template and with aten's mm, each timed under CUDA graphs, then one profiled step of each.
 
-    python tools/mm_profile.py --out DIR      # DIR/mm_profile.txt, DIR/dump (generated code)
+    python bench/mm_profile.py --out DIR      # DIR/mm_profile.txt, DIR/dump (generated code)
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from commfuse.tune import cuda_graph_time_us  # noqa: E402
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # the timer's barrier
