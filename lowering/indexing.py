@@ -61,13 +61,16 @@ def index(x, indices):
 def gather(x, dim, index_t, sparse_grad=False):
     _check_index(index_t)
     size = list(x.get_size())
+    if size and len(size) != len(index_t.get_size()):  # aten lets an empty index have any rank
+        raise ir.Unsupported("gather index of another rank than the input")
     dim = canonical_dim(dim, len(size))
     load, lidx = x.make_loader(), index_t.make_loader()
 
     def inner(idx):
+        if not size:  # a 0-d input reads as one element, whatever the index's rank (0 or 1)
+            return load([])
         full = list(idx)
-        if size:
-            full[dim] = ops.indirect_indexing(lidx(idx), size[dim])
+        full[dim] = ops.indirect_indexing(lidx(idx), size[dim])
         return load(full)
     return TensorBox(Pointwise(x.get_device(), x.get_dtype(), inner, list(index_t.get_size())))
 

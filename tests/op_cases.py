@@ -629,8 +629,10 @@ CASES: list[OpCase] = [
     C("index-bcast", "aten.index.Tensor", lambda x, i, j: x[i[:, None], j], lambda dt: {"contig": (R(7, 6, dt=dt), I(7, 3), I(6, 4, lo=-6))}, FL, grad=(0,)),
     C("index-bool", "aten.index.Tensor", lambda x, m: x[m] * 2, lambda dt: {"contig": (R(5, 7, dt=dt), R(5, 7, dt=b8))}, FL, grad=(0,), fullgraph=False),
     C("gather", "aten.gather.default", lambda x, i, dim: torch.gather(x, dim, i),
-      lambda dt: {"d0": (R(7, 5, dt=dt), I(7, 3, 5), K(dim=0)), "t": (R(9, 4, dt=dt).t(), I(9, 4, 3), K(dim=1))},
-      (f32, i64), v=("d0", "t"), grad=(0,)),
+      lambda dt: {"d0": (R(7, 5, dt=dt), I(7, 3, 5), K(dim=0)), "t": (R(9, 4, dt=dt).t(), I(9, 4, 3), K(dim=1)),
+                  # aten allows a 0-d input with a 1-d index, and an empty index of any rank
+                  "0d": (R(dt=dt), I(1, 1), K(dim=0)), "empty": (R(5, dt=dt), I(5, 2, 0), K(dim=0))},
+      (f32, i64), v=("d0", "t", "0d", "empty"), grad=(0,)),
     C("embedding", "aten.embedding.default", F.embedding, lambda dt: {"contig": (I(10, 4, 5), R(10, 8, dt=dt))}, FL, grad=(1,)),
     C("index_select", "aten.index_select.default", lambda x, i, dim: torch.index_select(x, dim, i), lambda dt: {"d0": (R(7, 5, dt=dt), I(7, 9), K(dim=0)), "d1": (R(5, 7, dt=dt), I(7, 3), K(dim=1))}, FL, v=("d1",), grad=(0,)),
     C("take_along_dim", "aten.take_along_dim.default", lambda x: torch.take_along_dim(x, x.argsort(dim=1), dim=1), lambda dt: {"contig": (P(4, 9, dt=dt),)}, FL, grad=True),
