@@ -1,0 +1,467 @@
+"""Tensor-parallel Llama decoder layers: eager, Inductor and commfuse side by side in one run.
+
+    torchrun --standalone --nproc-per-node 2 bench/model_tp.py [--out bench/results/model_tp_2xh200.md]
+    torchrun --standalone --nproc-per-node 2 bench/model_tp.py --cpu --tiny     # checks the script on CPU (fp32)
+
+The model: Llama-3-8B-shaped decoder layers (H 4096, 32 query / 8 KV heads of 128, SwiGLU F 14336,
+RMSNorm, rotary embedding; attention through SDPA with HF's repeat_kv), 4 of them, bf16,
+tensor-parallel over the ranks with DTensor's parallelize_module (torchtitan's plan:
+column-parallel q/k/v and gate/up, row-parallel o and down, whose outputs are all-reduced).
+Variants: eager, Inductor, Inductor mode="reduce-overhead", commfuse, commfuse with
+options={"cuda_graphs": True}; all share one model (its weights and its KV cache).
+
+Workloads:
+- decode: B=8 sequences, one token each at position `pos`, over a static KV cache of 2048 positions
+  (module buffers written in place by index_copy_; the mask is positions <= pos). GPU time per step:
+  10 steps captured in a CUDA graph and replayed (commfuse.tune.interleaved_times_us, variants in
+  interleaved rounds); the self-graphing variants cannot be captured inside another graph, their
+  per-call time is their graph time. Per call: CUDA events around a loop of calls, as a user loops it.
+- training: forward + backward of B=2 x S=1024 tokens (loss: mean square of the output, taken
+  eagerly), CUDA events around a loop of steps. Gradients exist from the steps before (accumulated
+  in place), so "peak above weights" is torch.cuda.max_memory_allocated over one step less what was
+  allocated before it (weights, gradients, KV cache, inputs): activations and temporaries. Not for
+  the self-graphing variants, whose graph pools are allocated when they record, before that step.
+- cold compile: the first call of each variant, per workload, with Inductor's and Triton's on-disk
+  caches pointed at a new folder (unless TORCHINDUCTOR_CACHE_DIR / TRITON_CACHE_DIR are set). The
+  second variant of a backend may reuse what the first compiled in this process.
+- max |error| vs eager, in the run's dtype (bf16; fp32 with --cpu): decode, over the outputs of 4 steps (a self-graphing variant replays
+  from its third call) and every layer's K/V cache after them, each variant starting from the same
+  cache; training, over the loss and every parameter gradient (local shards).
+
+The table gives each variant's figure and commfuse's ratios, other / commfuse (above 1: commfuse is
+better): plain commfuse against Inductor, and commfuse cuda_graphs against reduce-overhead. A
+variant that fails is listed under the table and the others go on; the exit status is then 1, as it
+is when a commfuse variant's error is above max(5 x Inductor's, 1e-2) (marked `!`).
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib.util
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+import traceback
+
+# Multicast stays off (no multimem instructions); set before NCCL and symmetric memory start.
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO_ROOT)
+import commfuse  # noqa: E402,F401  (before torch._dynamo imports triton: Triton's interpreter on CPU)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from commfuse.tune import interleaved_times_us  # noqa: E402
+
+VARIANTS = ("eager", "inductor", "inductor reduce-overhead", "commfuse", "commfuse cuda_graphs")
+SELF_GRAPHED = ("inductor reduce-overhead", "commfuse cuda_graphs")
+FULL = dict(hidden=4096, heads=32, kv_heads=8, ffn=14336, layers=4, batch=8, cache=2048, train_batch=2, seq=1024)
+TINY = dict(hidden=64, heads=4, kv_heads=2, ffn=128, layers=2, batch=2, cache=16, train_batch=2, seq=8)
+
+
+# ------------------------------------------------------------------------------------------ model
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps=1e-5):
+        super().__init__()
+        self.eps, self.weight = eps, nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+def rotate_half(x):
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+def repeat_kv(x, n):
+    """HF transformers' repeat_kv (what a model written for eager does; commfuse passes K/V unrepeated)."""
+    b, h, s, d = x.shape
+    return x[:, :, None, :, :].expand(b, h, n, s, d).reshape(b, h * n, s, d)
+
+
+class Attention(nn.Module):
+    """Projections hold this rank's heads after parallelize_module; the KV cache holds this rank's
+    K/V heads for `batch` sequences of `cache` positions."""
+
+    def __init__(self, a, world):
+        super().__init__()
+        self.hd, self.group = a.hidden // a.heads, a.heads // a.kv_heads
+        self.wq = nn.Linear(a.hidden, a.heads * self.hd, bias=False)
+        self.wk = nn.Linear(a.hidden, a.kv_heads * self.hd, bias=False)
+        self.wv = nn.Linear(a.hidden, a.kv_heads * self.hd, bias=False)
+        self.wo = nn.Linear(a.heads * self.hd, a.hidden, bias=False)
+        shape = (a.batch, a.kv_heads // world, a.cache, self.hd)
+        self.register_buffer("cache_k", torch.zeros(shape), persistent=False)
+        self.register_buffer("cache_v", torch.zeros(shape), persistent=False)
+
+    def forward(self, x, cos, sin, pos):
+        b, s, _ = x.shape
+        q, k, v = (w(x).view(b, s, -1, self.hd).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        if pos is None:  # training: causal over the sequence
+            mask, causal = None, True
+        else:  # decode: into the cache in place, attend to positions <= pos
+            self.cache_k.index_copy_(2, pos, k)
+            self.cache_v.index_copy_(2, pos, v)
+            k, v = self.cache_k, self.cache_v
+            mask, causal = torch.arange(k.shape[2], device=x.device)[None, :] <= pos[:, None], False
+        y = F.scaled_dot_product_attention(q, repeat_kv(k, self.group), repeat_kv(v, self.group),
+                                           attn_mask=mask, is_causal=causal)
+        return self.wo(y.transpose(1, 2).reshape(b, s, -1))
+
+
+class Layer(nn.Module):
+    def __init__(self, a, world):
+        super().__init__()
+        self.attention_norm, self.ffn_norm = RMSNorm(a.hidden), RMSNorm(a.hidden)
+        self.attention = Attention(a, world)
+        self.w1 = nn.Linear(a.hidden, a.ffn, bias=False)
+        self.w3 = nn.Linear(a.hidden, a.ffn, bias=False)
+        self.w2 = nn.Linear(a.ffn, a.hidden, bias=False)
+
+    def forward(self, x, cos, sin, pos):
+        h = x + self.attention(self.attention_norm(x), cos, sin, pos)
+        y = self.ffn_norm(h)
+        return h + self.w2(F.silu(self.w1(y)) * self.w3(y))
+
+
+class Decoder(nn.Module):
+    """Decoder layers on hidden states: positions 0..S-1 (training) or `pos` (decode, S == len(pos))."""
+
+    def __init__(self, a, world):
+        super().__init__()
+        self.layers = nn.ModuleList(Layer(a, world) for _ in range(a.layers))
+        hd = a.hidden // a.heads
+        inv = 1.0 / (500000.0 ** (torch.arange(0, hd, 2).float() / hd))
+        angles = torch.outer(torch.arange(max(a.cache, a.seq)).float(), inv).repeat(1, 2)
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, x, pos=None):
+        at = pos if pos is not None else torch.arange(x.shape[1], device=x.device)
+        cos, sin = self.cos[at], self.sin[at]
+        for layer in self.layers:
+            x = layer(x, cos, sin, pos)
+        return x
+
+
+def build(a, world, dev):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    torch.manual_seed(0)  # the same full weights on every rank; each keeps its shard
+    with torch.device(dev):
+        model = Decoder(a, world)
+    for p in model.parameters():
+        if p.dim() == 2:
+            nn.init.normal_(p, std=p.shape[1] ** -0.5)
+    model = model.to(a.dtype)
+    mesh = init_device_mesh(dev.type, (world,))
+    plan = {"attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(), "w1": ColwiseParallel(), "w3": ColwiseParallel(), "w2": RowwiseParallel()}
+    for layer in model.layers:
+        parallelize_module(layer, mesh, plan)
+    return model
+
+
+def compiled(model, name):
+    if name == "eager":
+        return model
+    if name == "inductor":
+        return torch.compile(model, dynamic=False)
+    if name == "inductor reduce-overhead":
+        return torch.compile(model, mode="reduce-overhead", dynamic=False)
+    if name == "commfuse":
+        return torch.compile(model, backend="commfuse", dynamic=False)
+    if name == "commfuse cuda_graphs":
+        return torch.compile(model, backend="commfuse", dynamic=False, options={"cuda_graphs": True})
+    raise ValueError(name)
+
+
+# ----------------------------------------------------------------------------------------- timing
+@functools.lru_cache(None)
+def _bench_comm():
+    """bench/comm.py's per-call timer (CUDA events around a loop of calls, median of repetitions)."""
+    spec = importlib.util.spec_from_file_location("bench_comm", os.path.join(REPO_ROOT, "bench", "comm.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def per_call_us(fn, a, dev, iters) -> float:
+    """µs per call as a user loops it: CUDA events on the GPU; on CPU one timed loop (a smoke check)."""
+    if dev.type == "cuda":
+        return _bench_comm().eager_time_us(fn, iters=iters, reps=max(a.rounds, 3))
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return (time.perf_counter() - t0) * 1e6 / iters
+
+
+def max_diff(got, want) -> float:
+    from torch.distributed.tensor import DTensor
+    got, want = (t.to_local() if isinstance(t, DTensor) else t for t in (got, want))
+    return (got.detach().float() - want.detach().float()).abs().max().item() if want.numel() else 0.0
+
+
+def first_call_s(fn, dev) -> float:
+    sync(dev)
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    sync(dev)
+    return time.perf_counter() - t0
+
+
+# -------------------------------------------------------------------------------------- workloads
+def decode(model, a, dev, variants, res, failed, check_steps=4):
+    caches = [b for n, b in model.named_buffers() if "cache" in n]
+    torch.manual_seed(1)  # the same context on every rank and for every variant
+    start = [torch.randn_like(c) for c in caches]
+
+    def reset():
+        with torch.no_grad():
+            for c, s in zip(caches, start):
+                c.copy_(s)  # in place: self-graphing variants keep the addresses they captured
+    xs = [torch.randn(a.batch, 1, a.hidden, device=dev, dtype=a.dtype) for _ in range(check_steps)]
+    positions = [torch.tensor([a.cache - check_steps + i], device=dev) for i in range(check_steps)]
+
+    def run(fn):
+        outs = []
+        with torch.no_grad():
+            for x, pos in zip(xs, positions):
+                outs.append(fn(x, pos).clone())
+        return outs, [c.clone() for c in caches]
+    reset()
+    ref_outs, ref_caches = run(model)
+    fns = {}
+    for name in variants:
+        try:
+            reset()
+            fn = compiled(model, name)
+            with torch.no_grad():
+                res[name]["compile decode s"] = first_call_s(lambda: fn(xs[0], positions[0]), dev)
+            reset()  # the check starts from the same cache as eager's
+            outs, after = run(fn)
+            res[name]["err decode"] = max(max(map(max_diff, outs, ref_outs)), max(map(max_diff, after, ref_caches)))
+            fns[name] = fn
+        except Exception as e:  # report, go on with the others
+            failed[f"{name}, decode"] = _why(e)
+    x, pos = xs[-1], positions[-1]  # steady state: every call writes the last position again
+    step = {name: (lambda fn=fn: fn(x, pos)) for name, fn in fns.items()}
+    with torch.no_grad():
+        for name, fn in step.items():
+            try:
+                res[name]["decode µs/call"] = per_call_us(fn, a, dev, iters=200 if dev.type == "cuda" else 1)
+            except Exception as e:
+                failed[f"{name}, decode per call"] = _why(e)
+        if dev.type == "cuda":
+            graphable = {n: f for n, f in step.items() if n not in SELF_GRAPHED}
+            errors = {}
+            times = interleaved_times_us(graphable, rounds=a.rounds, iters=a.graph_steps, failed=errors)
+            for name, t in times.items():
+                res[name]["decode GPU µs/step"] = t
+            failed.update({f"{n}, decode CUDA graph": _why(e) for n, e in errors.items()})
+
+
+def train(model, a, dev, variants, res, failed):
+    params = dict(model.named_parameters())
+    torch.manual_seed(2)
+    x = torch.randn(a.train_batch, a.seq, a.hidden, device=dev, dtype=a.dtype)
+
+    def step(fn):
+        torch.compiler.cudagraph_mark_step_begin()  # a new iteration for reduce-overhead's graphs
+        loss = fn(x).float().pow(2).mean()
+        loss.backward()
+        return loss.detach()
+
+    def grads():
+        out = {n: p.grad for n, p in params.items()}
+        for p in params.values():
+            p.grad = None
+        return out
+    model.zero_grad(set_to_none=True)
+    ref_loss, ref_grads = step(model), grads()
+    for name in variants:
+        try:
+            fn = compiled(model, name)
+            res[name]["compile train s"] = first_call_s(lambda: step(fn), dev)
+            grads()
+            for _ in range(2):  # a self-graphing variant records, then replays: check a replay
+                loss = step(fn)
+                got = grads()
+            res[name]["err train"] = max([max_diff(loss, ref_loss)] + [max_diff(got[n], g) for n, g in ref_grads.items()])
+            step(fn)  # gradients exist from here on, as in a training loop
+            res[name]["train ms/step"] = per_call_us(lambda: step(fn), a, dev, iters=20 if dev.type == "cuda" else 1) / 1e3
+            # a self-graphing variant's pool is allocated when it records: not seen by one replay
+            if dev.type == "cuda" and name not in SELF_GRAPHED:
+                sync(dev)
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                step(fn)
+                sync(dev)
+                res[name]["train peak MiB above weights"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+        except Exception as e:
+            failed[f"{name}, train"] = _why(e)
+        model.zero_grad(set_to_none=True)
+
+
+def _why(e: Exception) -> str:
+    if os.environ.get("MODEL_TP_TRACEBACK"):
+        traceback.print_exc()
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+
+
+# ------------------------------------------------------------------------------------------ table
+ROWS = (  # (key, label, fmt)
+    ("decode GPU µs/step", "decode: GPU µs per step (CUDA graph of {graph_steps} steps)", "{:.1f}"),
+    ("decode µs/call", "decode: µs per call, as a user loops it", "{:.1f}"),
+    ("train ms/step", "training fw+bw: ms per step", "{:.2f}"),
+    ("train peak MiB above weights", "training: peak MiB above weights", "{:.0f}"),
+    ("compile decode s", "cold compile, decode (s)", "{:.1f}"),
+    ("compile train s", "cold compile, training (s)", "{:.1f}"),
+    ("err decode", "max abs error vs eager, decode", "{:.2e}"),
+    ("err train", "max abs error vs eager, training", "{:.2e}"),
+)
+
+
+def ratio(other, ours) -> str:
+    return f"{other / ours:.2f}×" if other and ours else "—"
+
+
+def table(a, res, world, device_name, variants) -> tuple[str, bool]:
+    flagged = False
+    head = ["workload", *variants, "inductor / commfuse", "reduce-overhead / cuda_graphs"]
+    lines = [f"TP Llama decoder layers: {a.layers} layers, H {a.hidden}, {a.heads} query / {a.kv_heads} KV heads, "
+             f"F {a.ffn}, {a.dtype_name}, {world}x {device_name}; decode B={a.batch}, KV cache {a.cache}; "
+             f"training B={a.train_batch} S={a.seq}", "",
+             "| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    for key, label, fmt in ROWS:
+        cells = []
+        for v in variants:
+            val = res[v].get(key)
+            text = "—" if val is None else fmt.format(val)
+            if key.startswith("err") and v.startswith("commfuse") and val is not None:
+                limit = max(5 * (res.get("inductor", {}).get(key) or 0), 1e-2)
+                if val > limit:
+                    text, flagged = text + " !", True
+            cells.append(text)
+        if key.startswith("err"):
+            ratios = ["", ""]
+        else:
+            ratios = [ratio(res.get("inductor", {}).get(key), res.get("commfuse", {}).get(key)),
+                      ratio(res.get("inductor reduce-overhead", {}).get(key), res.get("commfuse cuda_graphs", {}).get(key))]
+        lines.append("| " + " | ".join([label.format(graph_steps=a.graph_steps), *cells, *ratios]) + " |")
+    lines += ["", "Ratios are other / commfuse: above 1, commfuse is faster, smaller or compiles sooner. "
+              "Self-graphing variants (reduce-overhead, cuda_graphs) cannot be captured in another CUDA graph: "
+              "their per-call time is their graph time."]
+    if flagged:
+        lines.append("`!`: a commfuse error above max(5 × Inductor's, 1e-2).")
+    return "\n".join(lines), flagged
+
+
+# ------------------------------------------------------------------------------------------- main
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cpu", action="store_true", help="gloo ranks on CPU, commfuse in Triton's interpreter (checks the script)")
+    ap.add_argument("--tiny", action="store_true", help="tiny dimensions and one round (with --cpu: the smoke test)")
+    for k, v in FULL.items():
+        ap.add_argument(f"--{k.replace('_', '-')}", type=int, default=None, help=f"default {v} ({TINY[k]} with --tiny)")
+    ap.add_argument("--dtype", choices=("bfloat16", "float16", "float32"),
+                    help="default bfloat16; float32 with --cpu, where Triton's interpreter truncates casts to "
+                         "bf16 that a GPU rounds (the mm template's store): fp32 errors there are exact checks")
+    ap.add_argument("--rounds", type=int, default=None, help="interleaved timing rounds (default 3; 1 with --tiny)")
+    ap.add_argument("--graph-steps", type=int, default=10, help="decode steps per captured CUDA graph")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of: " + ", ".join(VARIANTS))
+    ap.add_argument("--workloads", default="decode,train", help="comma-separated subset of: decode, train")
+    ap.add_argument("--out", help="also write the table here, and the figures as JSON beside it")
+    a = ap.parse_args(argv)
+    for k, v in (TINY if a.tiny else FULL).items():
+        if getattr(a, k) is None:
+            setattr(a, k, v)
+    a.rounds = a.rounds or (1 if a.tiny else 3)
+    a.dtype_name = a.dtype or ("float32" if a.cpu else "bfloat16")
+    a.dtype = getattr(torch, a.dtype_name)
+    variants = [v.strip() for v in a.variants.split(",") if v.strip()]
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown:
+        ap.error(f"unknown variants {unknown}")
+    if "WORLD_SIZE" not in os.environ:
+        ap.error("run it under torchrun: torchrun --standalone --nproc-per-node 2 bench/model_tp.py")
+    # cold compile means empty on-disk caches (both are read when compiling, not at import): a
+    # fresh folder per rank unless the caller chose one
+    for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+        if var not in os.environ:
+            os.environ[var] = tempfile.mkdtemp(prefix=f"model_tp_{var.split('_')[0].lower()}_r{os.environ.get('LOCAL_RANK', '0')}_")
+    use_cuda = not a.cpu
+    if use_cuda and not torch.cuda.is_available():
+        ap.error("no GPU here: use --cpu --tiny to check the script on CPU")
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+        dev = torch.device("cuda", local_rank)
+        dist.init_process_group("nccl", device_id=dev)
+    else:
+        dev = torch.device("cpu")
+        dist.init_process_group("gloo")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if a.heads % world or a.kv_heads % world or a.ffn % world:
+        ap.error(f"heads, KV heads and F must divide among {world} ranks")
+    # every variant keeps its graphs on the same code objects, for each workload
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 8 * len(VARIANTS))
+
+    model = build(a, world, dev)
+    res, failed = {v: {} for v in variants}, {}
+    workloads = [w.strip() for w in a.workloads.split(",") if w.strip()]
+    if "decode" in workloads:
+        decode(model, a, dev, variants, res, failed)
+    if "train" in workloads:
+        train(model, a, dev, variants, res, failed)
+
+    # each rank measured its own: the table reports the worst rank
+    keys = sorted({k for r in res.values() for k in r})
+    vals = torch.tensor([[res[v].get(k, math.nan) for k in keys] for v in variants], dtype=torch.float64, device=dev)
+    gathered = [torch.empty_like(vals) for _ in range(world)]
+    dist.all_gather(gathered, vals)
+    worst = torch.stack(gathered).nan_to_num(-1.0).amax(0)
+    res = {v: {k: worst[i, j].item() for j, k in enumerate(keys) if worst[i, j] >= 0} for i, v in enumerate(variants)}
+    failures = [None] * world
+    dist.all_gather_object(failures, failed)
+    status = 0
+    if rank == 0:
+        name = torch.cuda.get_device_name() if use_cuda else "CPU (gloo, Triton interpreter)"
+        text, flagged = table(a, res, world, name, variants)
+        merged = {f"rank {r}: {k}": v for r, f in enumerate(failures) for k, v in f.items()}
+        if merged:
+            text += "\n\nFailed:\n" + "\n".join(f"- {k}: {v}" for k, v in merged.items())
+        print(text, flush=True)
+        if a.out:
+            with open(a.out, "w") as f:
+                f.write(text + "\n")
+            with open(os.path.splitext(a.out)[0] + ".json", "w") as f:
+                json.dump({"config": {k: v for k, v in vars(a).items() if k != "dtype"}, "device": name,
+                           "world": world, "torch": torch.__version__, "results": res, "failed": merged}, f, indent=1)
+        status = 1 if merged or flagged else 0
+    status_t = torch.tensor([status], device=dev)
+    dist.broadcast(status_t, 0)
+    dist.barrier()
+    dist.destroy_process_group()
+    return int(status_t.item())
+
+
+if __name__ == "__main__":
+    sys.exit(main())
