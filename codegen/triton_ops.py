@@ -98,12 +98,13 @@ class TritonOps:
 
     def masked(self, mask, body, other):
         k = self.k
+        depth = len(k.mask_stack)
         k.mask_stack.append(str(mask))
         saved = dict(k.cur.cache)
         try:
             result = body()
         finally:
-            k.mask_stack.pop()
+            del k.mask_stack[depth:]  # the body's indirect loads push bounds masks of their own
             k.cur.cache.clear()
             k.cur.cache.update(saved)
         other_v = self.constant(other, result.dtype)

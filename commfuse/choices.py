@@ -50,7 +50,7 @@ def should_realize(loops, users: int, output: bool = False) -> bool:
         return True
     trace = trace_body(loops)
     if users > 1 and (users > config.realize_reads_threshold
-                      or len(trace.text.split("; ")) > config.realize_opcount_threshold):
+                      or trace.op_count > config.realize_opcount_threshold):
         return True
     reads = {r.name for r in trace.reads}
     return len(reads) > config.realize_acc_reads_threshold or read_bytes_exceeded(reads)
@@ -108,7 +108,7 @@ def can_recompute(loops) -> bool:
     from .dependencies import trace_body
     trace = trace_body(loops)
     return not any(r.indirect for r in trace.reads) and \
-        len(trace.text.split("; ")) <= config.realize_opcount_threshold
+        trace.op_count <= config.realize_opcount_threshold
 
 
 # ----------------------------------------------------------------------------- kernel shape

@@ -25,7 +25,15 @@ class MemoryAccess:
 class BodyTrace:
     reads: list
     writes: list
-    text: str
+    lines: list  # (format string, its arguments): rendered only when asked, printing sympy is slow
+
+    @property
+    def text(self) -> str:
+        return "; ".join(fmt.format(*args) for fmt, args in self.lines)
+
+    @property
+    def op_count(self) -> int:
+        return len(self.lines)
 
 
 class RecordingOps:
@@ -34,28 +42,28 @@ class RecordingOps:
     def __init__(self):
         self.reads: list[MemoryAccess] = []
         self.writes: list[MemoryAccess] = []
-        self.lines: list[str] = []
+        self.lines: list[tuple] = []
         self._tmp = itertools.count()
         self._ind = itertools.count()
         self._indirect: set = set()
 
-    def _emit(self, text: str) -> str:
+    def _emit(self, fmt: str, *args) -> str:
         name = f"t{next(self._tmp)}"
-        self.lines.append(f"{name} = {text}")
+        self.lines.append((name + " = " + fmt, args))
         return name
 
     def load(self, name, index):
         self.reads.append(MemoryAccess(name, index, bool(index.free_symbols & self._indirect)))
-        return self._emit(f"load({name}, {index})")
+        return self._emit("load({}, {})", name, index)
 
     def peer_reduce(self, name, index, reduce_op):
         # peers' copies: never taken from the producer's registers, nor recomputed elsewhere
         self.reads.append(MemoryAccess(name, index, indirect=True, peer=True))
-        return self._emit(f"peer_reduce({name}, {index}, {reduce_op})")
+        return self._emit("peer_reduce({}, {}, {})", name, index, reduce_op)
 
     def store(self, name, index, value, mode=None):
         self.writes.append(MemoryAccess(name, index))
-        self.lines.append(f"store({name}, {index}, {value}{', ' + mode if mode else ''})")
+        self.lines.append(("store({}, {}, {}{})", (name, index, value, ", " + mode if mode else "")))
 
     def store_reduction(self, name, index, value):
         self.store(name, index, value)
@@ -63,18 +71,18 @@ class RecordingOps:
     def indirect_indexing(self, value, size, check=True):
         sym = index_symbol("ind", next(self._ind))
         self._indirect.add(sym)
-        self.lines.append(f"{sym} = indirect({value}, size={size}, check={check})")
+        self.lines.append(("{} = indirect({}, size={}, check={})", (sym, value, size, check)))
         return sym
 
     def masked(self, mask, body, other):
-        self.lines.append(f"masked({mask}):")
+        self.lines.append(("masked({}):", (mask,)))
         result = body()
-        return self._emit(f"masked_value({result}, other={other})")
+        return self._emit("masked_value({}, other={})", result, other)
 
     def __getattr__(self, op):
         def fn(*args, **kwargs):
-            parts = [str(a) for a in args] + [f"{k}={v}" for k, v in kwargs.items()]
-            return self._emit(f"{op}({', '.join(parts)})")
+            fmt = ", ".join(["{}"] * len(args) + [f"{k}={{}}" for k in kwargs])
+            return self._emit(f"{op}({fmt})", *args, *kwargs.values())
         return fn
 
 
@@ -126,5 +134,5 @@ def trace_body(loops, store_name=None, layout=None, inline=None) -> BodyTrace:
         if store_name is not None:
             handler.store(store_name, layout.index(index), value)
         else:
-            handler.lines.append(f"return {value}")
-    return BodyTrace(handler.reads, handler.writes, "; ".join(handler.lines))
+            handler.lines.append(("return {}", (value,)))
+    return BodyTrace(handler.reads, handler.writes, handler.lines)

@@ -152,3 +152,15 @@ def test_bfloat16_rounds_to_nearest_even(tmp_path):
     for i, (fn, inp) in enumerate(cases):
         out, _ = compile_and_run(fn, inp, tmp_path=tmp_path / str(i))
         assert torch.equal(out, fn(inp)), (i, (out.float() - fn(inp).float()).abs().max())
+
+
+def test_cat_of_gathered_values():
+    """A cat whose inputs load through an index (RoPE's backward with cos[positions]): the bounds
+    mask of an indirect load inside one masked part must not outlive it (the next part loaded
+    under both masks and read zeros)."""
+    def f(m, table, idx):
+        y = m * table[idx]
+        return torch.cat([y[:, 4:], y[:, :4]], -1)
+    torch.manual_seed(0)
+    args = (torch.randn(8, 8, device=DEVICE), torch.randn(16, 8, device=DEVICE), torch.arange(8, device=DEVICE))
+    torch.testing.assert_close(torch.compile(f, backend="commfuse")(*args), f(*args))

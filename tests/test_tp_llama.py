@@ -244,10 +244,6 @@ def _assert_comm_kernels(summary, code, count, norm_fused):
     assert "_peer1 + (" in code  # the kernels read the other rank's copy
 
 
-@pytest.mark.xfail(strict=True, reason="codegen/triton_ops.py TritonOps.masked pops one mask after its "
-                   "body, but an indirect load inside the body pushed another: the masked mask leaks into "
-                   "the next masked body (a cat of values gathered through an index: RoPE's backward with "
-                   "cos[positions]); wrong gradients. See test_cat_of_gathered_values")
 def test_tp_training_matches_eager(train_run):
     results, _ = train_run
     for rank, bad in enumerate(results):
@@ -317,17 +313,3 @@ def test_mm_viewed_back_writes_the_comm_buffer(tmp_path):
     ((_, s, code),) = _graphs(tmp_path / "transposed")
     (buf,) = s["comm_buffers"]
     assert buf["copy_in"] and not s["comm_fallbacks"]
-
-
-@pytest.mark.xfail(strict=True, reason="codegen/triton_ops.py TritonOps.masked: k.mask_stack.pop() removes "
-                   "the bounds mask an indirect load in the body pushed, not its own; the next masked body "
-                   "of the cat then loads under both masks (never true): zeros")
-def test_cat_of_gathered_values():
-    """Single-process repro of the wrong RoPE gradient: a cat whose inputs load through an index."""
-    def f(m, table, idx):
-        y = m * table[idx]
-        return torch.cat([y[:, 4:], y[:, :4]], -1)
-    from tests.common import DEVICE
-    torch.manual_seed(0)
-    args = (torch.randn(8, 8, device=DEVICE), torch.randn(16, 8, device=DEVICE), torch.arange(8, device=DEVICE))
-    torch.testing.assert_close(torch.compile(f, backend="commfuse")(*args), f(*args))
