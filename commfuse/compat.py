@@ -13,3 +13,24 @@ def triton_has_block_ptr() -> bool:
     import triton.language as tl
     fn = getattr(tl, "make_block_ptr", None)
     return fn is not None and "removed" not in (inspect.getdoc(fn) or "")
+
+
+@functools.lru_cache(None)
+def patch_interpreter_index() -> None:
+    """Triton < 3.7's interpreter turns a scalar into a Python int (a `range()` bound that is a
+    kernel argument) with `int()` of a 1-element 1-d array, which numpy >= 2.4 refuses ("only
+    0-dimensional arrays can be converted to Python scalars"): every looped kernel fails under the
+    interpreter. Triton 3.7 fixed it upstream; the GPU machines' triton 3.6 compiles kernels and
+    never gets here. Patched here rather than pinned: a `triton>=3.7` requirement would conflict
+    with torch 2.11's own `triton==3.6` pin, and no environment marker can tell interpreter from GPU."""
+    import triton
+    from triton.runtime import interpreter
+    if tuple(int(v) for v in triton.__version__.split(".")[:2]) >= (3, 7):
+        return
+    patch_tensor = interpreter._patch_lang_tensor
+
+    def _patch_lang_tensor(tensor, scope):
+        patch_tensor(tensor, scope)
+        # the scope restores in reverse order, so this is undone first and triton's own after it
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+    interpreter._patch_lang_tensor = _patch_lang_tensor

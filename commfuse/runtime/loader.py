@@ -8,6 +8,8 @@ import os
 import sys
 import tempfile
 
+from .. import compat
+
 
 def cache_dir() -> str:
     d = os.environ.get("COMMFUSE_CACHE_DIR") or os.path.join(
@@ -68,6 +70,7 @@ def load_module(source: str, constants: dict):
     module = importlib.util.module_from_spec(spec)
     if interpreting():
         _interpreter_asserts()
+        compat.patch_interpreter_index()
     spec.loader.exec_module(module)
     module.constants.update(constants)
     return module, path
