@@ -1,4 +1,4 @@
-"""Run a test body on N ranks (spawned processes: NCCL on GPUs when there are enough, else gloo
+"""Run a test body on N ranks (one process each: NCCL on GPUs when there are enough, else gloo
 on CPU) and collect each rank's result."""
 from __future__ import annotations
 
@@ -11,6 +11,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
+# The world size of the multi-rank tests written for any number of ranks (they pass it to
+# run_ranks): 2 by default, as on CPU and in CI; COMMFUSE_TEST_WORLD=8 on an 8-GPU host.
+WORLD = int(os.environ.get("COMMFUSE_TEST_WORLD", "2"))
+
+
 def use_cuda(world: int) -> bool:
     return torch.cuda.is_available() and torch.cuda.device_count() >= world
 
@@ -20,7 +25,9 @@ def device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
-def _worker(rank, world, init_file, fn, args, results):
+def _worker(rank, world, init_file, fn, args, results, env):
+    os.environ.clear()  # the caller's environment, as a spawned rank would have it
+    os.environ.update(env)
     os.environ.setdefault("COMMFUSE_FALLBACK_ON_ERROR", "0")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
@@ -43,11 +50,18 @@ def run_ranks(fn, world: int = 2, args=(), timeout: float = 300) -> list:
     if torch.cuda.is_available() and not use_cuda(world):
         import pytest
         pytest.skip(f"needs {world} GPUs (CPU ranks need Triton's interpreter, off on a GPU machine)")
-    ctx = mp.get_context("spawn")
+    if use_cuda(world):
+        ctx = mp.get_context("spawn")  # fresh interpreters: CUDA does not survive a fork once initialized
+    else:
+        # CPU ranks are forks of a server that imported torch once: a fresh interpreter per rank
+        # costs seconds of CPU each, most of an 8-rank test on a small machine. commfuse itself is
+        # imported in the rank, after its environment is set.
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo"])
     with tempfile.TemporaryDirectory() as d, ctx.Manager() as manager:
         results = manager.dict()
-        procs = [ctx.Process(target=_worker, args=(r, world, os.path.join(d, "init"), fn, args, results))
-                 for r in range(world)]
+        init, env = os.path.join(d, "init"), dict(os.environ)
+        procs = [ctx.Process(target=_worker, args=(r, world, init, fn, args, results, env)) for r in range(world)]
         for p in procs:
             p.start()
         for p in procs:

@@ -1,4 +1,4 @@
-"""Collectives on 2 gloo ranks: comm buffers chosen at lowering time, the one-shot kernel over
+"""Collectives on WORLD ranks (2 gloo processes on CPU; COMMFUSE_TEST_WORLD sets it): comm buffers chosen at lowering time, the one-shot kernel over
 (emulated) symmetric memory, persistent pool slices, and the c10d path for what is ineligible."""
 import glob
 import json
@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from tests.dist_utils import device, run_ranks
+from tests.dist_utils import WORLD, device, run_ranks
 
 
 def _summaries(dump_dir, rank):
@@ -30,7 +30,7 @@ def _reduce_ops_and_dtypes(rank, world):
             x = torch.randn(33, 7, dtype=dtype, device=device())
             out = torch.compile(fn, backend="commfuse")(x)
             out2 = torch.compile(fn, backend="commfuse")(x)  # a second call reuses the pool
-            ref = fn(x)
+            ref = fn(x.float()).to(dtype)  # reduced in fp32 like our kernels (gloo rounds each partial sum)
             torch.testing.assert_close(out, ref, atol=tol[dtype], rtol=tol[dtype], msg=f"{op} {dtype}")
             torch.testing.assert_close(out2, ref, atol=tol[dtype], rtol=tol[dtype])
     return True
@@ -62,8 +62,9 @@ def _ineligible(rank, world, dump_dir):
     import torch.distributed._functional_collectives as funcol
     from commfuse import config
     fn = lambda x: funcol.all_reduce(x + 1, "sum", dist.group.WORLD) * 2  # noqa: E731
-    with config.patch(dump_dir=dump_dir, **{"comm.one_shot_max_bytes": {2: 64}}):
-        x = torch.randn(64, device=device())  # 256 bytes: over the 64-byte threshold
+    thresholds = {"comm.one_shot_max_bytes": {world: 64}, "comm.two_shot_max_bytes": {world: 0}}
+    with config.patch(dump_dir=dump_dir, **thresholds):
+        x = torch.randn(64, device=device())  # 256 bytes: over both thresholds
         torch.testing.assert_close(torch.compile(fn, backend="commfuse")(x), fn(x))
     torch._dynamo.reset()
     import logging
@@ -146,12 +147,12 @@ def _assert_disjoint_when_live_together(buffers):
 
 # ---------------------------------------------------------------------------------------- tests
 def test_all_reduce_ops_and_dtypes():
-    assert run_ranks(_reduce_ops_and_dtypes) == [True, True]
+    assert run_ranks(_reduce_ops_and_dtypes, WORLD) == [True] * WORLD
 
 
 def test_producers_write_into_the_pool(tmp_path):
-    run_ranks(_producer_writes_pool, args=(str(tmp_path),))
-    (s0,), (s1,) = _summaries(tmp_path, 0), _summaries(tmp_path, 1)
+    run_ranks(_producer_writes_pool, WORLD, args=(str(tmp_path),))
+    (s0,) = _summaries(tmp_path, 0)
     (code0,) = _code(tmp_path, 0)
     assert len(s0["comm_buffers"]) == 3
     # (a) buffers we produce are written by their producers: mm through out=, a fused kernel
@@ -168,12 +169,15 @@ def test_producers_write_into_the_pool(tmp_path):
     assert code0.count("def cf_allreduce_") == 2
     assert len([k for k in s0["kernels"] if k.get("collective") == "all_reduce"]) == 2
     for b in s0["comm_buffers"]:
-        assert f"comm['peers_{b['name']}'][1]" in code0 and f"{b['name']}_peer1 + (" in code0
+        for peer in range(WORLD):
+            assert f"comm['peers_{b['name']}'][{peer}]" in code0 and f"{b['name']}_peer{peer} + (" in code0
     # the two barriers that publish in-kernel writes (atomics in the interpreter, PTX on the GPU)
     assert code0.count('sem="release"') + code0.count("st.release.sys") == 2
-    # (c) the same pool slices on both ranks
-    assert [(b["name"], b["offset"], b["bytes"]) for b in s0["comm_buffers"]] == \
-        [(b["name"], b["offset"], b["bytes"]) for b in s1["comm_buffers"]]
+    # (c) the same pool slices on every rank
+    for rank in range(1, WORLD):
+        (s,) = _summaries(tmp_path, rank)
+        assert [(b["name"], b["offset"], b["bytes"]) for b in s0["comm_buffers"]] == \
+            [(b["name"], b["offset"], b["bytes"]) for b in s["comm_buffers"]], rank
     _assert_disjoint_when_live_together(s0["comm_buffers"])
     # (d) only the graph input needed a copy in
     assert [b["copy_in"] for b in s0["comm_buffers"]].count(True) == 1
@@ -181,7 +185,7 @@ def test_producers_write_into_the_pool(tmp_path):
 
 
 def test_ineligible_all_reduce_takes_c10d_and_says_why(tmp_path):
-    run_ranks(_ineligible, args=(str(tmp_path),))
+    run_ranks(_ineligible, WORLD, args=(str(tmp_path),))
     reasons = [f["reason"] for s in _summaries(tmp_path, 0) for f in s["comm_fallbacks"]]
     assert any("over the one-shot threshold" in r for r in reasons), reasons
     assert any("symbolic size" in r for r in reasons), reasons
@@ -191,7 +195,7 @@ def test_ineligible_all_reduce_takes_c10d_and_says_why(tmp_path):
 
 
 def test_inplace_all_reduce_has_no_copy(tmp_path):
-    run_ranks(_inplace, args=(str(tmp_path),))
+    run_ranks(_inplace, WORLD, args=(str(tmp_path),))
     (s0,) = _summaries(tmp_path, 0)
     (code0,) = _code(tmp_path, 0)
     assert len(s0["comm_buffers"]) == 1 and not s0["comm_buffers"][0]["copy_in"]
@@ -199,7 +203,7 @@ def test_inplace_all_reduce_has_no_copy(tmp_path):
 
 
 def test_dtensor_tp_mlp_forward_backward(tmp_path):
-    assert run_ranks(_tp_mlp, args=(str(tmp_path),)) == [True, True]
+    assert run_ranks(_tp_mlp, WORLD, args=(str(tmp_path),)) == [True] * WORLD
     summaries = {s["graph_id"].split("_")[1]: s for s in _summaries(tmp_path, 0)}
     assert set(summaries) == {"forward", "backward"}
     for kind, s in summaries.items():  # the row-parallel output and the input-grad all-reduces
@@ -229,7 +233,7 @@ def _other_collectives(rank, world):
 
 
 def test_other_collectives_run_through_c10d():
-    assert run_ranks(_other_collectives) == [True, True]
+    assert run_ranks(_other_collectives, WORLD) == [True] * WORLD
 
 
 def _torch_algorithm(rank, world):
@@ -246,7 +250,7 @@ def _torch_algorithm(rank, world):
 
 @pytest.mark.gpu
 def test_torch_one_shot_selectable_on_gpu():
-    assert run_ranks(_torch_algorithm) == [True, True]
+    assert run_ranks(_torch_algorithm, WORLD) == [True] * WORLD
 
 
 def _three_ranks_repeated(rank, world):
@@ -276,3 +280,65 @@ def _three_ranks_repeated(rank, world):
 
 def test_three_ranks_repeated_calls():
     assert run_ranks(_three_ranks_repeated, world=3) == [True] * 3
+
+
+def _eight_ranks(rank, world, dump_dir):
+    """The tuner's standalone one-shot and two-shot kernels (`commfuse.tune` times them), then one
+    graph of four all-reduces, the built-in thresholds lowered so that the small ones are one-shot
+    and the larger two-shot: each alone, and each with residual add + RMSNorm fused."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    from commfuse import config
+    from commfuse.runtime.symm import SymmPool
+    from commfuse.tune import kernels, launcher
+    g = dist.group.WORLD
+    pool = SymmPool(g.group_name, "cpu", 4096)
+    for name, kernel in kernels(world, torch.float32).items():
+        for numel in (1, 37, 1000):  # fewer elements than ranks, and not a multiple of them
+            out = torch.empty(numel)
+            run, peers = launcher(kernel, pool, numel, out, torch.float32)
+            torch.manual_seed(rank)
+            peers[rank].copy_(torch.randn(numel))
+            want = peers[rank].clone()
+            dist.all_reduce(want)  # also: every rank has written its input
+            run()
+            torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5, msg=f"{name} {numel}")
+            dist.barrier()  # every rank has read the inputs before they are rewritten
+
+    def add_rms_norm(y, res, w):
+        h = y + res
+        return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * w, h
+
+    def fn(x, big, a1, w1, res1, a2, w2, res2, norm_w):
+        small = funcol.all_reduce(x * 2, "sum", g) + 1                      # 148 B: one-shot
+        large = funcol.all_reduce(big * 3, "avg", g) - 1                    # 4004 B: two-shot
+        n1, h1 = add_rms_norm(funcol.all_reduce(a1 @ w1, "sum", g), res1, norm_w[:64])   # 2 x 64
+        n2, h2 = add_rms_norm(funcol.all_reduce(a2 @ w2, "sum", g), res2, norm_w)        # 8 x 128
+        return small, large, n1, h1, n2, h2
+    torch.manual_seed(0)
+    w1, w2, norm_w = torch.randn(16, 64) / 4, torch.randn(16, 128) / 4, torch.rand(128) + 0.5
+    res1, res2 = torch.randn(2, 64), torch.randn(8, 128)
+    compiled = torch.compile(fn, backend="commfuse", dynamic=False)
+    with config.patch({"dump_dir": dump_dir, "comm.one_shot_max_bytes": {world: 2048}}):
+        for step in range(2):  # the second call reuses the pool slices and the barrier epochs
+            torch.manual_seed(100 * step + rank)
+            args = (torch.randn(37), torch.randn(1001), torch.randn(2, 16), w1, res1,
+                    torch.randn(8, 16), w2, res2, norm_w)
+            for i, (got, want) in enumerate(zip(compiled(*args), fn(*args), strict=True)):
+                torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4, msg=f"output {i}, step {step}")
+    return True
+
+
+def test_eight_ranks_one_shot_two_shot_and_fused_norm(tmp_path):
+    # 8 gloo processes on CPU (8 GPUs on a GPU host): the widest world of an NVLink host
+    assert run_ranks(_eight_ranks, 8, args=(str(tmp_path),)) == [True] * 8
+    (s0,), (code0,) = _summaries(tmp_path, 0), _code(tmp_path, 0)
+    assert len(s0["comm_buffers"]) == 4 and not any(b["copy_in"] for b in s0["comm_buffers"])
+    for rank in range(1, 8):  # one plan on every rank
+        (s,) = _summaries(tmp_path, rank)
+        assert [(b["name"], b["offset"], b["bytes"]) for b in s["comm_buffers"]] == \
+            [(b["name"], b["offset"], b["bytes"]) for b in s0["comm_buffers"]], rank
+    comm = sorted(((k["algorithm"], bool(k["reduction"])) for k in s0["kernels"] if k.get("collective")))
+    assert comm == [("one_shot", False), ("one_shot", True), ("two_shot", False), ("two_shot", True)], comm
+    for b in s0["comm_buffers"]:  # every kernel reads all 8 ranks' copies
+        assert all(f"{b['name']}_peer{r} + (" in code0 for r in range(8)), b["name"]

@@ -5,7 +5,7 @@ import json
 
 import torch
 
-from tests.dist_utils import device, run_ranks
+from tests.dist_utils import WORLD, device, run_ranks
 from tests.test_comm import _assert_disjoint_when_live_together
 
 
@@ -50,21 +50,23 @@ def _tp_stack(rank, world, dump_dir, layers=8):
 
 
 def test_tp_stack_plans_one_small_pool(tmp_path):
-    reports = run_ranks(_tp_stack, args=(str(tmp_path),))
-    s0, s1 = _summaries(tmp_path, 0), _summaries(tmp_path, 1)
+    reports = run_ranks(_tp_stack, WORLD, args=(str(tmp_path),))
+    s0 = _summaries(tmp_path, 0)
     assert len(s0) == 2  # forward and backward
     callsite = 4 * 16 * 4  # one all-reduce: 4 x 16 fp32
-    for a, b in zip(s0, s1):
-        assert [(x["name"], x["offset"]) for x in a["comm_buffers"]] == \
-            [(x["name"], x["offset"]) for x in b["comm_buffers"]]
+    for rank in range(1, WORLD):  # the same plan on every rank
+        for a, b in zip(s0, _summaries(tmp_path, rank), strict=True):
+            assert [(x["name"], x["offset"]) for x in a["comm_buffers"]] == \
+                [(x["name"], x["offset"]) for x in b["comm_buffers"]], rank
+    for a in s0:
         assert len(a["comm_buffers"]) >= 8, a["comm_buffers"]  # every layer's all-reduce
         (pool,) = a["comm_pools"]
         assert pool["sum_of_buffers"] >= 8 * callsite
         assert pool["planned_bytes"] <= 2 * callsite, pool  # not L x
         _assert_disjoint_when_live_together(a["comm_buffers"])
-    # forward and backward share the process-wide pool of the group (same size on both ranks)
+    # forward and backward share the process-wide pool of the group (same size on every rank)
     sizes = [[list(per_device.values()) for per_device in r.values()] for r in reports]
-    assert sizes[0] == sizes[1] == [[max(s["comm_pools"][0]["planned_bytes"] for s in s0)]]
+    assert sizes == [[[max(s["comm_pools"][0]["planned_bytes"] for s in s0)]]] * WORLD
 
 
 def _live_together(rank, world, dump_dir):
@@ -85,7 +87,7 @@ def _live_together(rank, world, dump_dir):
 
 
 def test_buffers_live_together_get_disjoint_slices(tmp_path):
-    run_ranks(_live_together, args=(str(tmp_path),))
+    run_ranks(_live_together, WORLD, args=(str(tmp_path),))
     (s0,) = _summaries(tmp_path, 0)
     a, b = s0["comm_buffers"]
     assert a["live"][0] <= b["live"][1] and b["live"][0] <= a["live"][1]
@@ -100,14 +102,14 @@ def _divergent(rank, world, mode):
     from commfuse import config
     g = dist.group.WORLD
     x = torch.randn(64, device=device())
-    if mode == "branch":  # rank 1 reduces a slice: different comm buffers
+    if mode == "branch":  # the other ranks reduce a slice: different comm buffers
         fn = (lambda x: funcol.all_reduce(x * 2, "sum", g)) if rank == 0 else \
             (lambda x: funcol.all_reduce(x[:16] * 2, "sum", g))
     elif mode == "algorithm":  # same graph and buffers; the ranks' configs pick different kernels
         fn = lambda x: funcol.all_reduce(x * 2, "sum", g)  # noqa: E731
-    else:  # rank 1 takes a branch with no collective at all
+    else:  # the other ranks take a branch with no collective at all
         fn = (lambda x: funcol.all_reduce(x * 2, "sum", g)) if rank == 0 else (lambda x: x * 2)
-    algorithm = ("one_shot", "two_shot")[rank] if mode == "algorithm" else "auto"
+    algorithm = ("one_shot", "two_shot")[rank % 2] if mode == "algorithm" else "auto"
     start = time.time()
     try:
         with config.patch({"comm.plan_check_timeout_s": 3, "comm.algorithm": algorithm}):
@@ -118,7 +120,7 @@ def _divergent(rank, world, mode):
 
 
 def test_rank_divergent_branch_fails_on_every_rank():
-    results = run_ranks(_divergent, args=("branch",))
+    results = run_ranks(_divergent, WORLD, args=("branch",))
     for status, message, seconds in results:
         assert status == "error"
         assert "ranks disagree on the comm-buffer plan" in message and "buf" in message, message
@@ -127,7 +129,7 @@ def test_rank_divergent_branch_fails_on_every_rank():
 
 def test_ranks_running_different_comm_kernels_fail_before_any_barrier():
     # a config or tuned table that differs between ranks: the buffers agree, the kernels do not
-    results = run_ranks(_divergent, args=("algorithm",))
+    results = run_ranks(_divergent, WORLD, args=("algorithm",))
     for status, message, seconds in results:
         assert status == "error", message
         assert "ranks disagree" in message and "comm kernel" in message and "two_shot" in message, message
@@ -135,7 +137,8 @@ def test_ranks_running_different_comm_kernels_fail_before_any_barrier():
 
 
 def test_missing_rank_is_reported_not_hung():
-    (s0, m0, t0), (s1, _, _) = run_ranks(_divergent, args=("missing",))
-    assert s0 == "error" and "did not reach the comm-buffer plan check" in m0 and "[1]" in m0, m0
+    (s0, m0, t0), *others = run_ranks(_divergent, WORLD, args=("missing",))
+    missing = str(list(range(1, WORLD)))  # every other rank, by number
+    assert s0 == "error" and "did not reach the comm-buffer plan check" in m0 and missing in m0, m0
     assert t0 < 30
-    assert s1 == "ok"
+    assert [s for s, _, _ in others] == ["ok"] * (WORLD - 1)
