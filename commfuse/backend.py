@@ -120,6 +120,7 @@ def _aten_fallback(gm):
 
 def _compile(gm, example_inputs, graph_id, kind="inference", donated=frozenset()):
     from codegen.wrapper import WrapperCodegen
+    from . import ir
     from .graph import GraphLowering
     from .remat import cross_kernel_bytes
     from .runtime.loader import check_triton_mode, load_module
@@ -135,7 +136,7 @@ def _compile(gm, example_inputs, graph_id, kind="inference", donated=frozenset()
         wrapper = WrapperCodegen(graph, sched)
         source = wrapper.generate()
         post_fusion = sched.debug_str() if config.dump_dir else ""
-    check_triton_mode(graph.device_types)
+    check_triton_mode({b.get_device().type for b in graph.buffers if isinstance(b, ir.ComputedBuffer)})
     module, path = load_module(source, wrapper.constants)
     if config.cuda_graphs and graph.device_types == {"cuda"}:
         from .runtime.cudagraphs import CudaGraphed, input_roles

@@ -273,7 +273,22 @@ def _why_not_lowered(target, lowerings, args, kwargs, meta) -> str | None:
         return "no lowering"
     if _touches_complex(args, kwargs, meta):
         return "complex dtype"
+    if _touches_cpu_on_gpu_host(args, kwargs, meta):
+        return "CPU tensors on a GPU host (Triton runs compiled for the GPU)"
     return None
+
+
+def _touches_cpu_on_gpu_host(args, kwargs, meta) -> bool:
+    """Small CPU tensors in a CUDA program (positions, scalars, masks built on the host) run
+    through aten: our kernels there are compiled for the GPU."""
+    from .runtime.loader import interpreting
+    if interpreting() or not torch.cuda.is_available():
+        return False
+    for x in torch.utils._pytree.tree_leaves((args, kwargs, meta)):
+        dev = x.device if isinstance(x, torch.Tensor) else x.get_device() if isinstance(x, TensorBox) else None
+        if dev is not None and dev.type == "cpu":
+            return True
+    return False
 
 
 def _touches_complex(args, kwargs, meta) -> bool:

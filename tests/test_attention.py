@@ -167,4 +167,5 @@ def test_decode_updates_the_static_cache_in_place(tmp_path):
     # the cache is written where it lives: no copy of it in, none back
     assert summary["extern_calls"].count("aten.index_put_.default") == 2, summary["extern_calls"]
     assert "copy_" not in code
-    assert any("scaled_dot_product" in c for c in summary["extern_calls"])
+    if DEVICE == "cpu":  # fp32 on CUDA: aten's math kernel, lowered by us
+        assert any("scaled_dot_product" in c for c in summary["extern_calls"])

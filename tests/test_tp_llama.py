@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from tests.common import DEVICE
 from tests.dist_utils import device, run_ranks
 
 
@@ -258,7 +259,8 @@ def test_tp_training_all_reduces_are_comm_kernels(train_run):
     # backward: the input gradients of the column-parallel q, k, v, w1, w3
     _assert_comm_kernels(fw, fw_code, 2 * CFG["n_layers"], norm_fused=True)
     _assert_comm_kernels(bw, bw_code, 5 * CFG["n_layers"], norm_fused=False)
-    assert any("scaled_dot_product" in c for c in fw["extern_calls"])
+    if DEVICE == "cpu":  # in fp32 on CUDA, SDPA with grouped K/V is aten's math kernel, lowered by us
+        assert any("scaled_dot_product" in c for c in fw["extern_calls"])
 
 
 def test_tp_decode_static_kv_cache_matches_eager(decode_run):

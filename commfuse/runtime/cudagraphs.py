@@ -78,8 +78,12 @@ class CudaGraphed:
                             if isinstance(args[i], torch.Tensor)]
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
+        # one more warm run on the capture stream, writing copies of the caller's tensors it
+        # mutates (this call's update is the replay's)
+        warm = [a.clone() if i in self.roles.mutated and i in self.roles.static else a
+                for i, a in enumerate(self.inputs)]
         with torch.cuda.stream(stream):
-            self.call(list(self.inputs))  # one more warm run on the capture stream
+            self.call(warm)
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
         try:
