@@ -154,6 +154,7 @@ class GraphLowering(torch.fx.Interpreter):
             return self.runtime_scalar(target, args, kwargs)
         if target is operator.getitem:
             return args[0][args[1]]
+        self._store_reads_before_mutation(target, args, kwargs)
         result, reason = None, _why_not_lowered(target, lowerings, args, kwargs, val)
         if reason is None:
             self._bound_read_bytes(args, kwargs)
@@ -173,6 +174,27 @@ class GraphLowering(torch.fx.Interpreter):
             self.fallback_reasons.setdefault(str(target), reason)
         self._maybe_realize(node, result)
         return result
+
+    def _store_reads_before_mutation(self, target, args, kwargs):
+        """Values not stored yet are computed where they are used, which may be after this op
+        writes a buffer they read (`add = count + 1; copy_(count, add); ... add`): store them now,
+        while they read what they were defined on."""
+        schema = getattr(target, "_schema", None)
+        if schema is None or not schema.is_mutable:
+            return
+        written = set()
+        for i, a in enumerate(schema.arguments):
+            if a.alias_info is not None and a.alias_info.is_write:
+                v = args[i] if i < len(args) else kwargs.get(a.name)
+                written |= {n for x in torch.utils._pytree.tree_leaves(v) if isinstance(x, TensorBox)
+                            for n in inlined_reads(x)}
+        if not written:
+            return
+        for value in self.env.values():
+            for box in torch.utils._pytree.tree_leaves(value):
+                if isinstance(box, TensorBox) and isinstance(ir.view_root(box).data, ir.Loops) \
+                        and inlined_reads(box) & written:
+                    ir.view_root(box).realize()
 
     def runtime_scalar(self, target, args, kwargs):
         """A SymFloat/SymBool: the wrapper computes it at run time and passes it to kernels."""

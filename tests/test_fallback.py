@@ -263,3 +263,23 @@ def test_a_graph_that_fails_falls_back_whole_and_says_so(tmp_path, monkeypatch):
     torch.testing.assert_close(got, fn(x))
     summary = dumps.summary(dumps.graphs()[0])
     assert summary["compiled"] is False and "scheduler boom" in summary["fallback_reason"]
+
+
+def test_value_computed_from_an_input_before_it_is_updated(tmp_path):
+    """`count.add_(1)` then a use of the new count: AOTAutograd writes `add = count + 1`,
+    `copy_(count, add)`, and later reads `add`. A value not stored yet must not be recomputed
+    from the updated input (it read count + 2)."""
+    class Counter(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("count", torch.zeros((), dtype=torch.int64))
+
+        def forward(self, x):
+            self.count.add_(1)
+            return x * self.count
+    model, ref = Counter().to(DEVICE), Counter().to(DEVICE)
+    compiled = torch.compile(model, backend="commfuse")
+    for _ in range(3):
+        x = rand(4)
+        torch.testing.assert_close(compiled(x), ref(x))
+        assert model.count.item() == ref.count.item()
