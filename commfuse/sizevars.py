@@ -227,6 +227,26 @@ def unravel(flat: Expr, sizes: Sequence[Expr]) -> list[Expr]:
     return list(reversed(out))
 
 
+def _affine_terms(expr: Expr, vars: Sequence[sympy.Symbol]):
+    """The common case of `affine_coefficients`, term by term without differentiating: a sum of
+    terms each free of `vars` or a factor times one var. None when unsure (the general path
+    decides)."""
+    coeffs = {v: sympy.Integer(0) for v in vars}
+    offset = sympy.Integer(0)
+    for term in sympy.Add.make_args(expr):
+        used = [v for v in vars if term.has(v)]
+        if not used:
+            offset += term
+            continue
+        if len(used) > 1:
+            return None
+        factor, rest = term.as_independent(used[0], as_Add=False)
+        if rest != used[0]:
+            return None
+        coeffs[used[0]] += factor
+    return [coeffs[v] for v in vars], offset
+
+
 def ravel(index: Sequence[Expr], sizes: Sequence[Expr]) -> Expr:
     return sum((i * s for i, s in zip(index, contiguous_strides(sizes))), sympy.Integer(0))
 
@@ -234,6 +254,9 @@ def ravel(index: Sequence[Expr], sizes: Sequence[Expr]) -> Expr:
 def affine_coefficients(expr: Expr, vars: Sequence[sympy.Symbol]):
     """(coefficients, offset) if `expr` is affine in `vars`, else None."""
     expr = simplify(expr)
+    fast = _affine_terms(expr, vars)
+    if fast is not None:
+        return fast
     coeffs = []
     for v in vars:
         c = expr.diff(v) if expr.has(v) else sympy.Integer(0)
