@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.utils._pytree as pytree
 
-from commfuse import ir
+from commfuse import ir, sizevars
 from commfuse.graph import meta_layout
 from commfuse.ir import TensorBox
 from commfuse.virtualized import V
@@ -71,7 +71,8 @@ def fallback(op, args, kwargs, meta):
         kernel = graph.register_buffer(ir.ExternKernel, layout=meta_layout(meta),
                                        **{**fields, "op": out or op}, out_variant=out is not None)
         return TensorBox(kernel)
-    leaves, spec = pytree.tree_flatten(meta)
+    with_paths, spec = pytree.tree_flatten_with_path(meta)
+    leaves = [m for _, m in with_paths]
     plain = {i: _plain_value(m) for i, m in enumerate(leaves) if not isinstance(m, torch.Tensor)}
     tensors = [m for m in leaves if isinstance(m, torch.Tensor)]
     if not tensors:  # side effects only (or plain values): placed on the device of what it touches
@@ -82,9 +83,8 @@ def fallback(op, args, kwargs, meta):
         return pytree.tree_unflatten([plain[i] for i in range(len(leaves))], spec)
     kernel = graph.register_buffer(ir.ExternKernel, layout=ir.Layout(tensors[0].device, torch.uint8, [], []),
                                    **fields, multi_output=True)
-    paths = [path for path, _ in pytree.tree_flatten_with_path(meta)[0]]
     outs = []
-    for i, (path, m) in enumerate(zip(paths, leaves)):
+    for i, (path, m) in enumerate(with_paths):
         if isinstance(m, torch.Tensor):
             index = tuple(k.idx for k in path)  # meta is tuples and lists only
             outs.append(TensorBox(graph.register_buffer(ir.MultiOutput, layout=meta_layout(m),
@@ -98,7 +98,6 @@ def _plain_value(m):
     """A non-tensor output (an int such as flash attention's max sequence length, a None): its
     value is known when compiling; a symbolic one is an expression over the graph's sizes."""
     if isinstance(m, torch.SymInt):
-        from commfuse import sizevars
         return sizevars.from_torch(m)
     if m is None or isinstance(m, (int, float, bool)):
         return m
