@@ -106,6 +106,8 @@ def donated_inputs(gm: torch.fx.GraphModule, kind: str) -> set:
     ctx = torch._guards.TracingContext.try_get()
     if kind != "backward" or ctx is None or ctx.fw_metadata is None:
         return set()
+    if ctx.fw_metadata.tokens:  # with effect tokens the indices are shifted: donate nothing
+        return set()
     placeholders = gm.graph.find_nodes(op="placeholder")
     return {placeholders[i].name for i in ctx.fw_metadata.bw_donated_idxs or ()}
 

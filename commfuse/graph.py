@@ -168,7 +168,7 @@ class GraphLowering(torch.fx.Interpreter):
                 reason = f"lowering failed: {type(e).__name__}: {e}"
                 log.warning("commfuse: lowering %s failed (%s); running it through aten", target, reason)
         if result is None:
-            log.debug("%s: falling back to aten (%s)", target, reason)
+            reason = reason or "the lowering declined"
             result = fallback(target, args, kwargs, val)
             self.fallback_ops.append(str(target))
             self.fallback_reasons.setdefault(str(target), reason)

@@ -283,3 +283,13 @@ def test_value_computed_from_an_input_before_it_is_updated(tmp_path):
         x = rand(4)
         torch.testing.assert_close(compiled(x), ref(x))
         assert model.count.item() == ref.count.item()
+
+
+def test_backward_leaves_forward_outputs_alone_with_effect_tokens(tmp_path):
+    """`linalg.lu_factor` carries an effect token (its error check): AOTAutograd's donated-input
+    indices are then shifted, and the backward once wrote over the user's `lu`."""
+    x = torch.randn(5, 5, device=DEVICE, requires_grad=True)
+    lu, _ = torch.compile(lambda x: torch.linalg.lu_factor(x), backend="commfuse")(x)
+    before = lu.detach().clone()
+    lu.backward(torch.ones(5, 5, device=DEVICE))
+    torch.testing.assert_close(lu.detach(), before)
