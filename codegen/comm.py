@@ -10,8 +10,7 @@ p of the slot is where peer p signals, entry `rank` holds the program's epoch â€
 barriers it has passed, kept across calls. A barrier bumps the epoch, stores it into every
 peer's slot at once (one lane per peer), then polls its own slot until every peer's entry has
 caught up. Values only grow, so pads never need resetting and CUDA-graph replays stay correct;
-a peer that already went one barrier further only left a larger value. (bench/results/
-comm_probe_2xh200.md has what each way of writing the barrier cost on H200.)
+a peer that already went one barrier further only left a larger value.
 """
 from __future__ import annotations
 

@@ -315,8 +315,8 @@ MM_TEMPLATE_DTYPES = (torch.bfloat16, torch.float16)
 def use_mm_template(a, b) -> bool:
     """Our Triton kernel for `a @ b` (codegen/matmul.py) instead of aten's mm: few rows and static
     sizes, where the weight streams once from memory. On H200 it reached 3.3–3.7 TB/s against
-    cuBLAS's 3.0–3.5 at 1–16 rows, and a fused activation costs it nothing (bench/results/
-    skinny_mm_h200.md); at 32 rows they tie. bf16/fp16 only: fp32 would need tl.dot's slow
+    cuBLAS's 3.0–3.5 at 1–16 rows, and a fused activation costs it nothing (a 341-configuration sweep, docs/results.md);
+    at 32 rows they tie. bf16/fp16 only: fp32 would need tl.dot's slow
     IEEE mode to match aten (whose fp32 mm does not use TF32)."""
     from . import sizevars
     if not config.mm_template or a.get_dtype() not in MM_TEMPLATE_DTYPES or b.get_dtype() != a.get_dtype():
