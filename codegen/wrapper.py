@@ -20,7 +20,7 @@ HEADER = """\
 import torch
 import triton
 import triton.language as tl
-from codegen import triton_helpers
+from commfuse.runtime import triton_helpers
 from commfuse.runtime.support import empty_strided, reinterpret_tensor, cdiv, workspace, as_meta_layout
 aten = torch.ops.aten
 prims = torch.ops.prims

@@ -1,7 +1,36 @@
 """commfuse: a torch.compile backend for distributed PyTorch with first-class collectives."""
 import os as _os
+import sys as _sys
 
-from . import config
+
+def _checkout_subpackages() -> None:
+    """An installed commfuse holds `lowering` and `codegen` inside it (pyproject's package-dir). A
+    source checkout on PYTHONPATH keeps them beside it: map `commfuse.lowering` and
+    `commfuse.codegen` to those folders, and to nothing else."""
+    import importlib.abc
+    import importlib.util
+    here = _os.path.dirname(__file__)
+    top = _os.path.dirname(here)
+    folders = {f"{__name__}.{name}": _os.path.join(top, name) for name in ("lowering", "codegen")}
+    if any(_os.path.isdir(_os.path.join(here, name.rsplit(".", 1)[1])) for name in folders) or \
+            not all(_os.path.isfile(_os.path.join(d, "__init__.py")) for d in folders.values()):
+        return
+
+    class CheckoutFinder(importlib.abc.MetaPathFinder):
+        def find_spec(self, fullname, path=None, target=None):
+            folder = folders.get(fullname)
+            if folder is None:
+                return None
+            return importlib.util.spec_from_file_location(
+                fullname, _os.path.join(folder, "__init__.py"), submodule_search_locations=[folder])
+
+    if not any(type(f).__name__ == "CheckoutFinder" for f in _sys.meta_path):
+        _sys.meta_path.append(CheckoutFinder())
+
+
+_checkout_subpackages()
+
+from . import config  # noqa: E402
 
 
 def _select_triton_mode() -> None:
@@ -14,8 +43,7 @@ def _select_triton_mode() -> None:
         if torch.cuda.is_available():
             return
     _os.environ["TRITON_INTERPRET"] = "1"
-    import sys
-    if "triton" in sys.modules:
+    if "triton" in _sys.modules:
         from .runtime.loader import _interpret_triton_library
         _interpret_triton_library()
 

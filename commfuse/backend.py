@@ -121,7 +121,7 @@ def _aten_fallback(gm):
 
 
 def _compile(gm, example_inputs, graph_id, kind="inference", donated=frozenset()):
-    from codegen.wrapper import WrapperCodegen
+    from commfuse.codegen.wrapper import WrapperCodegen
     from . import ir
     from .graph import GraphLowering
     from .remat import cross_kernel_bytes

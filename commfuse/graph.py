@@ -80,7 +80,7 @@ class GraphLowering(torch.fx.Interpreter):
 
     # FX handlers --------------------------------------------------------------
     def run(self):
-        from lowering import load_all
+        from commfuse.lowering import load_all
         load_all()
         with V.set_graph(self):
             super().run(*self.example_inputs)
@@ -144,8 +144,8 @@ class GraphLowering(torch.fx.Interpreter):
         return value
 
     def call_function(self, target, args, kwargs):
-        from lowering import lowerings
-        from lowering.extern import fallback
+        from commfuse.lowering import lowerings
+        from commfuse.lowering.extern import fallback
         node = self.current_node
         val = node.meta.get("val")
         if isinstance(val, torch.SymInt) or (isinstance(val, (int, bool)) and target is not operator.getitem):

@@ -71,7 +71,7 @@ def replay_time_us(graph, iters, reps=5) -> float:
 
 def kernels(world: int, dtype):
     """Our standalone one-shot and two-shot all-reduce kernels, compiled."""
-    from codegen import comm as comm_codegen
+    from commfuse.codegen import comm as comm_codegen
     from .runtime.loader import load_module
     src = "import triton\nimport triton.language as tl\nconstants = {}\n" + \
         comm_codegen.one_shot_all_reduce("one_shot", world, "sum", dtype, False) + "\n" + \

@@ -30,5 +30,5 @@ def load_all() -> None:
     global _loaded
     if not _loaded:
         for fam in FAMILIES:
-            importlib.import_module(f"lowering.{fam}")
+            importlib.import_module(f"{__name__}.{fam}")
         _loaded = True

@@ -88,7 +88,7 @@ def test_off_by_default(tmp_path):
 def test_identity_wrappers_are_normalized_away():
     """x // 4096 and x % 4096 over x < 2048 are 0 and x: without the kernel's ranges the match
     fails on them; with them it finds the same 2-D box as for the plain index."""
-    from codegen.block_ptr import Axis, block_ptr
+    from commfuse.codegen.block_ptr import Axis, block_ptr
     from commfuse.scheduler import XSYM as x
     from commfuse.sizevars import FloorDiv, Mod, simplify_with_ranges
     axes = [Axis(x, 2048, "XBLOCK", "xoffset", 1024)]

@@ -231,7 +231,7 @@ def test_layout_disagreeing_with_meta_is_copied():
 # ----------------------------------------------------------------------------- one op, not the graph
 def test_a_failing_lowering_costs_only_its_op(tmp_path, monkeypatch):
     """A lowering that raises sends its op to aten; the rest of the graph still compiles."""
-    import lowering
+    from commfuse import lowering
     lowering.load_all()
 
     def broken(*args, **kwargs):

@@ -45,7 +45,7 @@ def _interpret_triton_library() -> None:
         for name, value in list(vars(mod).items()):
             if isinstance(value, JITFunction):
                 setattr(mod, name, InterpretedFunction(value.fn))
-    sys.modules.pop("codegen.triton_helpers", None)  # re-decorated on next import
+    sys.modules.pop("commfuse.runtime.triton_helpers", None)  # re-decorated on next import
 
 
 def _interpreter_asserts() -> None:
