@@ -32,32 +32,17 @@ import commfuse  # noqa: E402,F401
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed._functional_collectives as funcol  # noqa: E402
-from commfuse.tune import ar_norm_step, cuda_graph_time_us, interleaved_times_us, rms_norm  # noqa: E402
+from commfuse.runtime.timing import cuda_graph_time_us, interleaved_times_us, loop_time_us  # noqa: E402
+from commfuse.tune import ar_norm_step, rms_norm  # noqa: E402
 from commfuse.tuning import FUSED_ALGORITHMS as FUSED  # noqa: E402
-
-
-def eager_time_us(fn, iters=200, reps=5) -> float:
-    for _ in range(5):
-        fn()
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        dist.barrier()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / iters)
-    return sorted(times)[len(times) // 2]
 
 
 def all_reduce_table(sizes, rank, world, group) -> list[dict]:
     """Every all-reduce we can run, per size: ours (one-shot, two-shot — timed as `commfuse.tune`
     times them — and the one the compiler's choice runs), torch's symm_mem one_shot / two_shot, NCCL."""
     import torch.distributed._symmetric_memory as symm_mem
-    from commfuse import choices
+    from commfuse.choices import Choices
+    choices = Choices()
     from commfuse.tune import measure
     dev = torch.device("cuda", torch.cuda.current_device())
     tsym = symm_mem.empty(max(sizes) // 2, dtype=torch.bfloat16, device=dev)
@@ -131,7 +116,7 @@ def decode_table(rank, world, group, B=8, H=4096, F=14336) -> list[dict]:
         out = fn(x, res)
         torch.testing.assert_close(out[0].float(), ref[0].float(), atol=5e-2, rtol=5e-2)
         row = {"variant": name}
-        row["plain µs"] = eager_time_us(lambda: fn(x, res))
+        row["plain µs"] = loop_time_us(lambda: fn(x, res))
         if name in SELF_GRAPHED:  # replays its own graph: its plain time is the graph time
             row["cuda graph µs"] = None
             rows.append(row)
@@ -149,7 +134,8 @@ def decode_table(rank, world, group, B=8, H=4096, F=14336) -> list[dict]:
 def ar_norm_table(rank, world, group, batches=(1, 8, 32, 128), hiddens=(4096, 8192)) -> list[dict]:
     """All-reduce + residual add + RMSNorm under CUDA graphs: commfuse (one fused kernel) vs Inductor
     with auto_select vs NCCL + Inductor's fused add+norm kernel."""
-    from commfuse import choices
+    from commfuse.choices import Choices
+    choices = Choices()
     dev = torch.device("cuda", torch.cuda.current_device())
     rows = []
     for H in hiddens:
@@ -236,8 +222,8 @@ def tp_stack_table(rank, world, layers=8, B=8, H=1024, F=4096) -> dict:
             fn(x).sum().backward()
         return run
     out = {"layers": layers, "B": B, "H": H, "F": F}
-    out["eager µs"] = eager_time_us(step(model), iters=20)
-    out["commfuse µs"] = eager_time_us(step(compiled), iters=20)
+    out["eager µs"] = loop_time_us(step(model), iters=20)
+    out["commfuse µs"] = loop_time_us(step(compiled), iters=20)
     if rank == 0:
         pools = [p for path in glob.glob(f"{dump}/rank0/*/summary.json") for p in json.load(open(path))["comm_pools"]]
         out["planned bytes (largest graph)"] = max((p["planned_bytes"] for p in pools), default=0)

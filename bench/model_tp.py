@@ -13,7 +13,7 @@ options={"cuda_graphs": True}; all share one model (its weights and its KV cache
 Workloads:
 - decode: B=8 sequences, one token each at position `pos`, over a static KV cache of 2048 positions
   (module buffers written in place by index_copy_; the mask is positions <= pos). GPU time per step:
-  10 steps captured in a CUDA graph and replayed (commfuse.tune.interleaved_times_us, variants in
+  10 steps captured in a CUDA graph and replayed (commfuse.runtime.timing.interleaved_times_us, variants in
   interleaved rounds); the self-graphing variants cannot be captured inside another graph, their
   per-call time is their graph time. Per call: CUDA events around a loop of calls, as a user loops it.
 - training: forward + backward of B=2 x S=1024 tokens (loss: mean square of the output, taken
@@ -36,14 +36,11 @@ is when a commfuse variant's error is above max(5 x Inductor's, 1e-2) (marked `!
 from __future__ import annotations
 
 import argparse
-import functools
-import importlib.util
 import json
 import math
 import os
 import sys
 import tempfile
-import time
 import traceback
 
 # Multicast stays off (no multimem instructions); set before NCCL and symmetric memory start.
@@ -59,7 +56,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from commfuse.tune import interleaved_times_us  # noqa: E402
+from commfuse.runtime import timing  # noqa: E402
 
 VARIANTS = ("eager", "inductor", "inductor reduce-overhead", "commfuse", "commfuse cuda_graphs")
 SELF_GRAPHED = ("inductor reduce-overhead", "commfuse cuda_graphs")
@@ -188,43 +185,17 @@ def compiled(model, name):
 
 
 # ----------------------------------------------------------------------------------------- timing
-@functools.lru_cache(None)
-def _bench_comm():
-    """bench/comm.py's per-call timer (CUDA events around a loop of calls, median of repetitions)."""
-    spec = importlib.util.spec_from_file_location("bench_comm", os.path.join(REPO_ROOT, "bench", "comm.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def sync(dev):
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-
-
 def per_call_us(fn, a, dev, iters) -> float:
     """µs per call as a user loops it: CUDA events on the GPU; on CPU one timed loop (a smoke check)."""
     if dev.type == "cuda":
-        return _bench_comm().eager_time_us(fn, iters=iters, reps=max(a.rounds, 3))
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    return (time.perf_counter() - t0) * 1e6 / iters
+        return timing.loop_time_us(fn, iters=iters, reps=max(a.rounds, 3))
+    return sum(timing.wall_time_s(fn, dev) for _ in range(iters)) * 1e6 / iters
 
 
 def max_diff(got, want) -> float:
     from torch.distributed.tensor import DTensor
     got, want = (t.to_local() if isinstance(t, DTensor) else t for t in (got, want))
     return (got.detach().float() - want.detach().float()).abs().max().item() if want.numel() else 0.0
-
-
-def first_call_s(fn, dev) -> float:
-    sync(dev)
-    dist.barrier()
-    t0 = time.perf_counter()
-    fn()
-    sync(dev)
-    return time.perf_counter() - t0
 
 
 # -------------------------------------------------------------------------------------- workloads
@@ -254,7 +225,7 @@ def decode(model, a, dev, variants, res, failed, check_steps=4):
             reset()
             fn = compiled(model, name)
             with torch.no_grad():
-                res[name]["compile decode s"] = first_call_s(lambda: fn(xs[0], positions[0]), dev)
+                res[name]["compile decode s"] = timing.wall_time_s(lambda: fn(xs[0], positions[0]), dev)
             reset()  # the check starts from the same cache as eager's
             outs, after = run(fn)
             res[name]["err decode"] = max(max(map(max_diff, outs, ref_outs)), max(map(max_diff, after, ref_caches)))
@@ -272,7 +243,7 @@ def decode(model, a, dev, variants, res, failed, check_steps=4):
         if dev.type == "cuda":
             graphable = {n: f for n, f in step.items() if n not in SELF_GRAPHED}
             errors = {}
-            times = interleaved_times_us(graphable, rounds=a.rounds, iters=a.graph_steps, failed=errors)
+            times = timing.interleaved_times_us(graphable, rounds=a.rounds, iters=a.graph_steps, failed=errors)
             for name, t in times.items():
                 res[name]["decode GPU µs/step"] = t
             failed.update({f"{n}, decode CUDA graph": _why(e) for n, e in errors.items()})
@@ -299,7 +270,7 @@ def train(model, a, dev, variants, res, failed):
     for name in variants:
         try:
             fn = compiled(model, name)
-            res[name]["compile train s"] = first_call_s(lambda: step(fn), dev)
+            res[name]["compile train s"] = timing.wall_time_s(lambda: step(fn), dev)
             grads()
             for _ in range(2):  # a self-graphing variant records, then replays: check a replay
                 loss = step(fn)
@@ -309,11 +280,11 @@ def train(model, a, dev, variants, res, failed):
             res[name]["train ms/step"] = per_call_us(lambda: step(fn), a, dev, iters=20 if dev.type == "cuda" else 1) / 1e3
             # a self-graphing variant's pool is allocated when it records: not seen by one replay
             if dev.type == "cuda" and name not in SELF_GRAPHED:
-                sync(dev)
+                timing.sync(dev)
                 base = torch.cuda.memory_allocated()
                 torch.cuda.reset_peak_memory_stats()
                 step(fn)
-                sync(dev)
+                timing.sync(dev)
                 res[name]["train peak MiB above weights"] = (torch.cuda.max_memory_allocated() - base) / 2**20
         except Exception as e:
             failed[f"{name}, train"] = _why(e)

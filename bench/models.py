@@ -27,7 +27,7 @@ Per model and mode, for Inductor and commfuse:
   kernels   generated kernels: Inductor's metrics.generated_kernel_count, commfuse's summary.json;
             externs: commfuse's extern calls (aten ops run as they are); fallbacks: commfuse graphs
             that failed to compile and ran op by op through aten (fallback_on_error)
-  step      ms per step under CUDA graphs: commfuse.tune.interleaved_times_us captures each
+  step      ms per step under CUDA graphs: commfuse.runtime.timing.interleaved_times_us captures each
             backend's step after warm-up and replays them in interleaved rounds, best median of
             each: GPU time, without host overhead. Ratios t_other / t_commfuse: above 1, faster.
   peak      MiB, torch.cuda.max_memory_allocated over one step less what was allocated before it
@@ -61,6 +61,8 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch._inductor import metrics as inductor_metrics  # noqa: E402
+
+from commfuse.runtime import timing  # noqa: E402
 
 COMPILED = ("inductor", "commfuse")
 MODES = ("inference", "training")
@@ -248,19 +250,6 @@ def rel_err(got, want, mode) -> float:
     return err
 
 
-def sync(dev):
-    if dev == "cuda":
-        torch.cuda.synchronize()
-
-
-def timed(fn, dev) -> float:
-    sync(dev)
-    t0 = time.perf_counter()
-    fn()
-    sync(dev)
-    return time.perf_counter() - t0
-
-
 def compile_model(model, backend, options=None):
     return torch.compile(model, backend=backend, options=options)
 
@@ -278,22 +267,21 @@ def peak_mib(model, step, dev):
     if dev != "cuda":
         return None
     zero_grads(model)
-    sync(dev)
+    timing.sync(dev)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     step()
-    sync(dev)
+    timing.sync(dev)
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
 def step_times_ms(steps: dict, dev, args, failed: dict) -> dict:
     if dev != "cuda":  # --cpu: one call each, to exercise the path, not to measure
-        return {b: 1e3 * timed(s, dev) for b, s in steps.items()}
-    from commfuse.tune import interleaved_times_us
-    est_ms = 1e3 * min(timed(steps["eager"], dev) for _ in range(3))
+        return {b: 1e3 * timing.wall_time_s(s, dev) for b, s in steps.items()}
+    est_ms = 1e3 * min(timing.wall_time_s(steps["eager"], dev) for _ in range(3))
     iters = max(1, min(100, round(args.graph_ms / max(est_ms, 1e-3))))  # calls per CUDA graph
-    us = interleaved_times_us(steps, rounds=args.rounds, iters=iters, failed=failed)
+    us = timing.interleaved_times_us(steps, rounds=args.rounds, iters=iters, failed=failed)
     return {b: t / 1e3 for b, t in us.items()}
 
 
@@ -319,7 +307,7 @@ def run(name, mode, args, dev, dtype) -> dict:
             step = make_step(compile_model(models[b], b, options), spec, inputs[b], mode)
             t0 = time.perf_counter()
             got = results(models[b], step, mode)
-            sync(dev)
+            timing.sync(dev)
             r = {"cold_s": time.perf_counter() - t0, "err": rel_err(got, want, mode),
                  "breaks": sum(torch._dynamo.utils.counters["graph_break"].values()),
                  "dynamo_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"]}
@@ -343,7 +331,7 @@ def run(name, mode, args, dev, dtype) -> dict:
         try:
             steps[b] = make_step(compile_model(models[b], b, args.options if b == "commfuse" else None),
                                  spec, inputs[b], mode)
-            row[b]["warm_s"] = timed(steps[b], dev)
+            row[b]["warm_s"] = timing.wall_time_s(steps[b], dev)
         except Exception as e:
             steps.pop(b, None)
             row["errors"][b] = f"warm compile: {type(e).__name__}: {e}".splitlines()[0][:200]
@@ -451,9 +439,6 @@ def main() -> int:
         dev, dtype, args.rounds = "cpu", torch.float32, 1
     elif torch.cuda.is_available():
         dev, dtype = "cuda", getattr(torch, args.dtype)
-        import torch.distributed as dist
-        if not dist.is_initialized():  # commfuse.tune's timers put a barrier between ranks: one rank here
-            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     else:
         print("bench/models.py measures on a GPU and no CUDA device is visible; --cpu --tiny checks the "
               "script on CPU.", file=sys.stderr)

@@ -15,58 +15,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from . import choices, tuning
-
-
-def cuda_graph_time_us(fn, iters=100, reps=5) -> float:
-    """Median per-call µs of `fn` replayed from a CUDA graph of `iters` calls."""
-    return replay_time_us(capture(fn, iters), iters, reps)
-
-
-def interleaved_times_us(fns: dict, rounds=3, iters=100, failed=None) -> dict:
-    """Per-call µs of each of `fns`, its best median over rounds that take them in turn: variants
-    compared side by side see the same drift (clocks, the other ranks' skew). With a `failed`
-    dict, one that cannot be captured is left out and its error put there instead of raised."""
-    graphs, best = {}, {}
-    for name, fn in fns.items():
-        try:
-            graphs[name] = capture(fn, iters)
-        except Exception as e:
-            if failed is None:
-                raise
-            failed[name] = e
-    for _ in range(rounds):
-        for name, graph in graphs.items():
-            best[name] = min(best.get(name, float("inf")), replay_time_us(graph, iters))
-    return best
-
-
-def capture(fn, iters=100):
-    """A CUDA graph of `iters` calls of `fn`, after warm-up calls on a side stream."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(iters):
-            fn()
-    return graph
-
-
-def replay_time_us(graph, iters, reps=5) -> float:
-    times = []
-    for _ in range(reps):
-        dist.barrier()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / iters)
-    return sorted(times)[len(times) // 2]
+from .runtime.timing import cuda_graph_time_us, interleaved_times_us
 
 
 def kernels(world: int, dtype):
@@ -81,7 +30,7 @@ def kernels(world: int, dtype):
 
 
 def launcher(kernel, pool, numel, out, dtype):
-    cfg = choices.comm_launch(numel)
+    cfg = choices.Choices().comm_launch(numel)
     peers = pool.peer_views(0, numel, dtype)
     sigs = pool.signals
     rank = pool.rank

@@ -1,0 +1,102 @@
+"""Timers shared by the all-reduce tuner (`commfuse.tune`) and the benchmarks in bench/.
+
+GPU times are medians of repetitions, taken between CUDA events: of a CUDA graph of many calls
+replayed (GPU time, no host overhead), or of a loop of plain calls (what a user's loop sees). When
+a process group is up, the ranks meet at a barrier before each repetition, so that collectives are
+timed together rather than waiting for a late rank."""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def wall_time_s(fn, device) -> float:
+    """Seconds of one call of `fn`, its device work included (a first call: compile time)."""
+    sync(device)
+    barrier()
+    t0 = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - t0
+
+
+def _median_us(run, iters: int, reps: int) -> float:
+    """Median over `reps` of the µs per call of `run()`, which makes `iters` calls, between events."""
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        barrier()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / iters)
+    return sorted(times)[len(times) // 2]
+
+
+def loop_time_us(fn, iters=200, reps=5, warmup=5) -> float:
+    """Median µs per call of `fn` called in a loop of `iters`, as a user's loop calls it."""
+    for _ in range(warmup):
+        fn()
+
+    def run():
+        for _ in range(iters):
+            fn()
+    return _median_us(run, iters, reps)
+
+
+def capture(fn, iters=100):
+    """A CUDA graph of `iters` calls of `fn`, after warm-up calls on a side stream."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(iters):
+            fn()
+    return graph
+
+
+def replay_time_us(graph, iters, reps=5) -> float:
+    """Median µs per call of a graph of `iters` calls (`capture`), replayed `reps` times."""
+    return _median_us(graph.replay, iters, reps)
+
+
+def cuda_graph_time_us(fn, iters=100, reps=5) -> float:
+    """Median per-call µs of `fn` replayed from a CUDA graph of `iters` calls."""
+    return replay_time_us(capture(fn, iters), iters, reps)
+
+
+def interleaved_times_us(fns: dict, rounds=3, iters=100, failed=None) -> dict:
+    """Per-call µs of each of `fns`, its best median over rounds that take them in turn: variants
+    compared side by side see the same drift (clocks, the other ranks' skew). With a `failed`
+    dict, one that cannot be captured is left out and its error put there instead of raised."""
+    graphs, best = {}, {}
+    for name, fn in fns.items():
+        try:
+            graphs[name] = capture(fn, iters)
+        except Exception as e:
+            if failed is None:
+                raise
+            failed[name] = e
+    for _ in range(rounds):
+        for name, graph in graphs.items():
+            best[name] = min(best.get(name, float("inf")), replay_time_us(graph, iters))
+    return best
