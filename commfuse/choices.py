@@ -277,7 +277,7 @@ def comm_choice(collective: str, x, reduce_op: str, group_name: str) -> tuple[st
 
 def all_reduce_algorithm(world: int, nbytes: int, device) -> tuple[str, str]:
     """From a tuned table that matches this host and covers the size, else built-in thresholds."""
-    from .tuning import lookup
+    from .tuned_tables import lookup
     best = lookup(world, nbytes, device)
     if best is not None:
         algo, table = best
@@ -296,7 +296,7 @@ def all_reduce_with_epilogue(world: int, rows: int, nbytes: int, device, current
     fused row reduction (a norm), from the table's fused measurements (`prologue`: its input's
     producer is pointwise, so one-shot can fuse it too); None keeps `current` (forced by config,
     torch's kernel, or no such measurements: the choice for the all-reduce alone stands)."""
-    from .tuning import lookup
+    from .tuned_tables import lookup
     if config.comm.algorithm != "auto" or current not in SYMM_ALGORITHMS:
         return None
     best = lookup(world, nbytes, device, rows=rows, prologue=prologue)

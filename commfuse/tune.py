@@ -1,7 +1,7 @@
 """`torchrun --nproc-per-node N -m commfuse.tune --out TABLE.json`: time commfuse's one-shot and
 two-shot all-reduce kernels and the c10d collective over a grid of sizes on this host, and each
 symmetric-memory algorithm with a residual add and RMSNorm fused over a grid of (rows, hidden),
-under CUDA graphs; write the table the compiler's algorithm choice reads (commfuse/tuning.py)."""
+under CUDA graphs; write the table the compiler's algorithm choice reads (commfuse/tuned_tables.py)."""
 from __future__ import annotations
 
 import argparse
@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from . import choices, tuning
+from . import choices, tuned_tables
 from .runtime.timing import cuda_graph_time_us, interleaved_times_us
 
 
@@ -102,7 +102,7 @@ def measure_fused(rows_grid, hiddens, dtype=torch.bfloat16, k=16) -> list[dict]:
                 want = fn(x, res)
                 runs = {}
                 torch._dynamo.reset()  # one code object: a fresh cache per shape, under the recompile limit
-                for algo in tuning.FUSED_ALGORITHMS if prologue else ("one_shot", "two_shot"):
+                for algo in tuned_tables.FUSED_ALGORITHMS if prologue else ("one_shot", "two_shot"):
                     compiled = torch.compile(fn, backend="commfuse", dynamic=False,
                                              options={"comm.algorithm": algo})
                     for g, r in zip(compiled(x, res), want):
@@ -144,7 +144,7 @@ def main(argv=None):
     rows = measure(sizes)
     fused = measure_fused(args.fused_rows, args.fused_hidden)
     if dist.get_rank() == 0:
-        table = {"host": {**tuning.host_key(dist.get_world_size(), "cuda"), "link": "nvlink"},
+        table = {"host": {**tuned_tables.host_key(dist.get_world_size(), "cuda"), "link": "nvlink"},
                  "dtype": "bfloat16", "unit": "us, CUDA graphs, median", "measurements": rows,
                  "fused": fused}
         with open(args.out, "w") as f:
@@ -152,7 +152,7 @@ def main(argv=None):
         for r in rows + fused:
             where = f"{r['bytes']:>10} B" if "bytes" in r else \
                 f"{r['rows']:>4} x {r['row_bytes']:>6} B + norm{', prologue' if r['prologue'] else ''}"
-            timed = {a: r[a] for a in tuning.ALGORITHMS + tuning.FUSED_ALGORITHMS if a in r}
+            timed = {a: r[a] for a in tuned_tables.ALGORITHMS + tuned_tables.FUSED_ALGORITHMS if a in r}
             print(f"{where}  " + "  ".join(f"{a} {t:7.1f}" for a, t in timed.items())
                   + f"  -> {min(timed, key=timed.get)}")
     dist.barrier()

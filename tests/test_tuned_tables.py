@@ -2,7 +2,7 @@
 import glob
 import json
 
-from commfuse import tuning
+from commfuse import tuned_tables
 
 TABLE = {
     "host": {"gpu": "cpu", "world": 2},
@@ -17,37 +17,37 @@ TABLE = {
 
 
 def test_all_reduce_alone_takes_the_nearest_size_within_range():
-    assert tuning.best_algorithm(TABLE, 4096) == "one_shot"
-    assert tuning.best_algorithm(TABLE, 3 << 19) == "two_shot"   # 1.5 MiB: nearest is 1 MiB
-    assert tuning.best_algorithm(TABLE, 48 << 20) == "c10d"
-    assert tuning.best_algorithm(TABLE, 1024) is None             # below half the smallest size
-    assert tuning.best_algorithm(TABLE, 256 << 20) is None        # above twice the largest
+    assert tuned_tables.best_algorithm(TABLE, 4096) == "one_shot"
+    assert tuned_tables.best_algorithm(TABLE, 3 << 19) == "two_shot"   # 1.5 MiB: nearest is 1 MiB
+    assert tuned_tables.best_algorithm(TABLE, 48 << 20) == "c10d"
+    assert tuned_tables.best_algorithm(TABLE, 1024) is None             # below half the smallest size
+    assert tuned_tables.best_algorithm(TABLE, 256 << 20) is None        # above twice the largest
 
 
 def test_fused_choice_by_rows_and_producer():
-    assert tuning.best_fused_algorithm(TABLE, 1, 8192, prologue=False) == "two_shot"
-    assert tuning.best_fused_algorithm(TABLE, 2, 8192, prologue=False) == "two_shot"
-    assert tuning.best_fused_algorithm(TABLE, 16, 8192, prologue=False) == "one_shot"
-    assert tuning.best_fused_algorithm(TABLE, 1, 8192, prologue=True) == "one_shot_apart"
-    assert tuning.best_fused_algorithm(TABLE, 8, 8192, prologue=True) == "one_shot"
-    assert tuning.best_fused_algorithm(TABLE, 64, 8192, prologue=False) is None  # 8x the most rows
-    assert tuning.best_fused_algorithm(TABLE, 1, 1024, prologue=False) is None
+    assert tuned_tables.best_fused_algorithm(TABLE, 1, 8192, prologue=False) == "two_shot"
+    assert tuned_tables.best_fused_algorithm(TABLE, 2, 8192, prologue=False) == "two_shot"
+    assert tuned_tables.best_fused_algorithm(TABLE, 16, 8192, prologue=False) == "one_shot"
+    assert tuned_tables.best_fused_algorithm(TABLE, 1, 8192, prologue=True) == "one_shot_apart"
+    assert tuned_tables.best_fused_algorithm(TABLE, 8, 8192, prologue=True) == "one_shot"
+    assert tuned_tables.best_fused_algorithm(TABLE, 64, 8192, prologue=False) is None  # 8x the most rows
+    assert tuned_tables.best_fused_algorithm(TABLE, 1, 1024, prologue=False) is None
     # measured with one kind of producer only: those measurements stand for both
     only_mm = {**TABLE, "fused": TABLE["fused"][:2]}
-    assert tuning.best_fused_algorithm(only_mm, 1, 8192, prologue=True) == "two_shot"
+    assert tuned_tables.best_fused_algorithm(only_mm, 1, 8192, prologue=True) == "two_shot"
     only_pointwise = {**TABLE, "fused": TABLE["fused"][2:]}  # apart means one-shot without a producer
-    assert tuning.best_fused_algorithm(only_pointwise, 1, 8192, prologue=False) == "one_shot"
-    assert tuning.best_fused_algorithm({"measurements": []}, 1, 8192, prologue=False) is None
+    assert tuned_tables.best_fused_algorithm(only_pointwise, 1, 8192, prologue=False) == "one_shot"
+    assert tuned_tables.best_fused_algorithm({"measurements": []}, 1, 8192, prologue=False) is None
 
 
 def test_shipped_tables_are_complete():
-    paths = glob.glob(f"{tuning.TABLE_DIR}/*.json")
+    paths = glob.glob(f"{tuned_tables.TABLE_DIR}/*.json")
     assert paths
     for path in paths:
         table = json.load(open(path))
         assert {"gpu", "world"} <= set(table["host"]), path
         for row in table["measurements"]:
-            assert all(row[a] > 0 for a in tuning.ALGORITHMS), (path, row)
+            assert all(row[a] > 0 for a in tuned_tables.ALGORITHMS), (path, row)
         for row in table.get("fused", []):
             assert row["rows"] >= 1 and row["row_bytes"] > 0 and isinstance(row["prologue"], bool), (path, row)
             assert row["one_shot"] > 0 and row["two_shot"] > 0, (path, row)
