@@ -15,17 +15,15 @@ import sympy
 import torch
 import torch.fx
 
-from . import config, ir, sizevars
-from .ir import TensorBox
+from commfuse.lowering import load_all, lowerings
+from commfuse.lowering.extern import fallback
+
+from . import config, ir, memory, sizevars
+from .ir import TensorBox, meta_layout
+from .runtime.loader import interpreting
 from .virtualized import V
 
 log = logging.getLogger("commfuse")
-
-
-def meta_layout(val: torch.Tensor, cls=ir.FixedLayout) -> ir.Layout:
-    """Layout of a tensor as the kernels see it: offsets count from its data pointer."""
-    return cls(val.device, val.dtype, [sizevars.from_torch(s) for s in val.shape],
-               [sizevars.from_torch(s) for s in val.stride()])
 
 
 class LoweringError(RuntimeError):
@@ -80,7 +78,6 @@ class GraphLowering(torch.fx.Interpreter):
 
     # FX handlers --------------------------------------------------------------
     def run(self):
-        from commfuse.lowering import load_all
         load_all()
         with V.set_graph(self):
             super().run(*self.example_inputs)
@@ -144,8 +141,6 @@ class GraphLowering(torch.fx.Interpreter):
         return value
 
     def call_function(self, target, args, kwargs):
-        from commfuse.lowering import lowerings
-        from commfuse.lowering.extern import fallback
         node = self.current_node
         val = node.meta.get("val")
         if isinstance(val, torch.SymInt) or (isinstance(val, (int, bool)) and target is not operator.getitem):
@@ -220,7 +215,7 @@ class GraphLowering(torch.fx.Interpreter):
         """Store pointwise operands, the heaviest first, while a value built from them would read
         more bytes than choices allows: it then starts from stored values instead of keeping every
         buffer its chain of inlined ops reads alive until one kernel at the end."""
-        from . import choices, memory
+        from . import choices
         if config.realize_acc_reads_size_threshold is None:
             return
         boxes = [ir.view_root(x) for x in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(x, TensorBox)]
@@ -303,7 +298,6 @@ def _why_not_lowered(target, lowerings, args, kwargs, meta) -> str | None:
 def _touches_cpu_on_gpu_host(args, kwargs, meta) -> bool:
     """Small CPU tensors in a CUDA program (positions, scalars, masks built on the host) run
     through aten: our kernels there are compiled for the GPU."""
-    from .runtime.loader import interpreting
     if interpreting() or not torch.cuda.is_available():
         return False
     for x in torch.utils._pytree.tree_leaves((args, kwargs, meta)):

@@ -96,6 +96,13 @@ def contiguous_layout(device, dtype, size, cls=FlexibleLayout) -> Layout:
     return cls(device, dtype, list(size), sizevars.contiguous_strides(size))
 
 
+def meta_layout(val: torch.Tensor, cls=FixedLayout) -> Layout:
+    """Layout of a tensor (an FX node's meta value) as the kernels see it: offsets count from its
+    data pointer."""
+    return cls(val.device, val.dtype, [sizevars.from_torch(s) for s in val.shape],
+               [sizevars.from_torch(s) for s in val.stride()])
+
+
 # ----------------------------------------------------------------------------- base
 class IRNode:
     def get_size(self) -> list:

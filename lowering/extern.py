@@ -9,8 +9,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from commfuse import ir, sizevars
-from commfuse.graph import meta_layout
-from commfuse.ir import TensorBox
+from commfuse.ir import TensorBox, meta_layout
 from commfuse.virtualized import V
 
 

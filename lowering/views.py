@@ -267,14 +267,13 @@ def _cat_by_out_views(tensors, dim, offsets, dtype):
     """A cat of extern outputs (matmuls) that feed only the cat: allocate the cat once and let each
     op write its slice through `out=`, instead of copying every input in a kernel."""
     from commfuse import choices
-    from commfuse.graph import meta_layout
     node = V.graph.current_node
     parts = [t.data for t in tensors]
     if node is None or len(node.args[0]) != len(parts) or len({id(p) for p in parts}) < len(parts) \
             or any(not isinstance(p, ir.ExternKernel) or p.get_dtype() != dtype for p in parts) \
             or any(not isinstance(n, torch.fx.Node) or len(n.users) != 1 for n in node.args[0]):
         return None  # another reader would see the op's output at the cat's strides
-    layout = meta_layout(node.meta["val"])
+    layout = ir.meta_layout(node.meta["val"])
     slices = [ir.FixedLayout(layout.device, dtype, list(p.get_size()), list(layout.stride), off * layout.stride[dim])
               for p, off in zip(parts, offsets)]
     if not all(choices.extern_writes_slice(p, s) for p, s in zip(parts, slices)):
