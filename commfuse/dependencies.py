@@ -107,30 +107,12 @@ def index_vars(prefix: str, sizes) -> list:
     return [sympy.Integer(0) if s == 1 else index_symbol(prefix, i) for i, s in enumerate(sizes)]
 
 
-def run_node_body(buf, index, rindex=None):
-    """Run a ComputedBuffer's body (load... compute... store) under the active handler."""
-    from .ir import Reduction
-    from .virtualized import ops
-    data = buf.data
-    if isinstance(data, Reduction):
-        value = data.inner_fn(index, rindex)
-        acc = ops.reduction(data.dtype, data.src_dtype, data.reduction_type, value)
-        return ops.store_reduction(buf.name, buf.layout.index(index), acc)
-    return ops.store(buf.name, buf.layout.index(index), data.inner_fn(index))
-
-
 def trace_body(loops, store_name=None, layout=None, inline=None) -> BodyTrace:
-    """Record a loop body with symbolic indices i*, r*; loads of `inline` are recomputed."""
-    from .ir import Reduction
+    """Record a loop body (ir.Loops) with symbolic indices i*, r*; loads of `inline` are recomputed."""
     handler = RecordingOps()
     index = index_vars("i", loops.ranges)
     with V.set_ops(InlineLoads(handler, inline) if inline else handler):
-        if isinstance(loops, Reduction):
-            rindex = index_vars("r", loops.reduction_ranges)
-            value = loops.inner_fn(index, rindex)
-            value = handler.reduction(loops.dtype, loops.src_dtype, loops.reduction_type, value)
-        else:
-            value = loops.inner_fn(index)
+        value = loops.value(index, index_vars("r", loops.reduction_ranges))
         if store_name is not None:
             handler.store(store_name, layout.index(index), value)
         else:

@@ -15,6 +15,7 @@ import sympy
 import torch
 
 from . import sizevars
+from .dependencies import trace_body
 from .sizevars import Expr, index_symbol
 from .virtualized import V, ops
 
@@ -138,6 +139,13 @@ class Loops(IRNode):
     def get_device(self):
         return self.device
 
+    reduction_ranges = ()  # a Reduction's own field; none for a Pointwise
+
+    def value(self, index, rindex=None):
+        """The body's value at `index` under the active ops handler (a Reduction's: the values
+        over `rindex` combined)."""
+        return self.inner_fn(index)
+
 
 class Pointwise(Loops):
     def make_loader(self):
@@ -156,6 +164,9 @@ class Reduction(Loops):
     def make_loader(self):
         raise AssertionError("a Reduction is realized before it is read")
 
+    def value(self, index, rindex=None):
+        return ops.reduction(self.dtype, self.src_dtype, self.reduction_type, self.inner_fn(index, rindex))
+
     def __str__(self):
         return (f"Reduction({self.reduction_type}, {self.dtype}, ranges={self.ranges}, "
                 f"reduction_ranges={self.reduction_ranges}, body={body_str(self)})")
@@ -163,7 +174,6 @@ class Reduction(Loops):
 
 def body_str(loops: Loops) -> str:
     """Render a loop body with the dependency recorder (for dumps)."""
-    from .dependencies import trace_body
     return trace_body(loops).text
 
 
@@ -220,6 +230,11 @@ class ComputedBuffer(Buffer):
 
     def is_reduction(self) -> bool:
         return isinstance(self.data, Reduction)
+
+    def store_body(self, index, rindex=None):
+        """Run the body at `index` under the active ops handler: load, compute, store."""
+        store = ops.store_reduction if self.is_reduction() else ops.store
+        return store(self.name, self.layout.index(index), self.data.value(index, rindex))
 
     def __str__(self):
         return f"{self.name}: {type(self.layout).__name__}{list(self.layout.size)} = {self.data}"
@@ -446,5 +461,4 @@ def as_strided_view(box: TensorBox) -> ReinterpretView | None:
 
 
 def body_reads(loops: Loops) -> set:
-    from .dependencies import trace_body
     return {r.name for r in trace_body(loops).reads}

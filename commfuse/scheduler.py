@@ -16,7 +16,7 @@ import itertools
 import sympy
 
 from . import choices, config, ir, loop_order, memory, remat, sizevars
-from .dependencies import InlineLoads, index_vars, run_node_body, trace_body
+from .dependencies import InlineLoads, MemoryAccess, index_vars, trace_body
 from .sizevars import index_symbol
 from .virtualized import V
 
@@ -57,9 +57,9 @@ class SchedulerNode:
     def run_body(self, index, rindex=None):
         """Run the body at `index` under the active ops handler, recomputing inlined buffers."""
         if not self.inlined:
-            return run_node_body(self.buf, index, rindex)
+            return self.buf.store_body(index, rindex)
         with V.set_ops(InlineLoads(V.ops, self.inlined)):
-            return run_node_body(self.buf, index, rindex)
+            return self.buf.store_body(index, rindex)
 
     def _storage_order(self) -> list:
         """Loops of a pointwise node in the order its output is stored (outermost: largest
@@ -131,7 +131,6 @@ def _drop_constants(m):
 
 
 def _whole(name):
-    from .dependencies import MemoryAccess
     return MemoryAccess(name, sympy.Symbol("whole"), indirect=True)
 
 
