@@ -22,19 +22,18 @@ def _describe(plan: dict) -> list:
     return [(b["name"], b["pool"], b["offset"], b["bytes"], str(b["dtype"]), list(b["size"])) for b in plan["buffers"]]
 
 
-def check_plans_agree(graph_id: str, pools: dict, buffers: list, protocol: list = ()) -> None:
-    """`protocol`: each comm kernel's [name, algorithm, programs, barriers] in launch order; ranks
-    that differ there (another algorithm, grid or prologue, from a differing config or table)
-    would wait at barriers the others never reach."""
-    from torch.distributed.distributed_c10d import _get_default_store
-    from .symm import group_of
+def check_plans_agree(graph_id: str, pools: dict, buffers: list, groups: dict, protocol: list = ()) -> None:
+    """`groups`: the process group of each group name in `pools`. `protocol`: each comm kernel's
+    [name, algorithm, programs, barriers] in launch order; ranks that differ there (another
+    algorithm, grid or prologue, from a differing config or table) would wait at barriers the
+    others never reach."""
+    from torch.distributed.distributed_c10d import _get_default_store  # c10d internals: only when checking
     plan = {"graph": graph_id.split("_", 1)[1], "buffers": buffers,
             "pools": {k: [g, n] for k, (g, _d, n) in pools.items()}}
     mine = json.dumps({"graph": plan["graph"], "buffers": _describe(plan), "pools": plan["pools"],
                        "protocol": [list(p) for p in protocol]})
     for group_name in sorted({g for g, _, _ in pools.values()}):
-        group = group_of(group_name)
-        ranks = dist.get_process_group_ranks(group)
+        ranks = dist.get_process_group_ranks(groups[group_name])
         seq = _sequence[group_name] = _sequence.get(group_name, 0) + 1
         store = _get_default_store()
         prefix = f"commfuse/plan/{group_name}/{seq}"

@@ -18,6 +18,8 @@ import uuid
 import torch
 import torch.distributed as dist
 
+from .plan_check import check_plans_agree
+
 ALIGN = 128          # bytes: every buffer starts on a vectorizable boundary
 SIGNAL_PROGRAMS = 1024  # comm-kernel programs that own a barrier slot (the grid of one kernel)
 
@@ -157,8 +159,8 @@ class CommState:
 
     def __init__(self, graph_id: str, pools: dict, buffers: list, protocol: list = ()):
         self.graph_id, self.pools_needed, self.buffers = graph_id, pools, buffers
-        from .plan_check import check_plans_agree
-        check_plans_agree(graph_id, pools, buffers, list(protocol))
+        groups = {g: group_of(g) for g, _, _ in pools.values()}
+        check_plans_agree(graph_id, pools, buffers, groups, list(protocol))
         self.refresh()
 
     def refresh(self):
