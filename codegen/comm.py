@@ -18,7 +18,7 @@ import dataclasses
 
 import torch
 
-from commfuse.choices import next_pow2
+from commfuse.sizevars import next_pow2
 from commfuse.runtime.loader import interpreting
 from commfuse.runtime.symm import signal_stride
 
@@ -143,10 +143,11 @@ def one_shot_all_reduce(name: str, world: int, reduce_op: str, dtype: torch.dtyp
     return code.getvalue()
 
 
-def two_shot_all_reduce(name: str, world: int, reduce_op: str, dtype: torch.dtype) -> str:
+def two_shot_all_reduce(name: str, world: int, reduce_op: str, dtype: torch.dtype, inplace: bool = False) -> str:
     """Reduce-scatter then all-gather over symmetric memory: rank r reduces chunk r from every
     peer into its own buffer (no peer reads chunk r of it), then everyone gathers the chunks.
-    Each rank moves 2N bytes instead of the one-shot's W*N."""
+    Each rank moves 2N bytes instead of the one-shot's W*N. The same kernel runs in place: every
+    chunk is gathered only after the barrier that follows its reduction."""
     tdt = triton_dtype(dtype)
     code, sync, params = _signature(name, world)
     with code.indent():

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 
-from commfuse import choices, ir
+from commfuse import ir
 from commfuse.runtime.loader import interpreting
 from commfuse.scheduler import RSYM, XSYM
 from commfuse.virtualized import V
@@ -60,7 +60,7 @@ def render(buf: ir.MatmulTemplate, name: str) -> tuple[str, dict]:
     """The kernel's source, and what the wrapper needs to launch it."""
     m, k = (int(s) for s in buf.a_size)
     n = int(buf.layout.size[1])
-    cfg = choices.mm_template_config(m, n, k)
+    cfg = V.choices.mm_template_config(m, n, k)
     loads = OperandLoads(m, k, prefetch=buf.prologue)
     with V.set_ops(TritonOps(loads)):
         a = buf.a_loader([XSYM, RSYM])

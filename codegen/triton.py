@@ -15,10 +15,11 @@ import itertools
 import sympy
 import torch
 
-from commfuse import choices, config, sizevars
+from commfuse import config, sizevars
 from commfuse.scheduler import RSYM, XSYM
 from commfuse.virtualized import V
 
+from . import comm as comm_codegen
 from .block_ptr import Axis, block_ptr
 from .common import IndentedBuffer, compute_dtype, literal, texpr, triton_dtype
 from .triton_ops import TritonOps, Var, store_text
@@ -53,7 +54,7 @@ class TritonKernel:
         # after loop reordering) loops over square tiles so both directions stay coalesced
         self.transposed = group.is_reduction() and not self.tiled and group.walks_transposed()
         reads_peers = _reads_peers(group)
-        self.persistent = self.tiled or (self.is_red and not self.transposed and choices.is_persistent(rn, reads_peers))
+        self.persistent = self.tiled or (self.is_red and not self.transposed and V.choices.is_persistent(rn, reads_peers))
         self.args: dict[str, str] = {}            # buffer -> parameter
         self.size_symbols: set = set()
         self.sections: list[Section] = []
@@ -135,7 +136,7 @@ class TritonKernel:
         index = self.simplify_index(index)
         if any(s.name.startswith("tmp") for s in index.free_symbols):  # indirect
             return None
-        blocks = choices.kernel_config(self.kind, int(self.X), int(self.R))
+        blocks = V.choices.kernel_config(self.kind, int(self.X), int(self.R))
         axes = [Axis(XSYM, int(self.X), "XBLOCK", "xoffset", blocks["XBLOCK"])]
         if not self.is_red:
             target = ["XBLOCK"]
@@ -244,47 +245,27 @@ class TritonKernel:
 
     def peer_reduce(self, name: str, index: sympy.Expr, reduce_op: str) -> Var:
         """Every rank's copy of comm buffer `name` at `index`, combined: an all-reduce element."""
-        from . import comm as comm_codegen
-        group = V.graph.comm_buffers[name][1]
+        plan = V.graph.comm_plan(name)
         if self.comm is None:
-            self.comm = comm_codegen.KernelComm(group, choices.group_size(group))
+            self.comm = comm_codegen.KernelComm(plan.group, plan.world)
             for a in self.comm.sync_args():
                 self.arg(a)
-        assert self.comm.group == group, "one process group per kernel"
-        two_shot = self._two_shot(name, index)
+        assert self.comm.group == plan.group, "one process group per kernel"
         if name not in self.values:
             self.reads_outside_peers = True
-        if two_shot:
+        if plan.algorithm.gathers_shares:
             return self._gather_share(name, index, reduce_op)
         if name in self.values and name not in self.published:
             # the prologue wrote our copy in this kernel: publish it before anyone reads
             self.comm.barrier(self.cur.body, self.args, release=True)
-            self.published |= {n for n in self.values if n in V.graph.comm_buffers}
+            self.published |= {n for n in self.values if V.graph.comm_plan(n)}
         loads = self._peer_loads(name, self.index_str(index), lambda r: self.mask())
         return self.newvar(comm_codegen.combine(loads, reduce_op, self.comm.world), V.graph.get_dtype(name))
 
     def _peer_loads(self, name: str, idx: str, mask_of) -> list[str]:
         """Every rank's copy of comm buffer `name` at `idx` (as fp32), rank r's under `mask_of(r)`."""
-        from . import comm as comm_codegen
         return [f"tl.load({self.arg(comm_codegen.peer_arg(name, r))} + ({idx}), {mask_of(r)}, other=0).to(tl.float32)"
                 for r in range(self.comm.world)]
-
-    def _two_shot(self, name: str, index: sympy.Expr) -> bool:
-        """Read `name` two-shot? Before the body, each rank reduces its share of every block into
-        its own copy (`_reduce_shares`); the body then gathers each element from the rank that
-        reduced it. The shares must be fixed by the block alone (a pointwise kernel, or whole
-        rows), the buffer read by this one node and nowhere else (it is overwritten), each
-        element once (its size is the kernel's), and written by an earlier kernel."""
-        if name in self.two_shot:
-            return True
-        if V.graph.comm_algorithms.get(name) != "two_shot" or name in self.values or self.mask_stack:
-            return False
-        if self.is_red and not (self.persistent and self.in_loop()):
-            return False
-        sched, buf = self.scheduler, V.graph.get_buffer(name)
-        return (len(sched.node_readers[name]) == 1 and name not in sched.output_names
-                and sizevars.equal(buf.get_numel(), self.X * self.R)
-                and (index.has(XSYM) or self.X == 1) and (index.has(RSYM) or not self.is_red))
 
     def _share_owner(self) -> str:
         """The rank that reduces an element: a contiguous 1/W of each block's columns (or lanes)."""
@@ -292,6 +273,10 @@ class TritonKernel:
         return f"(rindex * {w}) // rnumel" if self.is_red else f"((xindex - xoffset) * {w}) // XBLOCK"
 
     def _gather_share(self, name: str, index: sympy.Expr, reduce_op: str) -> Var:
+        """Two-shot, as its plan says (the scheduler checked that this kernel can gather the shares:
+        `fit_comm_plans`): the element from the rank that reduced it."""
+        assert name not in self.values and not self.mask_stack and (not self.is_red or self.persistent and self.in_loop()), \
+            f"two-shot read of {name} in a kernel that cannot gather shares (Scheduler.fit_comm_plans)"
         idx, mask = self.index_str(index), self.mask()
         if name in self.two_shot:
             assert self.two_shot[name][0] == idx, f"two-shot buffer {name} read at two indices"
@@ -306,7 +291,6 @@ class TritonKernel:
     def _reduce_shares(self, code: IndentedBuffer) -> None:
         """Two-shot's first pass: this rank's share of each block, reduced over the peers, stored
         into its own copy, where the peers gather it from once the barrier after it is passed."""
-        from . import comm as comm_codegen
         with self._block_loop(code):
             code.writeline(f"mine = ({self._share_owner()}) == {self.args['@rank']}")
             for name, (idx, mask, reduce_op, _) in self.two_shot.items():
@@ -538,6 +522,6 @@ def choose_tile(group):
             (cx, cr), _ = aff
             along_rows |= cx == 1 and cr not in (0, 1)
             along_columns |= cr == 1
-        if along_rows and along_columns and choices.should_tile(sizevars.hint(X), sizevars.hint(R)):
+        if along_rows and along_columns and V.choices.should_tile(sizevars.hint(X), sizevars.hint(R)):
             return X, R
     return None

@@ -7,8 +7,8 @@ import collections
 import sympy
 import torch
 
-from commfuse import choices, ir, memory, sizevars
-from commfuse.scheduler import Scheduler
+from commfuse import ir, memory, sizevars
+from commfuse.virtualized import V
 
 from .common import IndentedBuffer, pexpr
 from . import comm as comm_codegen
@@ -30,7 +30,7 @@ _workspaces = {{}}  # scratch of split-K matmuls, kept zeroed between calls
 
 
 class WrapperCodegen:
-    def __init__(self, graph, scheduler: Scheduler):
+    def __init__(self, graph, scheduler):
         self.graph, self.sched = graph, scheduler
         scheduler.code_renderer = self.debug_code
         self.kernel_sources: dict[int, str] = {}  # group id -> its kernel, as generated
@@ -42,7 +42,7 @@ class WrapperCodegen:
         self.allocations: list[dict] = []
         self.constants: dict[str, object] = dict(graph.constants)
         self.bound: set = set()
-        self.comm_plan = self.plan_comm_buffers()
+        self.comm_placements, self.pool_sizes = memory.plan_comm_pools(scheduler, graph.comm_plans)
         self.names: dict[str, str] = {}     # buffer -> variable holding it (after reuse)
         self.allocated: set = set()
 
@@ -94,7 +94,7 @@ class WrapperCodegen:
         self.body.writeline("args.clear()")
         for name in g.constants:
             self.body.writeline(f"{name} = constants[{name!r}]")
-        if self.comm_plan:
+        if self.comm_placements:
             self.body.writeline("if _comm is None:")
             self.body.writeline("    _setup_comm()  # first call: check plans across ranks, take the pools")
             self.body.writeline("comm = _comm.current()")
@@ -136,7 +136,7 @@ class WrapperCodegen:
         code.writeline()
         code.splice(self.kernels)
         code.writeline()
-        if self.comm_plan:
+        if self.comm_placements:
             code.splice(self.comm_setup())
             code.writeline()
         devices = {b.get_device() for b in g.buffers} | {b.get_device() for b in g.graph_inputs.values()
@@ -187,7 +187,7 @@ class WrapperCodegen:
     def allocate(self, buf: ir.Buffer, pool):
         lay = buf.layout
         if isinstance(lay, ir.CommLayout):
-            p = self.comm_plan[buf.name]
+            p = self.comm_placements[buf.name]
             self.body.writeline(f"{buf.name} = comm[{buf.name!r}]  # {p['pool']} [{p['offset']}, +{p['bytes']})")
             return
         nbytes = lay.nbytes_hint()
@@ -224,8 +224,9 @@ class WrapperCodegen:
 
     def kernel(self, grp, step, pool):
         kind = "red" if grp.is_reduction() else "poi"
-        if any(n.name in self.graph.comm_results for n in grp.nodes):
-            kind = "allreduce"  # a one-shot all-reduce with its fused neighbours
+        plans = [p for p in self.graph.comm_plans if p.result in grp.names]
+        if plans:
+            kind = "allreduce"  # a fused all-reduce with its neighbours
         ops_names = "_".join(sorted({_short(n) for n in grp.nodes}))[:40]
         name = f"cf_{kind}_{ops_names}_{step}"
         tile = choose_tile(grp)
@@ -239,11 +240,11 @@ class WrapperCodegen:
                 self.allocate(n.buf, pool)
         X, R = k.X, k.R
         comm = meta["comm"]
-        pool = comm and self.comm_plan[next(a.split("@")[0] for a in k.args if "@peer" in a)]["pool"]
+        pool = comm and self.comm_placements[next(a.split("@")[0] for a in k.args if "@peer" in a)]["pool"]
         if comm:
-            blocks = choices.comm_kernel_blocks(int(X), int(R), meta["persistent"], meta["reduction"])
+            blocks = V.choices.comm_kernel_config(meta["kind"], int(X), int(R))
         else:
-            blocks = choices.kernel_config(meta["kind"], sizevars.hint(X), sizevars.hint(R))
+            blocks = V.choices.kernel_config(meta["kind"], sizevars.hint(X), sizevars.hint(R))
         args = [comm_codegen.arg_value(a, pool) if "@" in a else self.ref(a) for a in k.args]
         args += [self.expr(s) for s in meta["size_symbols"]]
         args += [self.expr(X)] + ([self.expr(R)] if meta["reduction"] else [])
@@ -266,7 +267,7 @@ class WrapperCodegen:
                 "tiled": meta["tiled"], "block_ptrs": meta["block_ptrs"]}
         if comm:
             info.update(collective="all_reduce", group=comm.group, fused_nodes=len(grp.nodes),
-                        algorithm="two_shot" if meta["two_shot"] else "one_shot")
+                        algorithm=plans[0].algorithm.name.replace("_apart", ""))
             self.note_comm_kernel(name, info["algorithm"], blocks["programs"], src)
         self.kernel_info.append(info)
 
@@ -344,42 +345,9 @@ class WrapperCodegen:
                                  "config": cfg})
 
     # ------------------------------------------------------------------ collectives
-    def plan_comm_buffers(self) -> dict:
-        """Each comm buffer's slice of its group's pool, packed by live range in the final
-        schedule (buffers never live together share bytes). A deterministic function of the
-        graph, so every rank places every buffer at the same offset; checked at first call."""
-        from commfuse.memory import Interval, pack_intervals
-        from commfuse.runtime.symm import ALIGN
-        step_of = {n.name: i for i, g in enumerate(self.sched.groups) for n in g.nodes}
-        last = {}
-        for i, g in enumerate(self.sched.groups):
-            for name in g.read_names:
-                last[name] = i
-        by_pool, info = {}, {}
-        for name, (kind, group, *feeds) in self.graph.comm_buffers.items():
-            if name in self.sched.removed:
-                continue
-            buf = self.graph.name_to_buffer[name]
-            key = (group, str(buf.get_device()))
-            nbytes = int(buf.layout.storage_numel()) * buf.get_dtype().itemsize
-            start = step_of[name]
-            by_pool.setdefault(key, []).append(Interval(name, nbytes, start, max(last.get(name, start), start)))
-            info[name] = (kind, group, key, nbytes, feeds[0] if feeds else None)
-        plan, self.pool_sizes = {}, {}
-        for i, (key, items) in enumerate(sorted(by_pool.items())):
-            pool = f"pool_{i}"
-            offsets, total = pack_intervals(items, ALIGN)
-            self.pool_sizes[pool] = (key[0], key[1], total)
-            for it in items:
-                kind, group, _, nbytes, feeds = info[it.name]
-                plan[it.name] = {"name": it.name, "group": group, "kind": kind, "pool": pool, "device": key[1],
-                                 "offset": offsets[it.name], "bytes": nbytes, "live": [it.start, it.end],
-                                 "feeds": feeds, "copy_in": it.name in self.graph.comm_copies}
-        return dict(sorted(plan.items(), key=lambda kv: step_of[kv[0]]))
-
     def pool_summary(self) -> list:
         return [{"pool": p, "group": g, "device": d, "planned_bytes": n,
-                 "sum_of_buffers": sum(b["bytes"] for b in self.comm_plan.values() if b["pool"] == p)}
+                 "sum_of_buffers": sum(b["bytes"] for b in self.comm_placements.values() if b["pool"] == p)}
                 for p, (g, d, n) in self.pool_sizes.items()]
 
     def comm_setup(self) -> IndentedBuffer:
@@ -392,7 +360,7 @@ class WrapperCodegen:
             code.writeline("from commfuse.runtime.symm import CommState")
             pools = {p: (g, d, n) for p, (g, d, n) in self.pool_sizes.items()}
             bufs = []
-            for name, p in self.comm_plan.items():
+            for name, p in self.comm_placements.items():
                 lay = self.graph.name_to_buffer[name].layout
                 bufs.append(f"dict(name={name!r}, pool={p['pool']!r}, offset={p['offset']}, bytes={p['bytes']}, "
                             f"size={self.shape(lay.size)}, stride={self.shape(lay.stride)}, "
@@ -404,40 +372,40 @@ class WrapperCodegen:
         return code
 
     def comm_kernel(self, buf: ir.CommKernel, step: int, pool):
-        src = buf.input.name
-        plan = self.comm_plan[src]
-        numel = int(sizevars.product(buf.input.get_size()))
-        if buf.algorithm == "torch_one_shot":
-            self.body.writeline(f"{buf.name} = torch.ops.symm_mem.one_shot_all_reduce({src}, "
-                                f"{buf.reduce_op!r}, {buf.group_name!r})")
-            self.extern_calls.append("symm_mem.one_shot_all_reduce")
-            self.note_comm_kernel(buf.name, buf.algorithm, 0, "")
+        """A collective as its plan says: one line the algorithm gives (`call`), or its standalone
+        Triton kernel launched over the peers' copies of the placed input."""
+        plan, src = buf.plan, buf.input.name
+        algo = plan.algorithm
+        if algo.call is not None:
+            if plan.inplace:
+                self.body.writeline(f"{buf.name} = {src}")
+            self.body.writeline(algo.call(plan, src, buf.name if not plan.inplace else f"_{buf.name}"))
+            if plan.inplace:
+                self.body.writeline(f"{buf.name}.copy_(_{buf.name})")
+            self.extern_calls.append(f"{algo.name} all_reduce")
+            self.note_comm_kernel(buf.name, algo.name, 0, "")
             return
-        algorithm = buf.algorithm  # in place: the two-shot gathers every share into its own buffer
-        name = f"cf_{algorithm}_all_reduce_{buf.reduce_op}_{step}"
-        if algorithm == "two_shot":
-            src_code = comm_codegen.two_shot_all_reduce(name, buf.world_size, buf.reduce_op, buf.get_dtype())
-        else:
-            src_code = comm_codegen.one_shot_all_reduce(name, buf.world_size, buf.reduce_op, buf.get_dtype(),
-                                                        buf.inplace)
+        name = f"cf_{algo.name}_all_reduce_{plan.reduce_op}_{step}"
+        src_code = algo.kernel(name, plan.world, plan.reduce_op, buf.get_dtype(), plan.inplace)
         self.kernels.splice(_lines(src_code))
         self.kernels.writeline()
-        if buf.inplace:
+        if plan.inplace:
             self.body.writeline(f"{buf.name} = {src}  # reduced in place")
         else:
             self.allocate(buf, pool)
-        cfg = choices.comm_launch(numel)
-        p = plan["pool"]
-        peers = ", ".join(f"comm['peers_{src}'][{r}]" for r in range(buf.world_size))
-        sigs = ", ".join(f"comm[{p!r}].signals[{r}]" for r in range(buf.world_size))
+        numel = int(sizevars.product(buf.input.get_size()))
+        cfg = V.choices.comm_launch(numel)
+        p = self.comm_placements[src]["pool"]
+        peers = ", ".join(f"comm['peers_{src}'][{r}]" for r in range(plan.world))
+        sigs = ", ".join(f"comm[{p!r}].signals[{r}]" for r in range(plan.world))
         self.body.writeline(
             f"{name}[({cfg['NPROG']},)]({peers}, {buf.name}, {sigs}, comm[{p!r}].signals[comm[{p!r}].rank], "
             f"comm[{p!r}].rank, {numel}, BLOCK={cfg['BLOCK']}, NPROG={cfg['NPROG']}, num_warps={cfg['num_warps']})")
         self.kernel_info.append({"name": name, "reads": [src], "writes": [buf.name], "nodes": [buf.name],
                                  "reduction": False, "persistent": False, "tiled": False,
-                                 "collective": buf.collective, "reduce_op": buf.reduce_op,
-                                 "algorithm": algorithm})
-        self.note_comm_kernel(name, algorithm, cfg["NPROG"], src_code)
+                                 "collective": plan.collective, "reduce_op": plan.reduce_op,
+                                 "algorithm": algo.name})
+        self.note_comm_kernel(name, algo.name, cfg["NPROG"], src_code)
 
     def note_comm_kernel(self, name: str, algorithm: str, programs: int, src: str) -> None:
         """What the ranks must agree on for their barriers to meet: which comm kernels run, in

@@ -16,10 +16,18 @@ import torch
 from torch._functorch.aot_autograd import aot_module_simplified
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-from . import config, dump
+from commfuse.codegen.wrapper import WrapperCodegen
+
+from . import choices, config, dump, ir
 from .attention import use_sdpa_gqa
-from .reinplace import reinplace_input_updates
 from .decompositions import decomposition_table
+from .graph import GraphLowering
+from .reinplace import reinplace_input_updates
+from .remat import cross_kernel_bytes
+from .runtime.cudagraphs import CudaGraphed, input_roles
+from .runtime.loader import check_triton_mode, load_module
+from .scheduler import Scheduler
+from .virtualized import V
 
 log = logging.getLogger("commfuse")
 _graph_counter = itertools.count()
@@ -121,27 +129,19 @@ def _aten_fallback(gm):
 
 
 def _compile(gm, example_inputs, graph_id, kind="inference", donated=frozenset()):
-    from commfuse.codegen.wrapper import WrapperCodegen
-    from . import ir
-    from .graph import GraphLowering
-    from .remat import cross_kernel_bytes
-    from .runtime.loader import check_triton_mode, load_module
-    from .scheduler import Scheduler
-    from .virtualized import V
-
     t0 = time.time()
     reinplace_input_updates(gm)
-    graph = GraphLowering(gm, example_inputs, graph_id, donated).run()
-    with V.set_graph(graph):
-        pre_fusion = "\n".join(str(b) for b in graph.buffers)
-        sched = Scheduler(graph)
-        wrapper = WrapperCodegen(graph, sched)
-        source = wrapper.generate()
-        post_fusion = sched.debug_str() if config.dump_dir else ""
+    with choices.install():
+        graph = GraphLowering(gm, example_inputs, graph_id, donated).run()
+        with V.set_graph(graph):
+            pre_fusion = "\n".join(str(b) for b in graph.buffers)
+            sched = Scheduler(graph)
+            wrapper = WrapperCodegen(graph, sched)
+            source = wrapper.generate()
+            post_fusion = sched.debug_str() if config.dump_dir else ""
     check_triton_mode({b.get_device().type for b in graph.buffers if isinstance(b, ir.ComputedBuffer)})
     module, path = load_module(source, wrapper.constants)
     if config.cuda_graphs and graph.device_types == {"cuda"}:
-        from .runtime.cudagraphs import CudaGraphed, input_roles
         module.call = CudaGraphed(module.call, graph_id, input_roles(gm, kind))
     summary = {
         "graph_id": graph_id,
@@ -151,10 +151,10 @@ def _compile(gm, example_inputs, graph_id, kind="inference", donated=frozenset()
         "fallback_ops": graph.fallback_ops,
         "fallback_reasons": graph.fallback_reasons,
         "buffers": wrapper.allocations,
-        "comm_buffers": list(wrapper.comm_plan.values()),
+        "comm_plans": [p.record() for p in graph.comm_plans],
+        "comm_buffers": list(wrapper.comm_placements.values()),
         "comm_pools": wrapper.pool_summary(),
-        "comm_fallbacks": graph.comm_fallbacks,
-        "comm_choices": graph.comm_choices,
+        "comm_fallbacks": [p.record() for p in graph.comm_plans if p.algorithm.name == "c10d"],
         "peak_memory_estimate": sched.peak_memory,
         "peak_memory_by_order": sched.peak_memory_by_order,
         "cross_kernel_bytes": cross_kernel_bytes(sched),

@@ -1,345 +1,319 @@
-"""Every heuristic in one place: what fuses, in which order, and how kernels are shaped."""
+"""Every heuristic in one place: what fuses, in which order, how kernels are shaped, and which
+algorithm each collective runs.
+
+Policy is one object, `Choices`, installed on `V` for each compile: `config.choices` (an instance
+of a subclass) replaces it, the way a user or a test changes one decision without forking the
+compiler. Everything else asks `V.choices`.
+"""
 from __future__ import annotations
 
+import os
+
 import torch
+import torch.distributed as dist
 
 from . import config, ir, memory, sizevars
-
-
-def next_pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
-
-
-# ----------------------------------------------------------------------------- fusion
-def can_fuse(a, b) -> tuple[bool, str]:
-    """Policy half of the fusion decision; the scheduler checks legality (shapes, indices, cycles)."""
-    if a.is_extern() or b.is_extern():
-        return False, "extern kernels do not fuse"
-    if len(a.nodes) + len(b.nodes) > config.max_fusion_size:
-        return False, f"group would exceed max_fusion_size={config.max_fusion_size}"
-    if a.device != b.device:
-        return False, "different devices"
-    reads = (a.read_names | b.read_names) - a.write_names - b.write_names
-    if read_bytes_exceeded(reads):
-        return False, f"reads would exceed realize_acc_reads_size_threshold={config.realize_acc_reads_size_threshold}"
-    return True, ""
-
-
-def keep_apart_for_memory(stored_anyway: bool) -> bool:
-    """For a fusion into a reduction that walks its data transposed: a value that other kernels read
-    anyway saves only one read by joining it, and in that tiled kernel it can no longer be written
-    over a dying input (measured on CPU: a GELU backward joining its bias-gradient sum raised an
-    MLP step's peak above eager's). Keep them apart, unless in-place writes are off anyway."""
-    return stored_anyway and config.inplace_buffers
-
-
-def score_fusion(a, b, shared_bytes: int, vertical: bool) -> tuple:
-    """Higher first: vertical fusions (a pass over memory saved) before horizontal ones,
-    then by bytes saved, then nodes that were close in program order."""
-    return (vertical, shared_bytes, -abs(a.order - b.order))
-
-
-def should_realize(loops, users: int, output: bool = False) -> bool:
-    """Store a pointwise value instead of inlining it into its users: when several users would
-    each recompute it at too high a cost, or when it has accumulated too many reads, or when it
-    is a graph output with other users: stored anyway, it is read rather than recomputed, so what
-    it is computed from can die at its producer, which may then write over it (the logits under
-    the log-softmax a forward saves for backward)."""
-    from .dependencies import trace_body
-    if output and users > 1:
-        return True
-    trace = trace_body(loops)
-    if users > 1 and (users > config.realize_reads_threshold
-                      or trace.op_count > config.realize_opcount_threshold):
-        return True
-    reads = {r.name for r in trace.reads}
-    return len(reads) > config.realize_acc_reads_threshold or read_bytes_exceeded(reads)
-
-
-def realize_view_base(view, base) -> bool:
-    """Storing a view of a value not stored yet (an extern's operand, say): store the value
-    itself and pass a strided view of it, rather than a copy laid out as the view? When the view
-    reads every element (reshape, permute, expand) and is a strided view of the value stored
-    contiguously: no more bytes, and the value's other users (a graph output, the backward's saved
-    copy) share the buffer instead of storing it a second time (softmax probabilities, say)."""
-    return sizevars.hint(view.get_numel()) >= sizevars.hint(base.get_numel()) and \
-        ir.is_strided_over_contiguous(view)
-
-
-def read_bytes_exceeded(reads) -> bool:
-    """One value (or kernel) reading these buffers keeps them all alive until it runs, where
-    eager would have freed each after its own op: bound what it holds. Buffers the graph does not
-    own (inputs, comm buffers) are alive anyway and do not count."""
-    limit = config.realize_acc_reads_size_threshold
-    return limit is not None and memory.owned_bytes(reads) > limit
-
-
-# ----------------------------------------------------------------------------- memory
-def peak_memory_orders() -> tuple[str, ...]:
-    """Topological orders tried besides the program order (commfuse/memory.py: ORDERS); the
-    lowest estimated peak wins, the program order on ties."""
-    return ("least_peak_first", "bfs", "dfs") if config.reorder_for_peak_memory else ()
-
-
-def inplace_buffers() -> bool:
-    return config.inplace_buffers
-
+from .collectives import ALGORITHMS, CommPlan, CommRequest, algorithm
+from .dependencies import trace_body
+from .runtime.symm import SIGNAL_PROGRAMS, group_of
+from .sizevars import next_pow2
+from .tuned_tables import lookup
+from .virtualized import V
 
 MATMULS = (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm)
-
-
-def extern_writes_slice(kernel, slice_layout) -> bool:
-    """May an out-variant extern write its output straight into a slice of a cat buffer? When the
-    slice has the strides the op would give its output anyway (then `out=` changes nothing), or,
-    for a matmul, when its columns are contiguous (BLAS writes rows at a leading-dimension stride;
-    slices of a dense cat never overlap)."""
-    if not kernel.out_variant or kernel.multi_output or kernel.out_view is not None \
-            or isinstance(kernel.layout, ir.CommLayout):
-        return False
-    own, size = kernel.layout.stride, kernel.layout.size
-    if all(n == 1 or sizevars.equal(a, b) for n, a, b in zip(size, own, slice_layout.stride)):
-        return True
-    return kernel.op.overloadpacket in MATMULS and sizevars.equal(slice_layout.stride[-1], 1)
-
-
-def can_recompute(loops) -> bool:
-    """May another kernel recompute this stored pointwise value instead of reading it? Cheap
-    bodies only, and no data-dependent (gathered) reads."""
-    from .dependencies import trace_body
-    trace = trace_body(loops)
-    return not any(r.indirect for r in trace.reads) and \
-        trace.op_count <= config.realize_opcount_threshold
-
-
-# ----------------------------------------------------------------------------- kernel shape
-def reduction_split(xnumel: int, rnumel: int) -> int:
-    """Split a long reduction over few rows across programs (two kernels)."""
-    if rnumel < config.split_reduction_min or xnumel >= 64:
-        return 1
-    return max(2, min(128, next_pow2(rnumel) // 8192))
-
-
-def use_online_softmax(xnumel, rnumel) -> bool:
-    """Softmax's row max and sum of exp in one pass (running max, rescaled sum), for rows that are
-    looped. Not for rows held whole in one block: there the two-step form computes each exp once
-    (measured on H200: online softmax there was 20% slower), nor where the reduction would be
-    split: partial results would need both values."""
-    if not config.online_softmax:
-        return False
-    if sizevars.is_static(rnumel) and is_persistent(int(rnumel)):
-        return False
-    if sizevars.is_static(xnumel) and sizevars.is_static(rnumel):
-        return reduction_split(int(xnumel), int(rnumel)) == 1
-    return True
-
-
-def pointwise_block(numel: int) -> dict:
-    block = min(config.max_block, next_pow2(max(numel, 1)))
-    return {"XBLOCK": max(block, 16), "num_warps": 4 if block <= 512 else 8}
-
-
-def reduction_blocks(xnumel: int, rnumel: int | None, persistent: bool) -> dict:
-    if persistent:
-        rblock = next_pow2(max(rnumel, 1))
-        xblock = max(1, min(next_pow2(xnumel), 4096 // max(rblock, 1)))
-        warps = 4 if rblock * xblock <= 2048 else 8 if rblock * xblock <= 8192 else 16
-        return {"XBLOCK": xblock, "RBLOCK": rblock, "num_warps": warps}
-    return {"XBLOCK": 1, "RBLOCK": 2048, "num_warps": 8}
-
-
-def comm_max_programs() -> int:
-    """Programs of one comm kernel: each owns a barrier slot of the signal pad."""
-    from .runtime.symm import SIGNAL_PROGRAMS
-    return max(1, min(config.comm.max_programs, SIGNAL_PROGRAMS))
-
-
-def comm_launch(numel: int) -> dict:
-    """Grid of a standalone all-reduce kernel. Small messages are latency: one step per program.
-    Large ones are bandwidth over a long link: bigger steps keep more peer loads in flight."""
-    cap = comm_max_programs()
-    block = config.comm.block if numel <= cap * config.comm.block else config.comm.bulk_block
-    nprog = max(1, min(cap, -(-numel // block)))
-    return {"BLOCK": block, "NPROG": nprog, "num_warps": max(4, min(16, block // 256))}
-
-
-# our symmetric-memory all-reduces: one-shot, one-shot with its input's producer kept in a kernel of
-# its own, two-shot (codegen/triton.py: `peer_reduce`)
-SYMM_ALGORITHMS = ("one_shot", "one_shot_apart", "two_shot")
-
-
-def comm_prologue(algorithm: str | None) -> bool:
-    """Fuse an all-reduce input's pointwise producer into the comm kernel? For one-shot it usually
-    saves a pass; with one row and a norm after it, it measured slower on 4x H200 (1 x 4096:
-    10.4 µs fused against 7.9 apart; why was not found), so the tuned table picks `one_shot_apart`
-    there. Two-shot reduces each share before the kernel's body runs, so its input must be written
-    by an earlier kernel."""
-    return algorithm not in ("two_shot", "one_shot_apart")
-
-
-def comm_kernel_blocks(xnumel: int, rnumel: int, persistent: bool, reduction: bool) -> dict:
-    """A kernel that reads peers synchronizes program by program with the same program on every
-    rank: at most `comm.max_programs` of them, so that all are resident at once, each striding
-    over the blocks."""
-    if reduction:
-        blocks = reduction_blocks(xnumel, rnumel, persistent)
-        # few programs: each needs many loads in flight; long rows need more threads to hold them
-        blocks["num_warps"] = max(config.comm.num_warps, min(16, blocks["XBLOCK"] * blocks["RBLOCK"] // 512))
-    else:
-        launch = comm_launch(xnumel)
-        blocks = {"XBLOCK": launch["BLOCK"], "num_warps": launch["num_warps"]}
-    blocks["programs"] = max(1, min(comm_max_programs(), -(-xnumel // blocks["XBLOCK"])))
-    return blocks
-
-
-def kernel_config(kind: str, xnumel: int, rnumel: int) -> dict:
-    """Blocks and warps of a kernel of this kind: pointwise, tiled, persistent or looped."""
-    if kind == "pointwise":
-        return pointwise_block(xnumel)
-    if kind == "tiled":
-        return tile_blocks(xnumel, rnumel)
-    if kind == "looped_tiles":  # a reduction that also walks a buffer transposed
-        return {"XBLOCK": min(64, next_pow2(xnumel)), "RBLOCK": 64, "num_warps": 4}
-    return reduction_blocks(xnumel, rnumel, kind == "persistent")
-
-
-def is_persistent(rnumel, reads_peers: bool = False) -> bool:
-    """Whole rows in one block: static and short enough. Longer rows for a kernel that reads its
-    peers' buffers: a looped row would pull them over the link a second time."""
-    limit = config.comm.persistent_reduction_max if reads_peers else config.persistent_reduction_max
-    return rnumel is not None and rnumel <= limit
-
-
-def should_tile(rows: int, cols: int) -> bool:
-    """Tile a transposing pointwise kernel when both sides are big enough to matter."""
-    return rows >= 16 and cols >= 16 and -(-cols // 32) < 65536
-
-
-def tile_blocks(rows: int, cols: int) -> dict:
-    return {"XBLOCK": min(32, next_pow2(rows)), "RBLOCK": min(32, next_pow2(cols)), "num_warps": 4}
-
-
-# ----------------------------------------------------------------------------- collectives
 COMM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 COMM_REDUCE_OPS = ("sum", "avg", "max", "min")
-
-
-def group_size(group_name: str) -> int:
-    import torch.distributed as dist
-    from torch.distributed.distributed_c10d import _resolve_process_group
-    return dist.get_world_size(_resolve_process_group(group_name))
-
-
-def _single_host(group_name: str) -> bool:
-    """torchrun places ranks node by node: a group is on one host when its ranks share a node."""
-    import os
-
-    import torch.distributed as dist
-    from torch.distributed.distributed_c10d import _resolve_process_group
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
-    ranks = dist.get_process_group_ranks(_resolve_process_group(group_name))
-    return len({r // local for r in ranks}) == 1
-
-
-def comm_choice(collective: str, x, reduce_op: str, group_name: str) -> tuple[str, str]:
-    """(algorithm, reason): "one_shot" (ours), "torch_one_shot", or "c10d" with why."""
-    from . import sizevars
-    cfg = config.comm
-    if not cfg.enabled or cfg.algorithm == "c10d":
-        return "c10d", "comm lowering disabled by config"
-    if cfg.groups is not None and group_name not in cfg.groups:
-        return "c10d", f"group {group_name} not in config.comm.groups"
-    if reduce_op not in COMM_REDUCE_OPS:
-        return "c10d", f"reduce op {reduce_op!r} (supported: {', '.join(COMM_REDUCE_OPS)})"
-    if x.get_dtype() not in COMM_DTYPES:
-        return "c10d", f"dtype {x.get_dtype()} (supported: fp32, bf16, fp16)"
-    if x.get_device().type not in ("cuda", "cpu"):
-        return "c10d", f"device {x.get_device()}"
-    numel = x.get_numel()
-    if not sizevars.is_static(numel):
-        return "c10d", (f"symbolic size {numel}: a dynamic-shape graph; compile with dynamic=False (or "
-                        "torch._dynamo.mark_static on the batch dim) to get the symmetric-memory kernels")
-    try:
-        world = group_size(group_name)
-        single = _single_host(group_name)
-    except Exception as e:  # unknown group: c10d will report it properly
-        return "c10d", f"cannot resolve group {group_name}: {e}"
-    if not single:
-        return "c10d", "group spans several hosts (no peer access)"
-    nbytes = int(numel) * x.get_dtype().itemsize
-    if cfg.algorithm == "torch":
-        if x.get_device().type == "cuda" and reduce_op == "sum":
-            return "torch_one_shot", ""
-        return "one_shot", "torch's kernel needs CUDA and sum"
-    if cfg.algorithm in SYMM_ALGORITHMS:
-        return cfg.algorithm, "forced by config.comm.algorithm"
-    return all_reduce_algorithm(world, nbytes, x.get_device())
-
-
-def all_reduce_algorithm(world: int, nbytes: int, device) -> tuple[str, str]:
-    """From a tuned table that matches this host and covers the size, else built-in thresholds."""
-    from .tuned_tables import lookup
-    best = lookup(world, nbytes, device)
-    if best is not None:
-        algo, table = best
-        return ("c10d" if algo == "c10d" else algo), f"{algo} is fastest at {nbytes} bytes in {table}"
-    cfg = config.comm
-    if nbytes <= cfg.one_shot_max_bytes.get(world, min(cfg.one_shot_max_bytes.values())):
-        return "one_shot", ""
-    if nbytes <= cfg.two_shot_max_bytes.get(world, 0):
-        return "two_shot", ""
-    return "c10d", f"{nbytes} bytes over the one-shot threshold and the two-shot threshold for {world} ranks"
-
-
-def all_reduce_with_epilogue(world: int, rows: int, nbytes: int, device, current: str,
-                             prologue: bool, row_numel: int) -> tuple[str, str] | None:
-    """The symmetric-memory algorithm for an all-reduce whose rows (of `row_numel` elements) feed a
-    fused row reduction (a norm), from the table's fused measurements (`prologue`: its input's
-    producer is pointwise, so one-shot can fuse it too); None keeps `current` (forced by config,
-    torch's kernel, or no such measurements: the choice for the all-reduce alone stands)."""
-    from .tuned_tables import lookup
-    if config.comm.algorithm != "auto" or current not in SYMM_ALGORITHMS:
-        return None
-    best = lookup(world, nbytes, device, rows=rows, prologue=prologue)
-    if best is None or best[0] not in SYMM_ALGORITHMS:
-        return None
-    algo, table = best
-    if algo == "two_shot" and not is_persistent(row_numel, reads_peers=True):
-        return None  # its rows would be looped, which two-shot cannot gather (codegen reads one-shot)
-    return algo, f"{algo} is fastest with a fused row epilogue at {rows} rows x {nbytes // rows} bytes in {table}"
-
-
-# ----------------------------------------------------------------------------- matmuls
 MM_TEMPLATE_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def use_mm_template(a, b) -> bool:
-    """Our Triton kernel for `a @ b` (codegen/matmul.py) instead of aten's mm: few rows and static
-    sizes, where the weight streams once from memory. On H200 it reached 3.3–3.7 TB/s against
-    cuBLAS's 3.0–3.5 at 1–16 rows, and a fused activation costs it nothing (a 341-configuration sweep, docs/results.md);
-    at 32 rows they tie. bf16/fp16 only: fp32 would need tl.dot's slow
-    IEEE mode to match aten (whose fp32 mm does not use TF32)."""
-    from . import sizevars
-    if not config.mm_template or a.get_dtype() not in MM_TEMPLATE_DTYPES or b.get_dtype() != a.get_dtype():
-        return False
-    if a.get_device().type not in ("cuda", "cpu"):  # the CPU runs Triton's interpreter
-        return False
-    (m, k), (_, n) = a.get_size(), b.get_size()
-    if not all(sizevars.is_static(s) for s in (m, k, n)):
-        return False
-    return 1 <= int(m) <= config.mm_template_max_rows and int(k) >= 16 and int(n) >= 16
+def group_size(group_name: str) -> int:
+    return dist.get_world_size(group_of(group_name))
 
 
-def mm_template_config(m: int, n: int, k: int) -> dict:
-    """Blocks of the few-row matmul: one program per 64 columns, and K split over several
-    (partial sums added atomically) when the columns alone leave SMs idle. Thresholds from the
-    H200 sweep (132 SMs): 7168 columns run best unsplit with 256-deep steps, 4096 split in 4."""
-    programs = -(-n // 64)
-    split, block_k = 1, 256
-    if programs < 96:
-        block_k = 128
-        while programs * split < 192 and split < 8 and k >= 4 * split * 64:
-            split *= 2
-    while block_k > 16 and k < block_k * split:
-        block_k //= 2
-    return {"BLOCK_M": max(16, next_pow2(m)), "BLOCK_N": 64, "BLOCK_K": block_k, "SPLIT_K": split,
-            "num_warps": 4, "num_stages": 4 if split == 1 else 3}
+def single_host(group_name: str) -> bool:
+    """torchrun places ranks node by node: a group is on one host when its ranks share a node."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    return len({r // local for r in dist.get_process_group_ranks(group_of(group_name))}) == 1
+
+
+class Choices:
+    # ------------------------------------------------------------------------- fusion
+    def can_fuse(self, a, b) -> tuple[bool, str]:
+        """Policy half of the fusion decision; the scheduler checks legality (shapes, indices, cycles)."""
+        if a.is_extern() or b.is_extern():
+            return False, "extern kernels do not fuse"
+        if len(a.nodes) + len(b.nodes) > config.max_fusion_size:
+            return False, f"group would exceed max_fusion_size={config.max_fusion_size}"
+        if a.device != b.device:
+            return False, "different devices"
+        reads = (a.read_names | b.read_names) - a.write_names - b.write_names
+        if self.read_bytes_exceeded(reads):
+            return False, f"reads would exceed realize_acc_reads_size_threshold={config.realize_acc_reads_size_threshold}"
+        return True, ""
+
+    def keep_apart_for_memory(self, stored_anyway: bool) -> bool:
+        """For a fusion into a reduction that walks its data transposed: a value that other kernels
+        read anyway saves only one read by joining it, and in that tiled kernel it can no longer be
+        written over a dying input (measured on CPU: a GELU backward joining its bias-gradient sum
+        raised an MLP step's peak above eager's). Keep them apart, unless in-place writes are off."""
+        return stored_anyway and config.inplace_buffers
+
+    def score_fusion(self, a, b, shared_bytes: int, vertical: bool) -> tuple:
+        """Higher first: vertical fusions (a pass over memory saved) before horizontal ones,
+        then by bytes saved, then nodes that were close in program order."""
+        return (vertical, shared_bytes, -abs(a.order - b.order))
+
+    def should_realize(self, loops, users: int, output: bool = False) -> bool:
+        """Store a pointwise value instead of inlining it into its users: when several users would
+        each recompute it at too high a cost, or when it has accumulated too many reads, or when it
+        is a graph output with other users: stored anyway, it is read rather than recomputed, so
+        what it is computed from can die at its producer, which may then write over it (the logits
+        under the log-softmax a forward saves for backward)."""
+        if output and users > 1:
+            return True
+        trace = trace_body(loops)
+        if users > 1 and (users > config.realize_reads_threshold
+                          or trace.op_count > config.realize_opcount_threshold):
+            return True
+        reads = {r.name for r in trace.reads}
+        return len(reads) > config.realize_acc_reads_threshold or self.read_bytes_exceeded(reads)
+
+    def realize_view_base(self, view, base) -> bool:
+        """Storing a view of a value not stored yet (an extern's operand, say): store the value
+        itself and pass a strided view of it, rather than a copy laid out as the view? When the view
+        reads every element (reshape, permute, expand) and is a strided view of the value stored
+        contiguously: no more bytes, and the value's other users (a graph output, the backward's
+        saved copy) share the buffer instead of storing it a second time (softmax probabilities)."""
+        return sizevars.hint(view.get_numel()) >= sizevars.hint(base.get_numel()) and \
+            ir.is_strided_over_contiguous(view)
+
+    def read_bytes_exceeded(self, reads) -> bool:
+        """One value (or kernel) reading these buffers keeps them all alive until it runs, where
+        eager would have freed each after its own op: bound what it holds. Buffers the graph does
+        not own (inputs, comm buffers) are alive anyway and do not count."""
+        limit = config.realize_acc_reads_size_threshold
+        return limit is not None and memory.owned_bytes(reads) > limit
+
+    def can_recompute(self, loops) -> bool:
+        """May another kernel recompute this stored pointwise value instead of reading it? Cheap
+        bodies only, and no data-dependent (gathered) reads."""
+        trace = trace_body(loops)
+        return not any(r.indirect for r in trace.reads) and \
+            trace.op_count <= config.realize_opcount_threshold
+
+    # ------------------------------------------------------------------------- memory
+    def peak_memory_orders(self) -> tuple[str, ...]:
+        """Topological orders tried besides the program order (commfuse/memory.py: ORDERS); the
+        lowest estimated peak wins, the program order on ties."""
+        return ("least_peak_first", "bfs", "dfs") if config.reorder_for_peak_memory else ()
+
+    def inplace_buffers(self) -> bool:
+        return config.inplace_buffers
+
+    def extern_writes_slice(self, kernel, slice_layout) -> bool:
+        """May an out-variant extern write its output straight into a slice of a cat buffer? When
+        the slice has the strides the op would give its output anyway (then `out=` changes
+        nothing), or, for a matmul, when its columns are contiguous (BLAS writes rows at a
+        leading-dimension stride; slices of a dense cat never overlap)."""
+        if not kernel.out_variant or kernel.multi_output or kernel.out_view is not None \
+                or isinstance(kernel.layout, ir.CommLayout):
+            return False
+        own, size = kernel.layout.stride, kernel.layout.size
+        if all(n == 1 or sizevars.equal(a, b) for n, a, b in zip(size, own, slice_layout.stride)):
+            return True
+        return kernel.op.overloadpacket in MATMULS and sizevars.equal(slice_layout.stride[-1], 1)
+
+    # ------------------------------------------------------------------------- kernel shape
+    def reduction_split(self, xnumel: int, rnumel: int) -> int:
+        """Split a long reduction over few rows across programs (two kernels)."""
+        if rnumel < config.split_reduction_min or xnumel >= 64:
+            return 1
+        return max(2, min(128, next_pow2(rnumel) // 8192))
+
+    def use_online_softmax(self, xnumel, rnumel) -> bool:
+        """Softmax's row max and sum of exp in one pass (running max, rescaled sum), for rows that
+        are looped. Not for rows held whole in one block: there the two-step form computes each exp
+        once (measured on H200: online softmax there was 20% slower), nor where the reduction would
+        be split: partial results would need both values."""
+        if not config.online_softmax:
+            return False
+        if sizevars.is_static(rnumel) and self.is_persistent(int(rnumel)):
+            return False
+        if sizevars.is_static(xnumel) and sizevars.is_static(rnumel):
+            return self.reduction_split(int(xnumel), int(rnumel)) == 1
+        return True
+
+    def is_persistent(self, rnumel, reads_peers: bool = False) -> bool:
+        """Whole rows in one block: static and short enough. Longer rows for a kernel that reads its
+        peers' buffers: a looped row would pull them over the link a second time."""
+        limit = config.comm.persistent_reduction_max if reads_peers else config.persistent_reduction_max
+        return rnumel is not None and rnumel <= limit
+
+    def should_tile(self, rows: int, cols: int) -> bool:
+        """Tile a transposing pointwise kernel when both sides are big enough to matter."""
+        return rows >= 16 and cols >= 16 and -(-cols // 32) < 65536
+
+    def kernel_config(self, kind: str, xnumel: int, rnumel: int) -> dict:
+        """Blocks and warps of a kernel of this kind: pointwise, tiled, persistent or looped."""
+        if kind == "pointwise":
+            block = min(config.max_block, next_pow2(max(xnumel, 1)))
+            return {"XBLOCK": max(block, 16), "num_warps": 4 if block <= 512 else 8}
+        if kind == "tiled":
+            return {"XBLOCK": min(32, next_pow2(xnumel)), "RBLOCK": min(32, next_pow2(rnumel)), "num_warps": 4}
+        if kind == "looped_tiles":  # a reduction that also walks a buffer transposed
+            return {"XBLOCK": min(64, next_pow2(xnumel)), "RBLOCK": 64, "num_warps": 4}
+        if kind == "persistent":
+            rblock = next_pow2(max(rnumel, 1))
+            xblock = max(1, min(next_pow2(xnumel), 4096 // max(rblock, 1)))
+            warps = 4 if rblock * xblock <= 2048 else 8 if rblock * xblock <= 8192 else 16
+            return {"XBLOCK": xblock, "RBLOCK": rblock, "num_warps": warps}
+        return {"XBLOCK": 1, "RBLOCK": 2048, "num_warps": 8}
+
+    def comm_max_programs(self) -> int:
+        """Programs of one comm kernel: each owns a barrier slot of the signal pad."""
+        return max(1, min(config.comm.max_programs, SIGNAL_PROGRAMS))
+
+    def comm_launch(self, numel: int) -> dict:
+        """Grid of a standalone all-reduce kernel. Small messages are latency: one step per
+        program. Large ones are bandwidth over a long link: bigger steps keep more peer loads in
+        flight."""
+        cap = self.comm_max_programs()
+        block = config.comm.block if numel <= cap * config.comm.block else config.comm.bulk_block
+        nprog = max(1, min(cap, -(-numel // block)))
+        return {"BLOCK": block, "NPROG": nprog, "num_warps": max(4, min(16, block // 256))}
+
+    def comm_kernel_config(self, kind: str, xnumel: int, rnumel: int) -> dict:
+        """A kernel that reads peers synchronizes program by program with the same program on
+        every rank: at most `comm.max_programs` of them, so that all are resident at once, each
+        striding over the blocks."""
+        if kind == "pointwise":
+            launch = self.comm_launch(xnumel)
+            blocks = {"XBLOCK": launch["BLOCK"], "num_warps": launch["num_warps"]}
+        else:
+            blocks = self.kernel_config(kind, xnumel, rnumel)
+            # few programs: each needs many loads in flight; long rows need more threads to hold them
+            blocks["num_warps"] = max(config.comm.num_warps, min(16, blocks["XBLOCK"] * blocks["RBLOCK"] // 512))
+        blocks["programs"] = max(1, min(self.comm_max_programs(), -(-xnumel // blocks["XBLOCK"])))
+        return blocks
+
+    # ------------------------------------------------------------------------- collectives
+    def comm_ineligible(self, request: CommRequest) -> str:
+        """Why this collective cannot run over symmetric memory at all ("" when it can)."""
+        cfg = config.comm
+        if not cfg.enabled:
+            return "comm lowering disabled by config"
+        if cfg.groups is not None and request.group not in cfg.groups:
+            return f"group {request.group} not in config.comm.groups"
+        if request.reduce_op not in COMM_REDUCE_OPS:
+            return f"reduce op {request.reduce_op!r} (supported: {', '.join(COMM_REDUCE_OPS)})"
+        if request.dtype not in COMM_DTYPES:
+            return f"dtype {request.dtype} (supported: fp32, bf16, fp16)"
+        if request.device.type not in ("cuda", "cpu"):
+            return f"device {request.device}"
+        if not sizevars.is_static(request.numel):
+            return (f"symbolic size {request.numel}: a dynamic-shape graph; compile with dynamic=False (or "
+                    "torch._dynamo.mark_static on the batch dim) to get the symmetric-memory kernels")
+        try:
+            if not single_host(request.group):
+                return "group spans several hosts (no peer access)"
+        except Exception as e:  # unknown group: c10d will report it properly
+            return f"cannot resolve group {request.group}: {e}"
+        return ""
+
+    def all_reduce_plan(self, request: CommRequest) -> CommPlan:
+        """The algorithm of one all-reduce, and why: c10d where symmetric memory cannot run it, the
+        one `config.comm.algorithm` forces, else the tuned table's or the built-in thresholds'."""
+        why = self.comm_ineligible(request)
+        world = group_size(request.group) if not why else 0
+        name, reason = ("c10d", why) if why else self._all_reduce_choice(request, world)
+        return CommPlan("all_reduce", request.group, world, request.reduce_op, algorithm(name), reason,
+                        request.inplace)
+
+    def _all_reduce_choice(self, request: CommRequest, world: int) -> tuple[str, str]:
+        forced = config.comm.algorithm
+        if forced == "auto":
+            return self.all_reduce_algorithm(world, request.nbytes, request.device)
+        name = "torch_one_shot" if forced == "torch" else forced
+        why = algorithm(name).eligible(request)
+        return ("one_shot", why) if why else (name, "forced by config.comm.algorithm")
+
+    def all_reduce_algorithm(self, world: int, nbytes: int, device) -> tuple[str, str]:
+        """From a tuned table that matches this host and covers the size, else built-in thresholds."""
+        best = lookup(world, nbytes, device)
+        if best is not None:
+            algo, table = best
+            return algo, f"{algo} is fastest at {nbytes} bytes in {table}"
+        cfg = config.comm
+        if nbytes <= cfg.one_shot_max_bytes.get(world, min(cfg.one_shot_max_bytes.values())):
+            return "one_shot", "under the built-in one-shot threshold"
+        if nbytes <= cfg.two_shot_max_bytes.get(world, 0):
+            return "two_shot", "under the built-in two-shot threshold"
+        return "c10d", f"{nbytes} bytes over the one-shot threshold and the two-shot threshold for {world} ranks"
+
+    def all_reduce_with_epilogue(self, world: int, rows: int, nbytes: int, device, current: str,
+                                 prologue: bool, row_numel: int) -> tuple[str, str] | None:
+        """The symmetric-memory algorithm for an all-reduce whose rows (of `row_numel` elements)
+        feed a fused row reduction (a norm), from the table's fused measurements (`prologue`: its
+        input's producer is pointwise, so one-shot can fuse it too); None keeps `current` (forced by
+        config, not fused, or no such measurements: the choice for the all-reduce alone stands)."""
+        if config.comm.algorithm != "auto" or not ALGORITHMS[current].fused:
+            return None
+        best = lookup(world, nbytes, device, rows=rows, prologue=prologue)
+        if best is None or best[0] not in ALGORITHMS or not ALGORITHMS[best[0]].fused:
+            return None
+        algo, table = best
+        if ALGORITHMS[algo].gathers_shares and not self.is_persistent(row_numel, reads_peers=True):
+            return None  # its rows would be looped, which two-shot cannot gather (codegen reads one-shot)
+        return algo, f"{algo} is fastest with a fused row epilogue at {rows} rows x {nbytes // rows} bytes in {table}"
+
+    def algorithm_without_shares(self, plan: CommPlan, why: str) -> tuple[str, str]:
+        """The algorithm of a two-shot plan whose fused kernel cannot gather the shares: one-shot."""
+        return "one_shot", f"two-shot cannot gather in its fused kernel ({why}); was: {plan.reason}"
+
+    def comm_prologue(self, plan: CommPlan) -> bool:
+        """Fuse an all-reduce input's pointwise producer into the comm kernel? For one-shot it
+        usually saves a pass; with one row and a norm after it, it measured slower on 4x H200
+        (1 x 4096: 10.4 µs fused against 7.9 apart; why was not found), so the tuned table picks
+        `one_shot_apart` there. Two-shot reduces each share before the kernel's body runs, so its
+        input must be written by an earlier kernel."""
+        return plan.algorithm.prologue
+
+    # ------------------------------------------------------------------------- matmuls
+    def use_mm_template(self, a, b) -> bool:
+        """Our Triton kernel for `a @ b` (codegen/matmul.py) instead of aten's mm: few rows and
+        static sizes, where the weight streams once from memory. On H200 it reached 3.3–3.7 TB/s
+        against cuBLAS's 3.0–3.5 at 1–16 rows, and a fused activation costs it nothing (a
+        341-configuration sweep, docs/results.md); at 32 rows they tie. bf16/fp16 only: fp32 would
+        need tl.dot's slow IEEE mode to match aten (whose fp32 mm does not use TF32)."""
+        if not config.mm_template or a.get_dtype() not in MM_TEMPLATE_DTYPES or b.get_dtype() != a.get_dtype():
+            return False
+        if a.get_device().type not in ("cuda", "cpu"):  # the CPU runs Triton's interpreter
+            return False
+        (m, k), (_, n) = a.get_size(), b.get_size()
+        if not all(sizevars.is_static(s) for s in (m, k, n)):
+            return False
+        return 1 <= int(m) <= config.mm_template_max_rows and int(k) >= 16 and int(n) >= 16
+
+    def mm_template_config(self, m: int, n: int, k: int) -> dict:
+        """Blocks of the few-row matmul: one program per 64 columns, and K split over several
+        (partial sums added atomically) when the columns alone leave SMs idle. Thresholds from the
+        H200 sweep (132 SMs): 7168 columns run best unsplit with 256-deep steps, 4096 split in 4."""
+        programs = -(-n // 64)
+        split, block_k = 1, 256
+        if programs < 96:
+            block_k = 128
+            while programs * split < 192 and split < 8 and k >= 4 * split * 64:
+                split *= 2
+        while block_k > 16 and k < block_k * split:
+            block_k //= 2
+        return {"BLOCK_M": max(16, next_pow2(m)), "BLOCK_N": 64, "BLOCK_K": block_k, "SPLIT_K": split,
+                "num_warps": 4, "num_stages": 4 if split == 1 else 3}
+
+
+def install(choices: Choices | None = None):
+    """`with install(): ...` puts `config.choices` (or the default policy) on `V`."""
+    chosen = choices or config.choices or Choices()
+    if not isinstance(chosen, Choices):
+        raise TypeError(f"commfuse: config.choices must be an instance of commfuse.choices.Choices "
+                        f"(or a subclass), not {type(chosen).__name__}")
+    return V.set_choices(chosen)

@@ -21,6 +21,10 @@ fallback_ops: list = []       # aten ops run as they are, neither decomposed nor
                               # ("aten.native_layer_norm"); an escape hatch, and how tests reach
                               # the fallback of ops we normally lower
 
+# Policy.
+choices = None                # a commfuse.choices.Choices (subclass) instance that makes every
+                              # heuristic decision; None: the default Choices()
+
 # Execution.
 cuda_graphs = False           # capture each compiled graph in a CUDA graph after warm-up, replay it
                               # (also `mode="reduce-overhead"`)

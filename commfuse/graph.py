@@ -42,12 +42,7 @@ class GraphLowering(torch.fx.Interpreter):
         self.placeholder_names: list[str] = []
         self.constants: dict[str, torch.Tensor] = {}
         self.graph_outputs: list = []
-        self.comm_buffers: dict[str, tuple] = {}     # buffer -> (comm kind, group, collective node)
-        self.comm_copies: list[str] = []             # comm buffers filled by a copy (input not ours)
-        self.comm_fallbacks: list[dict] = []         # collectives left to c10d, with the reason
-        self.comm_choices: list[dict] = []           # algorithm picked by a table or config, and why
-        self.comm_algorithms: dict[str, str] = {}    # comm buffer of a fused all-reduce -> one/two-shot
-        self.comm_results: set[str] = set()          # buffers our collectives produce (no wait needed)
+        self.comm_plans: list = []                   # every collective, decided (commfuse/collectives.py)
         self.fallback_ops: list[str] = []             # aten ops run as they are, in graph order
         self.fallback_reasons: dict[str, str] = {}    # ... and why each was not lowered
         self.scalar_nodes: list[tuple] = []           # (symbol, fn, args, kwargs) computed at run time
@@ -57,6 +52,15 @@ class GraphLowering(torch.fx.Interpreter):
         self.current_node = None
 
     # buffers ------------------------------------------------------------------
+
+    def comm_plan(self, buffer: str):
+        """The plan whose input is placed in `buffer`, else None."""
+        return next((p for p in self.comm_plans if p.buffer == buffer), None)
+
+    def comm_results(self) -> set:
+        """Buffers our collectives produce: ordered on the stream, no wait needed."""
+        return {p.result for p in self.comm_plans if p.result is not None}
+
     def register_buffer(self, cls, layout, **fields) -> ir.Buffer:
         name = f"buf{len(self.buffers)}"
         buf = cls(name=name, layout=layout, **fields)
@@ -202,10 +206,9 @@ class GraphLowering(torch.fx.Interpreter):
         saved round trip through memory across kernels) unless recomputing costs too much;
         a value that has accumulated too many reads is stored whatever its users, and so is a
         graph output that has other users."""
-        from . import choices
         if isinstance(result, TensorBox) and isinstance(result.data, ir.Pointwise):
             output = any(u.op == "output" for u in node.users)
-            if choices.should_realize(result.data, len(node.users), output):
+            if V.choices.should_realize(result.data, len(node.users), output):
                 if output:
                     realize_output(result, node.meta.get("val"))
                 else:
@@ -215,12 +218,11 @@ class GraphLowering(torch.fx.Interpreter):
         """Store pointwise operands, the heaviest first, while a value built from them would read
         more bytes than choices allows: it then starts from stored values instead of keeping every
         buffer its chain of inlined ops reads alive until one kernel at the end."""
-        from . import choices
         if config.realize_acc_reads_size_threshold is None:
             return
         boxes = [ir.view_root(x) for x in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(x, TensorBox)]
         reads = {id(b): inlined_reads(b) for b in boxes}
-        while choices.read_bytes_exceeded(set().union(*reads.values())):
+        while V.choices.read_bytes_exceeded(set().union(*reads.values())):
             pointwise = [b for b in boxes if isinstance(b.data, ir.Pointwise) and memory.owned_bytes(reads[id(b)])]
             if not pointwise:
                 return

@@ -295,25 +295,19 @@ class ConcatBuffer(Buffer):
 
 @dataclasses.dataclass(eq=False)
 class CommKernel(Buffer):
-    """A collective over symmetric memory, run by our own Triton kernel (or torch's).
-
-    `input` lives in a comm buffer (CommLayout) that its producer wrote directly; the
-    kernel reads every peer's copy of it. With `inplace`, the result overwrites `input`."""
-    collective: str = "all_reduce"
-    algorithm: str = "one_shot"     # one_shot (ours) | torch_one_shot
-    reduce_op: str = "sum"
-    group_name: str = ""
-    world_size: int = 1
+    """A collective the wrapper renders from its plan (commfuse/collectives.py: `CommPlan`): a
+    standalone kernel over symmetric memory, or a call (torch's kernel). `input` is the placed
+    buffer its producer wrote; with `plan.inplace`, the result overwrites it."""
+    plan: object = None
     input: Buffer = None
-    inplace: bool = False
 
     def inputs(self) -> list:
         return [self.input]
 
     def __str__(self):
-        return (f"{self.name}: CommKernel {self.collective}[{self.algorithm}, {self.reduce_op}, "
-                f"group={self.group_name}, ranks={self.world_size}]({self.input.name})"
-                + (" in place" if self.inplace else ""))
+        p = self.plan
+        return (f"{self.name}: CommKernel {p.collective}[{p.algorithm.name}, {p.reduce_op}, "
+                f"group={p.group}, ranks={p.world}]({self.input.name})" + (" in place" if p.inplace else ""))
 
 
 @dataclasses.dataclass(eq=False)
@@ -400,9 +394,8 @@ class TensorBox(IRNode):
             self.data = buf
             return buf
         if isinstance(d, View):
-            from . import choices
             root = view_root(self)
-            if isinstance(root.data, Pointwise) and choices.realize_view_base(self, root):
+            if isinstance(root.data, Pointwise) and V.choices.realize_view_base(self, root):
                 root.realize()  # the view becomes a strided view of it: one copy of the values
             strided = as_strided_view(self)
             if strided is not None:

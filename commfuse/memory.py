@@ -18,7 +18,8 @@ import itertools
 
 import torch
 
-from . import choices, ir, sizevars
+from . import ir, sizevars
+from .runtime.symm import ALIGN
 from .virtualized import V
 
 
@@ -151,7 +152,7 @@ def inplace_candidates(sched) -> dict:
     program that overwrites it. The output must be the kernel's last node: no later node of the
     kernel reads the input after the store. (An input produced in the same kernel is never one:
     the kernel writes it.)"""
-    if not choices.inplace_buffers():
+    if not V.choices.inplace_buffers():
         return {}
     reusable, out = recyclable(sched), {}
     for g in sched.groups:
@@ -185,7 +186,7 @@ def reorder_for_peak_memory(sched, order: list, inplace: dict) -> tuple[list, di
         return peak_memory(sched, o, inplace_updates(o, inplace))
     best, best_peak = order, estimate(order)
     peaks = {"original": best_peak}
-    for method in choices.peak_memory_orders():
+    for method in V.choices.peak_memory_orders():
         candidate = ORDERS[method](sched, order)
         _check_order(sched, candidate, order)
         peaks[method] = estimate(candidate)
@@ -349,3 +350,37 @@ def pack_intervals(items: list[Interval], align: int) -> tuple[dict[str, int], i
         offsets[it.name] = offset
     total = max((o + s for o, s, _ in placed), default=0)
     return offsets, total
+
+
+def plan_comm_pools(sched, plans) -> tuple[dict, dict]:
+    """Each symmetric comm buffer's slice of its group's pool, packed by live range in the final
+    schedule (buffers never live together share bytes). A deterministic function of the graph,
+    so every rank places every buffer at the same offset; checked at first call. Returns
+    ({buffer: placement}, {pool: (group, device, bytes)}), placements in schedule order."""
+    step_of = {n.name: i for i, g in enumerate(sched.groups) for n in g.nodes}
+    last = {}
+    for i, g in enumerate(sched.groups):
+        for name in g.read_names:
+            last[name] = i
+    by_pool, plan_of = {}, {}
+    for plan in plans:
+        if not plan.algorithm.symmetric or plan.buffer is None or plan.buffer in sched.removed:
+            continue
+        buf = V.graph.get_buffer(plan.buffer)
+        start = step_of[plan.buffer]
+        nbytes = int(buf.layout.storage_numel()) * buf.get_dtype().itemsize
+        by_pool.setdefault((plan.group, str(buf.get_device())), []).append(
+            Interval(plan.buffer, nbytes, start, max(last.get(plan.buffer, start), start)))
+        plan_of[plan.buffer] = plan
+    placements, pools = {}, {}
+    for i, (key, items) in enumerate(sorted(by_pool.items())):
+        pool = f"pool_{i}"
+        offsets, total = pack_intervals(items, ALIGN)
+        pools[pool] = (key[0], key[1], total)
+        for it in items:
+            plan = plan_of[it.name]
+            placements[it.name] = {"name": it.name, "group": plan.group, "kind": plan.collective,
+                                   "algorithm": plan.algorithm.name, "pool": pool, "device": key[1],
+                                   "offset": offsets[it.name], "bytes": it.nbytes, "live": [it.start, it.end],
+                                   "feeds": plan.result, "copy_in": plan.copy_in}
+    return dict(sorted(placements.items(), key=lambda kv: step_of[kv[0]])), pools

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import networkx as nx
 
-from . import choices, ir
+from . import ir
+from .virtualized import V
 
 
 def rematerialize(sched) -> list[dict]:
@@ -48,7 +49,7 @@ def _recomputable(sched) -> set:
         buf = n.buf
         if isinstance(buf, ir.ComputedBuffer) and isinstance(buf.data, ir.Pointwise) \
                 and not ({buf.name} | n.read_names) & volatile \
-                and buf.layout.is_dense() and buf.layout.offset == 0 and choices.can_recompute(buf.data):
+                and buf.layout.is_dense() and buf.layout.offset == 0 and V.choices.can_recompute(buf.data):
             out.add(buf.name)
     return out
 

@@ -15,7 +15,7 @@ import itertools
 
 import sympy
 
-from . import choices, config, ir, loop_order, memory, remat, sizevars
+from . import collectives, config, ir, loop_order, memory, remat, sizevars
 from .dependencies import InlineLoads, MemoryAccess, index_vars, trace_body
 from .sizevars import index_symbol
 from .virtualized import V
@@ -216,6 +216,7 @@ class Scheduler:
             self.remove_dead_nodes()
             self.fuse()
         self.compute_buffer_users()
+        self.fit_comm_plans()
         inplace = memory.inplace_candidates(self)
         self.groups, self.peak_memory_by_order = memory.reorder_for_peak_memory(
             self, self.topological_order(self.groups), inplace)
@@ -271,25 +272,51 @@ class Scheduler:
     # ------------------------------------------------------------------ comm
     def choose_comm_algorithms(self):
         """An all-reduce whose rows feed a row reduction (a norm) will have it fused into its
-        kernel, whose cost differs from the all-reduce alone: take its algorithm from the fused
-        measurements. Chosen before fusion, which depends on it (choices.comm_prologue)."""
-        graph, readers = self.graph, self._node_readers()
-        for name, current in list(graph.comm_algorithms.items()):
-            _, group, result = graph.comm_buffers[name]
-            if result not in self.node_of:
+        kernel, whose cost differs from the all-reduce alone: its plan takes the algorithm of the
+        fused measurements. Decided before fusion, which follows it (`Choices.comm_prologue`)."""
+        readers = self._node_readers()
+        for plan in self.graph.comm_plans:
+            if not plan.algorithm.fused or plan.inplace or plan.result not in self.node_of:
                 continue
-            rows = self._epilogue_rows(result, readers)
-            buf, producer = graph.get_buffer(name), self.node_of.get(name)
+            rows = self._epilogue_rows(plan.result, readers)
+            buf, producer = self.graph.get_buffer(plan.buffer), self.node_of.get(plan.buffer)
             prologue = producer is not None and not producer.is_extern() and not producer.is_reduction()
             numel = int(buf.get_numel())
-            picked = rows and choices.all_reduce_with_epilogue(
-                choices.group_size(group), rows, numel * buf.get_dtype().itemsize,
-                buf.get_device(), current, prologue, numel // rows)
-            if not picked:
-                continue
-            graph.comm_algorithms[name] = picked[0]
-            graph.comm_choices[:] = [c for c in graph.comm_choices if c.get("buffer") != name]
-            graph.comm_choices.append({"op": "all_reduce", "buffer": name, "algorithm": picked[0], "reason": picked[1]})
+            picked = rows and V.choices.all_reduce_with_epilogue(
+                plan.world, rows, numel * buf.get_dtype().itemsize, buf.get_device(),
+                plan.algorithm.name, prologue, numel // rows)
+            if picked:
+                plan.algorithm, plan.reason = collectives.algorithm(picked[0]), picked[1]
+
+    def fit_comm_plans(self):
+        """Two-shot reads each element from the rank that reduced its share, and the shares are
+        fixed by the fused kernel's blocks. Where that kernel cannot gather them, the plan takes
+        the algorithm policy gives instead, with why; codegen then renders what the plan says."""
+        for plan in self.graph.comm_plans:
+            if plan.algorithm.gathers_shares and not plan.inplace and plan.result in self.group_of:
+                why = self._cannot_gather_shares(plan)
+                if why:
+                    name, plan.reason = V.choices.algorithm_without_shares(plan, why)
+                    plan.algorithm = collectives.algorithm(name)
+
+    def _cannot_gather_shares(self, plan) -> str:
+        """Why the kernel that reads this plan's peers cannot gather two-shot's shares ("" if it can):
+        the shares must be fixed by the block alone (a pointwise kernel, or whole rows), the input
+        read by that one node (it is overwritten) and each element once (its size is the kernel's)."""
+        g, buf = self.group_of[plan.result], self.graph.get_buffer(plan.buffer)
+        if len(self.node_readers[plan.buffer]) != 1 or plan.buffer in self.output_names:
+            return "its input has other readers"
+        if not sizevars.equal(buf.get_numel(), g.X * g.R):
+            return "the kernel's size is not the input's"
+        if g.is_reduction() and (g.walks_transposed() or not sizevars.is_static(g.R)
+                                 or not V.choices.is_persistent(int(g.R), reads_peers=True)):
+            return "the kernel loops over its rows"
+        for _, kind, name, index in g.kernel_accesses():
+            if kind == "peer" and name == plan.buffer and (
+                    index is None or not (index.has(XSYM) or g.X == 1)
+                    or not (index.has(RSYM) or not g.is_reduction())):
+                return "the kernel reads it broadcast"
+        return ""
 
     def _epilogue_rows(self, result: str, readers) -> int | None:
         """Rows of `result` when a reduction over its last dim reads it, directly or through
@@ -339,7 +366,7 @@ class Scheduler:
         for (a, b), vertical in candidates.items():
             shared = (a.write_names | a.read_names) & b.read_names
             nbytes = sum(self._bytes(n) for n in shared)
-            scored.append((choices.score_fusion(a, b, nbytes, vertical), a, b))
+            scored.append((V.choices.score_fusion(a, b, nbytes, vertical), a, b))
         scored.sort(key=lambda t: t[0], reverse=True)
         alive, fused_any = set(map(id, self.groups)), False
         for _, a, b in scored:
@@ -363,7 +390,7 @@ class Scheduler:
             return 0
 
     def try_fuse(self, a: Group, b: Group):
-        ok, why = choices.can_fuse(a, b)
+        ok, why = V.choices.can_fuse(a, b)
         if not ok:
             return None
         if self._path_between(a, b) or self._path_between(b, a):
@@ -372,7 +399,7 @@ class Scheduler:
         if config.loop_ordering_after_fusion and (merged is None or self._walked_apart(merged, a, b)):
             merged = self._merge_reordered(a, b) or merged
         if merged is not None and merged.is_reduction() and merged.walks_transposed() and \
-                choices.keep_apart_for_memory(self._stored_anyway(merged, a, b)):
+                V.choices.keep_apart_for_memory(self._stored_anyway(merged, a, b)):
             return None
         return merged
 
@@ -453,7 +480,7 @@ class Scheduler:
                     return False
                 # a pointwise producer of an all-reduce's input: each program writes the very
                 # elements it then reads from every rank, after a barrier (the comm prologue)
-                if kind == "peer" and not choices.comm_prologue(V.graph.comm_algorithms.get(name)):
+                if kind == "peer" and not V.choices.comm_prologue(V.graph.comm_plan(name)):
                     return False
         return True
 
@@ -503,7 +530,7 @@ class Scheduler:
             if g.is_extern():
                 continue
             for n in g.nodes:
-                if n.name in self.output_names or n.name in V.graph.comm_buffers:  # peers read those
+                if n.name in self.output_names or V.graph.comm_plan(n.name):  # peers read those
                     continue
                 users = self.readers.get(n.name, [])
                 if all(u is g for u in users):

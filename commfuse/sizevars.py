@@ -103,6 +103,10 @@ def _convert_torch_functions(e: Expr) -> Expr:
     return e.func(*args)
 
 
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
 def product(it: Iterable[Expr]) -> Expr:
     return functools.reduce(lambda a, b: a * b, it, sympy.Integer(1))
 

@@ -14,14 +14,16 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
+from commfuse.codegen import comm as comm_codegen
+
 from . import choices, tuned_tables
+from .runtime.loader import load_module
+from .runtime.symm import SymmPool
 from .runtime.timing import cuda_graph_time_us, interleaved_times_us
 
 
 def kernels(world: int, dtype):
     """Our standalone one-shot and two-shot all-reduce kernels, compiled."""
-    from commfuse.codegen import comm as comm_codegen
-    from .runtime.loader import load_module
     src = "import triton\nimport triton.language as tl\nconstants = {}\n" + \
         comm_codegen.one_shot_all_reduce("one_shot", world, "sum", dtype, False) + "\n" + \
         comm_codegen.two_shot_all_reduce("two_shot", world, "sum", dtype)
@@ -42,7 +44,6 @@ def launcher(kernel, pool, numel, out, dtype):
 
 
 def measure(sizes, dtype=torch.bfloat16) -> list[dict]:
-    from .runtime.symm import SymmPool
     group = dist.group.WORLD
     world, rank = dist.get_world_size(), dist.get_rank()
     dev = torch.device("cuda", torch.cuda.current_device())

@@ -1,7 +1,8 @@
-"""Thread-local context: the graph being lowered and the active `ops` handler.
+"""Thread-local context: the graph being lowered, the active `ops` handler, and the policy.
 
 Loop bodies are written against `ops`; whoever runs them (code generation,
-dependency analysis) installs its own handler with `V.set_ops(handler)`.
+dependency analysis) installs its own handler with `V.set_ops(handler)`. Every heuristic is
+asked of `V.choices` (commfuse/choices.py installs it for each compile).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ class _Context(threading.local):
     def __init__(self):
         self.graph = None
         self.ops = None
+        self.choices = None
 
     @contextlib.contextmanager
     def _swap(self, attr, value):
@@ -28,6 +30,9 @@ class _Context(threading.local):
 
     def set_ops(self, handler):
         return self._swap("ops", handler)
+
+    def set_choices(self, choices):
+        return self._swap("choices", choices)
 
 
 V = _Context()

@@ -1,15 +1,15 @@
 """Collectives (`_c10d_functional` ops).
 
-An eligible all-reduce (commfuse/choices.py: `comm_choice`) runs over symmetric memory: one-shot
-and two-shot as a loop body that reads the peers' copies (`ops.peer_reduce`), so its consumers
-fuse into it (codegen/triton.py picks the loads by `graph.comm_algorithms`); in-place and torch's
-kernel as a CommKernel. Its input is made a comm buffer here, at lowering time, so the kernel
-that produces it (a fused Triton kernel, or an extern mm through `out=`)
-writes straight into the persistent pool: no copy in, also through views that only reshape it
-(a row-parallel linear's 2-D mm output viewed back to (batch, seq, hidden)). Values we do not
+Each all-reduce gets its `CommPlan` here (commfuse/collectives.py), from `V.choices`. A fused
+symmetric-memory algorithm (one-shot, two-shot) becomes a loop body that reads the peers' copies
+(`ops.peer_reduce`), so its consumers fuse into it; in-place all-reduces and the other algorithms
+become a `CommKernel` the wrapper renders from the plan. The input is made a comm buffer here, at
+lowering time, so the kernel that produces it (a fused Triton kernel, or an extern mm through
+`out=`) writes straight into the persistent pool: no copy in, also through views that only reshape
+it (a row-parallel linear's 2-D mm output viewed back to (batch, seq, hidden)). Values we do not
 produce (graph inputs, other views) get one copy kernel, fused with the pointwise op before it.
-Everything else — other collectives, ineligible all-reduces — runs the c10d op
-asynchronously, waited on where the graph waits.
+A c10d plan and every other collective run the c10d op asynchronously, waited on where the graph
+waits.
 """
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ import logging
 
 import torch
 
-from commfuse import choices, ir, sizevars
+from commfuse import ir, sizevars
+from commfuse.collectives import CommPlan, CommRequest
 from commfuse.ir import Pointwise, TensorBox
 from commfuse.virtualized import V, ops
 
@@ -32,7 +33,7 @@ def _placeable(d) -> bool:
     still ours to choose, or a contiguous out= extern (mm)."""
     return (isinstance(d, ir.ComputedBuffer) and isinstance(d.layout, ir.FlexibleLayout) or
             isinstance(d, ir.ExternKernel) and d.out_variant and d.layout.is_contiguous()) \
-        and d.name not in V.graph.comm_buffers
+        and not isinstance(d.layout, ir.CommLayout)
 
 
 def _reshaped(x: TensorBox):
@@ -50,61 +51,55 @@ def _reshaped(x: TensorBox):
         sizevars.equal(a, b) for n, a, b in zip(size, strides, sizevars.contiguous_strides(size)) if n != 1) else None
 
 
-def make_comm_buffer(x: TensorBox, group_name: str, kind: str, through_views: bool = False) -> ir.Buffer:
-    """Store `x` in a comm buffer of `group_name`, written by its producer where we own it. With
-    `through_views`, the buffer may be the producer under reshaping views of `x` (its size is then
-    the producer's, its contiguous storage element for element `x`'s)."""
+def place_input(x: TensorBox, plan: CommPlan, through_views: bool = False) -> ir.Buffer:
+    """Store `x` in a comm buffer of the plan's group (or, for an algorithm that needs no symmetric
+    memory, an ordinary buffer), written by its producer where we own it. With `through_views`, the
+    buffer may be the producer under reshaping views of `x` (its size is then the producer's, its
+    contiguous storage element for element `x`'s)."""
     producer = _reshaped(x) if through_views else None
     d = x.data if producer is None else producer
     size = list(d.get_size() if producer is not None else x.get_size())
-    graph = V.graph
-    layout = ir.CommLayout(x.get_device(), x.get_dtype(), size, sizevars.contiguous_strides(size),
-                           group=group_name, kind=kind)
+    strides = sizevars.contiguous_strides(size)
+    layout = ir.CommLayout(x.get_device(), x.get_dtype(), size, strides, group=plan.group, kind=plan.collective) \
+        if plan.algorithm.symmetric else ir.FixedLayout(x.get_device(), x.get_dtype(), size, strides)
     if _placeable(d):
         d.layout = layout  # the producer writes into the pool
         buf = d
     else:
         loader = x.make_loader() if not isinstance(d, ir.Loops) else d.inner_fn
         src = d if isinstance(d, ir.Pointwise) else Pointwise(x.get_device(), x.get_dtype(), loader, size)
-        buf = graph.register_buffer(ir.ComputedBuffer, layout=layout, data=src)
-        if not isinstance(d, ir.Loops):
-            graph.comm_copies.append(buf.name)  # a copy in: the value was not ours to place
+        buf = V.graph.register_buffer(ir.ComputedBuffer, layout=layout, data=src)
+        plan.copy_in = not isinstance(d, ir.Loops)  # the value was not ours to place
         x.data = buf
-    graph.comm_buffers[buf.name] = (kind, group_name)
+    plan.buffer = buf.name
     return buf
 
 
 def _all_reduce(x, reduce_op, group_name, inplace):
     graph = V.graph
-    algorithm, reason = choices.comm_choice("all_reduce", x, reduce_op, group_name)
-    if algorithm == "c10d":
-        graph.comm_fallbacks.append({"op": "all_reduce", "reason": reason})
+    request = CommRequest("all_reduce", reduce_op, group_name, x.get_dtype(), x.get_device(),
+                          x.get_numel(), inplace)
+    plan = V.choices.all_reduce_plan(request)
+    graph.comm_plans.append(plan)
+    if plan.algorithm.name == "c10d":
         # a dynamic-shape recompile silently losing the fast path is worth one warning
-        (log.warning if reason.startswith("symbolic size") else log.info)(
-            "commfuse: all_reduce on %s runs through c10d: %s", group_name, reason)
+        (log.warning if plan.reason.startswith("symbolic size") else log.info)(
+            "commfuse: all_reduce on %s runs through c10d: %s", group_name, plan.reason)
         return None
     # in place, the result is the buffer itself: it must have x's size
-    buf = make_comm_buffer(x, group_name, "all_reduce", through_views=not inplace)
-    if reason:
-        graph.comm_choices.append({"op": "all_reduce", "buffer": buf.name, "algorithm": algorithm, "reason": reason})
-    if algorithm in choices.SYMM_ALGORITHMS and not inplace:
+    buf = place_input(x, plan, through_views=not inplace)
+    if plan.algorithm.fused and not inplace:
         # a loop body reading the peers' copies: it fuses with its consumers like any pointwise node
         # indexed as x: the buffer is contiguous, possibly under another shape (a reshaped producer)
         name, layout = buf.name, ir.contiguous_layout(x.get_device(), x.get_dtype(), x.get_size())
-        graph.comm_algorithms[name] = algorithm
         result = TensorBox(Pointwise(x.get_device(), x.get_dtype(),
                                      lambda idx: ops.peer_reduce(name, layout.index(idx), reduce_op),
                                      list(x.get_size())))
-        out = result.realize()
-        graph.comm_buffers[buf.name] += (out.name,)
-        graph.comm_results.add(out.name)
+        plan.result = result.realize().name
         return result
     layout = buf.layout if inplace else ir.contiguous_layout(x.get_device(), x.get_dtype(), x.get_size())
-    kernel = graph.register_buffer(ir.CommKernel, layout=layout, collective="all_reduce",
-                                   algorithm=algorithm, reduce_op=reduce_op, group_name=group_name,
-                                   world_size=choices.group_size(group_name), input=buf, inplace=inplace)
-    graph.comm_buffers[buf.name] += (kernel.name,)
-    graph.comm_results.add(kernel.name)
+    kernel = graph.register_buffer(ir.CommKernel, layout=layout, plan=plan, input=buf)
+    plan.result = kernel.name
     return TensorBox(kernel)
 
 
@@ -121,6 +116,6 @@ def all_reduce_(x, reduce_op, group_name):
 @register(c10d.wait_tensor.default)
 def wait_tensor(x):
     """Our comm kernels are ordered on the stream: nothing to wait for."""
-    if isinstance(x, TensorBox) and isinstance(x.data, ir.Buffer) and x.data.name in V.graph.comm_results:
+    if isinstance(x, TensorBox) and isinstance(x.data, ir.Buffer) and x.data.name in V.graph.comm_results():
         return x
     return None  # a c10d collective: the aten wait runs where the graph waits

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from commfuse import choices, ir
+from commfuse import ir
 from commfuse.dependencies import trace_body
 from commfuse.ir import TensorBox
 from commfuse.virtualized import V
@@ -21,7 +21,7 @@ aten = torch.ops.aten
 
 @register(aten.mm.default)
 def mm(a, b):
-    if not (isinstance(a, TensorBox) and isinstance(b, TensorBox)) or not choices.use_mm_template(a, b):
+    if not (isinstance(a, TensorBox) and isinstance(b, TensorBox)) or not V.choices.use_mm_template(a, b):
         return None
     prologue = isinstance(a.data, ir.Pointwise)
     if not prologue:

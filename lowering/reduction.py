@@ -14,7 +14,8 @@ from commfuse.ir import Pointwise, Reduction, TensorBox
 from commfuse.virtualized import V, ops
 
 from . import register
-from .common import canonical_dim, make_pointwise
+from .common import broadcast_loader, canonical_dim, make_pointwise
+from .views import view
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -81,10 +82,9 @@ def _full_index(idx, ridx, dims, kept, keepdim, ndim):
 
 
 def _split_factor(xnumel, rnumel, reduction_type) -> int:
-    from commfuse import choices
     if reduction_type in ("argmax", "argmin", "softmax_sum") or not (sizevars.is_static(xnumel) and sizevars.is_static(rnumel)):
         return 1
-    return choices.reduction_split(int(xnumel), int(rnumel))
+    return V.choices.reduction_split(int(xnumel), int(rnumel))
 
 
 def _split_reduce(x, load, size, dims, kept, keepdim, out_size, red_sizes, reduction_type, dtype, split):
@@ -170,7 +170,6 @@ def argmax_argmin(x, dim=None, keepdim=False):
     _check(x)
     kind = "argmax" if V.graph.current_node.target.overloadpacket is aten.argmax else "argmin"
     if dim is None:
-        from .views import view
         x, dim = view(x, [-1]), 0
         if keepdim:
             raise ir.Unsupported("argmax over all dims with keepdim")
@@ -208,7 +207,6 @@ def var(x, dims, correction=1, *, output_dtype=None):
     acc = torch.float32 if dtype.itemsize < 4 else dtype
     size = x.get_size()
     n = sizevars.product(size[d] for d in _dims(x, dims))
-    from .common import broadcast_loader
     total = sum_(x, dims, True, dtype=acc)
     m = make_pointwise(lambda s: ops.truediv(s, ops.index_expr(n, acc)), [total], compute_dtype=acc,
                        out_dtype=acc)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from commfuse import choices, ir, sizevars
-from commfuse.virtualized import ops
+from commfuse import ir, sizevars
+from commfuse.virtualized import V, ops
 
 from . import register
 from .common import DEFAULT, canonical_dim, make_pointwise, promote
@@ -42,7 +42,7 @@ def _softmax(x, dim, half_to_float, log):
     v = make_pointwise(lambda a: a, [x], out_dtype=compute, compute_dtype=compute)
     rnumel = size[dim]
     xnumel = sizevars.product(s for i, s in enumerate(size) if i != dim)
-    if rnumel != 1 and choices.use_online_softmax(xnumel, rnumel):
+    if rnumel != 1 and V.choices.use_online_softmax(xnumel, rnumel):
         # first, so that the max of the same pass reuses its running max
         total = reduce(v, [dim], True, "softmax_sum", compute)
         mx = reduce(v, [dim], True, "max", compute)

@@ -266,7 +266,6 @@ def cat(tensors, dim=0):
 def _cat_by_out_views(tensors, dim, offsets, dtype):
     """A cat of extern outputs (matmuls) that feed only the cat: allocate the cat once and let each
     op write its slice through `out=`, instead of copying every input in a kernel."""
-    from commfuse import choices
     node = V.graph.current_node
     parts = [t.data for t in tensors]
     if node is None or len(node.args[0]) != len(parts) or len({id(p) for p in parts}) < len(parts) \
@@ -276,7 +275,7 @@ def _cat_by_out_views(tensors, dim, offsets, dtype):
     layout = ir.meta_layout(node.meta["val"])
     slices = [ir.FixedLayout(layout.device, dtype, list(p.get_size()), list(layout.stride), off * layout.stride[dim])
               for p, off in zip(parts, offsets)]
-    if not all(choices.extern_writes_slice(p, s) for p, s in zip(parts, slices)):
+    if not all(V.choices.extern_writes_slice(p, s) for p, s in zip(parts, slices)):
         return None
     buf = V.graph.register_buffer(ir.ConcatBuffer, layout=layout, parts=parts)
     for p, s in zip(parts, slices):

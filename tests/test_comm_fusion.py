@@ -5,7 +5,9 @@ import re
 
 import pytest
 import torch
+from torch.testing import FileCheck
 
+from tests.common import check_peer_sum, check_reduced_in_place
 from tests.dist_utils import WORLD, device, run_ranks, use_cuda
 
 
@@ -54,9 +56,9 @@ def test_all_reduce_residual_rmsnorm_is_one_kernel(tmp_path):
         kernel = s["kernels"][-1]
         assert kernel["collective"] == "all_reduce" and kernel["reduction"], kernel
         assert len(kernel["writes"]) == 2  # the normalized output and the residual stream h
-        assert all(f"_peer{r} + (" in code for r in range(WORLD))
         (buf,) = s["comm_buffers"]
         assert not buf["copy_in"]
+        check_peer_sum(code, buf["name"], WORLD, kernel=f"def {kernel['name']}(")
 
 
 def _other_epilogues(rank, world, dump_dir):
@@ -97,7 +99,8 @@ def test_layernorm_gelu_and_quantize_fuse_into_the_comm_kernel(tmp_path):
         # the mm writes the comm buffer; one kernel reduces, adds, normalizes (or quantizes), writes both
         assert s["extern_calls"] == ["aten.mm.out"] and len(s["kernels"]) == 1, (name, s["kernels"])
         assert kernel["reduction"] and len(kernel["writes"]) == 2, (name, kernel)
-        assert all(f"_peer{r} + (" in code for r in range(WORLD))
+        (buf,) = s["comm_buffers"]
+        check_peer_sum(code, buf["name"], WORLD, kernel=f"def {kernel['name']}(")
 
 
 def _replays(rank, world, steps):
@@ -230,17 +233,25 @@ def test_two_shot_and_table_driven_choice(tmp_path):
     ((s, (kernel,), code),) = _comm_kernels(tmp_path / "dumps/fused")
     assert s["extern_calls"] == ["aten.mm.out"] and len(s["kernels"]) == 1
     assert kernel["algorithm"] == "two_shot" and kernel["reduction"] and len(kernel["writes"]) == 2, kernel
-    assert "mine = " in code and len(re.findall(r'sem="release"|st\.release\.', code)) == 1  # interpreter | PTX
+    release = r'sem="release"|st\.release\.'  # interpreter | PTX
+    assert len(re.findall(release, code)) == 1
+    (buf,) = s["comm_buffers"]  # its share summed over the peers into its own copy, then the gather
+    FileCheck().check("mine = ").check_next(f"tl.store(ptr_{buf['name']} + (").check_same(
+        f"tl.load({buf['name']}_peer0 + (").check_same("& mine").check_regex(release).check(
+        f"tl.load({buf['name']}_peer0 + (").run(code)
     # a buffer read again later is read one-shot; in place, the standalone two-shot kernel
-    ((_, (kernel,), _),) = _comm_kernels(tmp_path / "dumps/shared")
+    ((s, (kernel,), _),) = _comm_kernels(tmp_path / "dumps/shared")
     assert kernel["algorithm"] == "one_shot", kernel
-    ((_, (kernel,), code),) = _comm_kernels(tmp_path / "dumps/inplace")
-    assert kernel["algorithm"] == "two_shot" and "# reduced in place" in code, kernel
+    (plan,) = s["comm_plans"]  # the plan says so, and why: codegen renders it, never re-decides
+    assert plan["algorithm"] == "one_shot" and "two-shot cannot gather" in plan["reason"], plan
+    ((s, (kernel,), code),) = _comm_kernels(tmp_path / "dumps/inplace")
+    assert kernel["algorithm"] == "two_shot", kernel
+    check_reduced_in_place(code, s["comm_buffers"][0]["name"], kernel["name"])
     algos = []
     for s, comm, _ in _comm_kernels(tmp_path / "dumps/table"):
         algos.append(comm[0]["algorithm"])
         if algos[-1] == "two_shot":
-            assert "table.json" in s["comm_choices"][0]["reason"]
+            assert "table.json" in s["comm_plans"][0]["reason"]
     assert algos == ["one_shot", "two_shot"], algos
     # a single row: two-shot too (the row's index has no row variable)
     ((s, (kernel,), _),) = _comm_kernels(tmp_path / "dumps/one_row")
@@ -251,9 +262,9 @@ def test_two_shot_and_table_driven_choice(tmp_path):
         ((s, (kernel,), _),) = _comm_kernels(tmp_path / f"dumps/fused_{name}")
         assert kernel["algorithm"] == want.replace("_apart", "") and kernel["reduction"], (name, kernel)
         assert len(s["kernels"]) == kernels, s["kernels"]
-        (choice,) = s["comm_choices"]
+        (choice,) = s["comm_plans"]
         assert choice["algorithm"] == want and "fused row epilogue at 12 rows" in choice["reason"], choice
     # rows too long for one block: two-shot cannot gather them, the choice for the all-reduce alone stays
     ((s, (kernel,), _),) = _comm_kernels(tmp_path / "dumps/fused_mm_looped_rows")
     assert kernel["algorithm"] == "one_shot" and not kernel["persistent"], kernel
-    assert all("epilogue" not in c["reason"] and c["algorithm"] == "one_shot" for c in s["comm_choices"]), s
+    assert all("epilogue" not in c["reason"] and c["algorithm"] == "one_shot" for c in s["comm_plans"]), s

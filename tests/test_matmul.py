@@ -67,6 +67,6 @@ def test_decode_sizes_on_gpu(tmp_path, m, k, n):
 
 
 def test_mm_template_config_follows_the_sweep():
-    from commfuse.choices import mm_template_config
-    up, down = mm_template_config(8, 7168, 4096), mm_template_config(8, 4096, 7168)
+    from commfuse.choices import Choices
+    up, down = Choices().mm_template_config(8, 7168, 4096), Choices().mm_template_config(8, 4096, 7168)
     assert (up["SPLIT_K"], up["BLOCK_K"], down["SPLIT_K"], down["BLOCK_K"]) == (1, 256, 4, 128)
