@@ -31,6 +31,7 @@ def _checkout_subpackages() -> None:
 _checkout_subpackages()
 
 from . import config  # noqa: E402
+from .runtime.loader import _interpret_triton_library  # noqa: E402
 
 
 def _select_triton_mode() -> None:
@@ -44,17 +45,18 @@ def _select_triton_mode() -> None:
             return
     _os.environ["TRITON_INTERPRET"] = "1"
     if "triton" in _sys.modules:
-        from .runtime.loader import _interpret_triton_library
         _interpret_triton_library()
 
 
 _select_triton_mode()
 
+from .runtime.symm import comm_report  # noqa: E402  (after the Triton mode is chosen)
+
 __all__ = ["config", "commfuse_backend"]
 
 
 def commfuse_backend(gm, example_inputs, **kwargs):
-    from .backend import commfuse_backend as _backend
+    from .backend import commfuse_backend as _backend  # `import commfuse` stays light: the compiler loads at the first compile
     return _backend(gm, example_inputs, **kwargs)
 
 
@@ -67,9 +69,3 @@ def _register() -> None:
 
 
 _register()
-
-
-def comm_report() -> dict:
-    """Symmetric pool bytes per process group and device in this process (also logged)."""
-    from .runtime.symm import comm_report as _report
-    return _report()

@@ -16,6 +16,7 @@ from commfuse.virtualized import ops
 
 from . import register
 from .common import broadcast_loader, broadcast_shapes, canonical_dim
+from .extern import fallback
 
 aten = torch.ops.aten
 
@@ -106,7 +107,6 @@ def scatter(x, dim, index_t, src):
 def index_put(x, indices, values, accumulate=False):
     """aten's in-place index_put_ on a new buffer holding `x` (zeros, for embedding's backward:
     the fill kernel writes it): the out-of-place op would allocate and copy a second one."""
-    from .extern import fallback
     target = TensorBox(Pointwise(x.get_device(), x.get_dtype(), x.make_loader(), list(x.get_size())))
     target.realize()
     fallback(aten.index_put_.default, (target, indices, values, accumulate), {}, None)
