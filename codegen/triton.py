@@ -43,18 +43,13 @@ class Section:
 
 
 class TritonKernel:
-    def __init__(self, group, scheduler, name: str, tile=None):
-        self.group, self.scheduler, self.name = group, scheduler, name
+    def __init__(self, group, scheduler, name: str, shape):
+        self.group, self.scheduler, self.name, self.kernel_shape = group, scheduler, name, shape
         self.internal = scheduler.kernel_internal(group.nodes)  # values never stored
-        self.X, self.R = tile or (group.X, group.R)
-        self.tiled = tile is not None   # a 2-D pointwise tile: rows x columns across programs
+        self.X, self.R = shape.X, shape.R
+        self.tiled = shape.kind == "tiled"   # a 2-D pointwise tile: rows x columns across programs
         self.is_red = group.is_reduction() or self.tiled
-        rn = int(self.R) if sizevars.is_static(self.R) else None
-        # a reduction kernel that also walks some buffer column-wise (e.g. a transposed store
-        # after loop reordering) loops over square tiles so both directions stay coalesced
-        self.transposed = group.is_reduction() and not self.tiled and group.walks_transposed()
-        reads_peers = _reads_peers(group)
-        self.persistent = self.tiled or (self.is_red and not self.transposed and V.choices.is_persistent(rn, reads_peers))
+        self.persistent = shape.persistent
         self.args: dict[str, str] = {}            # buffer -> parameter
         self.size_symbols: set = set()
         self.sections: list[Section] = []
@@ -136,7 +131,7 @@ class TritonKernel:
         index = self.simplify_index(index)
         if any(s.name.startswith("tmp") for s in index.free_symbols):  # indirect
             return None
-        blocks = V.choices.kernel_config(self.kind, int(self.X), int(self.R))
+        blocks = self.kernel_shape.blocks
         axes = [Axis(XSYM, int(self.X), "XBLOCK", "xoffset", blocks["XBLOCK"])]
         if not self.is_red:
             target = ["XBLOCK"]
@@ -150,11 +145,7 @@ class TritonKernel:
 
     @property
     def kind(self) -> str:
-        if self.tiled:
-            return "tiled"
-        if not self.is_red:
-            return "pointwise"
-        return "persistent" if self.persistent else "looped_tiles" if self.transposed else "looped"
+        return self.kernel_shape.kind
 
     def arg(self, name: str) -> str:
         """The kernel parameter for a buffer (or for a comm argument, keyed with an '@')."""
@@ -487,41 +478,9 @@ class TritonKernel:
             code.splice(sec.final)
 
 
-def _reads_peers(group) -> bool:
-    return any(a.peer for n in group.nodes for a in n.reads)
-
-
 def debug_code(scheduler, group) -> str:
     """The Triton kernel a group (or a node alone) becomes: the scheduler's code renderer."""
     if group.is_extern():
         return f"# extern: {group.nodes[0].buf}"
     name = "cf_" + "_".join(group.names)[:60]
-    return TritonKernel(group, scheduler, name, choose_tile(group)).render()[0]
-
-
-def choose_tile(group):
-    """(rows, columns) for a pointwise group that walks one buffer along the rows and another
-    along the columns (a transposed read or write): tiling both axes keeps every access
-    coalesced. None keeps it 1-D."""
-    if group.is_reduction() or group.is_extern() or _reads_peers(group):  # barrier slots are 1-D
-        return None
-    ranges = group.nodes[0].ranges
-    produced = set(group.names)
-    for k in range(1, len(ranges)):
-        X, R = sizevars.product(ranges[:k]), sizevars.product(ranges[k:])
-        if X == 1 or R == 1 or any(n.kernel_index_map(X, R) is None for n in group.nodes):
-            continue
-        g = type(group)(group.nodes, X, R, group.order)
-        along_rows = along_columns = False
-        for _, kind, name, index in g.kernel_accesses():
-            if kind == "read" and name in produced:  # a value in registers
-                continue
-            aff = index is not None and sizevars.affine_coefficients(index, [XSYM, RSYM])
-            if not aff:
-                continue
-            (cx, cr), _ = aff
-            along_rows |= cx == 1 and cr not in (0, 1)
-            along_columns |= cr == 1
-        if along_rows and along_columns and V.choices.should_tile(sizevars.hint(X), sizevars.hint(R)):
-            return X, R
-    return None
+    return TritonKernel(group, scheduler, name, scheduler.kernel_shape(group)).render()[0]

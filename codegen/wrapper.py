@@ -13,7 +13,7 @@ from commfuse.virtualized import V
 from .common import IndentedBuffer, pexpr
 from . import comm as comm_codegen
 from . import matmul as matmul_codegen
-from .triton import TritonKernel, choose_tile, debug_code
+from .triton import TritonKernel, debug_code
 
 HEADER = """\
 # commfuse generated code: graph {graph_id}
@@ -229,8 +229,8 @@ class WrapperCodegen:
             kind = "allreduce"  # a fused all-reduce with its neighbours
         ops_names = "_".join(sorted({_short(n) for n in grp.nodes}))[:40]
         name = f"cf_{kind}_{ops_names}_{step}"
-        tile = choose_tile(grp)
-        k = TritonKernel(grp, self.sched, name, tile)
+        shape = self.sched.kernel_shape(grp)
+        k = TritonKernel(grp, self.sched, name, shape)
         src, meta = k.render()
         self.kernel_sources[id(grp)] = src
         self.kernels.splice(_lines(src))
@@ -241,10 +241,7 @@ class WrapperCodegen:
         X, R = k.X, k.R
         comm = meta["comm"]
         pool = comm and self.comm_placements[next(a.split("@")[0] for a in k.args if "@peer" in a)]["pool"]
-        if comm:
-            blocks = V.choices.comm_kernel_config(meta["kind"], int(X), int(R))
-        else:
-            blocks = V.choices.kernel_config(meta["kind"], sizevars.hint(X), sizevars.hint(R))
+        blocks = shape.blocks
         args = [comm_codegen.arg_value(a, pool) if "@" in a else self.ref(a) for a in k.args]
         args += [self.expr(s) for s in meta["size_symbols"]]
         args += [self.expr(X)] + ([self.expr(R)] if meta["reduction"] else [])

@@ -140,6 +140,21 @@ def _extern_reads(buf) -> list[str]:
     return [x.base.name if isinstance(x, ir.ReinterpretView) else x.name for x in buf.inputs()]
 
 
+@dataclasses.dataclass(frozen=True)
+class KernelShape:
+    """How a group's kernel walks its space, decided by the scheduler (`kernel_shape`) and
+    rendered as is by codegen: `kind` pointwise, tiled (2-D pointwise), persistent (whole rows in
+    a block), looped, or looped_tiles (a reduction that also walks a buffer transposed)."""
+    kind: str
+    X: object
+    R: object
+    blocks: dict  # XBLOCK, RBLOCK, num_warps; `programs` for a kernel that reads its peers
+
+    @property
+    def persistent(self) -> bool:
+        return self.kind in ("persistent", "tiled")
+
+
 @dataclasses.dataclass(eq=False)
 class Group:
     """A kernel to be: nodes in program order plus its iteration space (X, R)."""
@@ -184,6 +199,9 @@ class Group:
             for acc in n.writes:
                 yield n, "write", acc.name, sizevars.simplify(acc.index.subs(m))
 
+    def reads_peers(self) -> bool:
+        return any(a.peer for n in self.nodes for a in n.reads)
+
     def walks_transposed(self) -> bool:
         """Does some access move along rows (stride 1 in x) but jump along the reduction axis?"""
         for _, _, _, index in self.kernel_accesses():
@@ -222,6 +240,7 @@ class Scheduler:
             self, self.topological_order(self.groups), inplace)
         self.inplace = memory.inplace_updates(self.groups, inplace)  # output -> input it overwrites
         self.peak_memory = memory.peak_memory(self, self.groups, self.inplace)
+        self.shapes = {id(g): self.kernel_shape(g) for g in self.groups if not g.is_extern()}
 
     # ------------------------------------------------------------------ setup
     def _single(self, n: SchedulerNode) -> Group:
@@ -287,6 +306,52 @@ class Scheduler:
                 plan.algorithm.name, prologue, numel // rows)
             if picked:
                 plan.algorithm, plan.reason = collectives.algorithm(picked[0]), picked[1]
+
+    def kernel_shape(self, g: Group) -> KernelShape:
+        """Tiling, persistence and blocks of a group's kernel, from policy."""
+        if id(g) in getattr(self, "shapes", {}):
+            return self.shapes[id(g)]
+        tile = self.choose_tile(g)
+        X, R = tile or (g.X, g.R)
+        peers = g.reads_peers()
+        if tile:
+            kind = "tiled"
+        elif not g.is_reduction():
+            kind = "pointwise"
+        elif g.walks_transposed():
+            kind = "looped_tiles"
+        else:
+            kind = "persistent" if V.choices.is_persistent(int(R) if sizevars.is_static(R) else None, peers) \
+                else "looped"
+        blocks = V.choices.comm_kernel_config(kind, int(X), int(R)) if peers else \
+            V.choices.kernel_config(kind, sizevars.hint(X), sizevars.hint(R))
+        return KernelShape(kind, X, R, blocks)
+
+    def choose_tile(self, g: Group):
+        """(rows, columns) for a pointwise group that walks one buffer along the rows and another
+        along the columns (a transposed read or write): tiling both axes keeps every access
+        coalesced. None keeps it 1-D."""
+        if g.is_reduction() or g.is_extern() or g.reads_peers():  # barrier slots are 1-D
+            return None
+        ranges = g.nodes[0].ranges
+        produced = set(g.names)
+        for k in range(1, len(ranges)):
+            X, R = sizevars.product(ranges[:k]), sizevars.product(ranges[k:])
+            if X == 1 or R == 1 or any(n.kernel_index_map(X, R) is None for n in g.nodes):
+                continue
+            along_rows = along_columns = False
+            for _, kind, name, index in Group(g.nodes, X, R, g.order).kernel_accesses():
+                if kind == "read" and name in produced:  # a value in registers
+                    continue
+                aff = index is not None and sizevars.affine_coefficients(index, [XSYM, RSYM])
+                if not aff:
+                    continue
+                (cx, cr), _ = aff
+                along_rows |= cx == 1 and cr not in (0, 1)
+                along_columns |= cr == 1
+            if along_rows and along_columns and V.choices.should_tile(sizevars.hint(X), sizevars.hint(R)):
+                return X, R
+        return None
 
     def fit_comm_plans(self):
         """Two-shot reads each element from the rank that reduced its share, and the shares are
