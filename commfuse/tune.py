@@ -1,5 +1,5 @@
-"""`torchrun --nproc-per-node N -m commfuse.tune --out TABLE.json`: time commfuse's one-shot and
-two-shot all-reduce kernels and the c10d collective over a grid of sizes on this host, and each
+"""`torchrun --nproc-per-node N -m commfuse.tune --out TABLE.json`: time the standalone kernel of
+each registered all-reduce algorithm (commfuse/collectives.py: one-shot, two-shot) and the c10d collective over a grid of sizes on this host, and each
 symmetric-memory algorithm with a residual add and RMSNorm fused over a grid of (rows, hidden),
 under CUDA graphs; write the table the compiler's algorithm choice reads (commfuse/tuned_tables.py)."""
 from __future__ import annotations
@@ -14,21 +14,20 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from commfuse.codegen import comm as comm_codegen
-
 from . import choices, tuned_tables
+from .collectives import ALGORITHMS
 from .runtime.loader import load_module
 from .runtime.symm import SymmPool
 from .runtime.timing import cuda_graph_time_us, interleaved_times_us
 
 
 def kernels(world: int, dtype):
-    """Our standalone one-shot and two-shot all-reduce kernels, compiled."""
+    """The standalone kernel of each registered algorithm the table times alone, compiled."""
+    names = [n for n in tuned_tables.ALGORITHMS if n in ALGORITHMS and ALGORITHMS[n].kernel is not None]
     src = "import triton\nimport triton.language as tl\nconstants = {}\n" + \
-        comm_codegen.one_shot_all_reduce("one_shot", world, "sum", dtype, False) + "\n" + \
-        comm_codegen.two_shot_all_reduce("two_shot", world, "sum", dtype)
+        "\n".join(ALGORITHMS[n].kernel(n, world, "sum", dtype, False) for n in names)
     mod = load_module(src, {})[0]
-    return {"one_shot": mod.one_shot, "two_shot": mod.two_shot}
+    return {n: getattr(mod, n) for n in names}
 
 
 def launcher(kernel, pool, numel, out, dtype):

@@ -20,7 +20,7 @@ import torch
 from . import config
 
 ALGORITHMS = ("one_shot", "two_shot", "c10d")       # measured for the all-reduce alone
-FUSED_ALGORITHMS = ("one_shot", "one_shot_apart", "two_shot")  # and with a norm fused (choices.SYMM_ALGORITHMS)
+FUSED_ALGORITHMS = ("one_shot", "one_shot_apart", "two_shot")  # and with a norm fused (fused algorithms of commfuse/collectives.py)
 TABLE_DIR = os.path.join(os.path.dirname(__file__), "tables")
 
 
