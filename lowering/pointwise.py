@@ -63,9 +63,9 @@ _register_simple({
 }, BOOL)
 
 
-@register(aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar)
-def add_sub(a, b, alpha=1):
-    sub = V.graph.current_node.target in (aten.sub.Tensor, aten.sub.Scalar)
+@register(aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar, with_op=True)
+def add_sub(op, a, b, alpha=1):
+    sub = op in (aten.sub.Tensor, aten.sub.Scalar)
     if alpha != 1:
         if is_tensor(b):
             b = make_pointwise(lambda v: ops.mul(v, ops.constant(alpha, promote([b, alpha])[0])),
@@ -96,9 +96,9 @@ def prims_div(a, b):
     return make_pointwise(lambda x, y: ops.truncdiv(x, y), [a, b])
 
 
-@register(prims.add, prims.sub)
-def prims_add_sub(a, b):
-    sub = V.graph.current_node.target.overloadpacket is prims.sub
+@register(prims.add, prims.sub, with_op=True)
+def prims_add_sub(op, a, b):
+    sub = op.overloadpacket is prims.sub
     return make_pointwise(lambda x, y: ops.sub(x, y) if sub else ops.add(x, y), [a, b])
 
 
@@ -148,10 +148,9 @@ def where(cond, a, b):
     return TensorBox(Pointwise(device, result, lambda i: ops.where(lc(i), la(i), lb(i)), size))
 
 
-@register(aten.clamp.default, aten.clamp.Tensor, aten.clamp_min, aten.clamp_max)
-def clamp(x, lo=None, hi=None):
-    target = V.graph.current_node.target
-    if target in (aten.clamp_max.default, aten.clamp_max.Tensor):
+@register(aten.clamp.default, aten.clamp.Tensor, aten.clamp_min, aten.clamp_max, with_op=True)
+def clamp(op, x, lo=None, hi=None):
+    if op in (aten.clamp_max.default, aten.clamp_max.Tensor):
         lo, hi = None, lo
     args = [x] + [v for v in (lo, hi) if v is not None]
     has_lo, has_hi = lo is not None, hi is not None
@@ -187,9 +186,9 @@ def lerp(a, b, w):
     return make_pointwise(lambda x, y, t: ops.add(x, ops.mul(t, ops.sub(y, x))), [a, b, w])
 
 
-@register(aten.addcmul, aten.addcdiv)
-def addc(a, b, c, value=1):
-    mul = V.graph.current_node.target.overloadpacket is aten.addcmul
+@register(aten.addcmul, aten.addcdiv, with_op=True)
+def addc(op, a, b, c, value=1):
+    mul = op.overloadpacket is aten.addcmul
     compute, _ = promote([a, b, c])
     return make_pointwise(lambda x, y, z: ops.add(x, ops.mul(ops.constant(value, compute),
                                                              ops.mul(y, z) if mul else ops.truediv(y, z))),
@@ -224,9 +223,9 @@ def nan_to_num(x, nan=0.0, posinf=None, neginf=None):
 
 
 # ----------------------------------------------------------------------------- casts
-@register(prims.convert_element_type, aten._to_copy)
-def to_dtype(x, dtype=None, **kwargs):
-    if V.graph.current_node.target is aten._to_copy.default:
+@register(prims.convert_element_type, aten._to_copy, with_op=True)
+def to_dtype(op, x, dtype=None, **kwargs):
+    if op is aten._to_copy.default:
         dev = kwargs.pop("device", None)
         kwargs.pop("layout", None), kwargs.pop("pin_memory", None), kwargs.pop("non_blocking", None)
         kwargs.pop("memory_format", None)
@@ -275,18 +274,18 @@ def scalar_tensor(value, **kwargs):
     return full([], value, dtype, device)
 
 
-@register(aten.full_like, aten.zeros_like, aten.ones_like)
-def full_like(x, *args, **kwargs):
-    op = V.graph.current_node.target.overloadpacket
-    value = args[0] if op is aten.full_like else (0 if op is aten.zeros_like else 1)
+@register(aten.full_like, aten.zeros_like, aten.ones_like, with_op=True)
+def full_like(op, x, *args, **kwargs):
+    packet = op.overloadpacket
+    value = args[0] if packet is aten.full_like else (0 if packet is aten.zeros_like else 1)
     meta = V.graph.current_node.meta["val"]
     return full(x.get_size(), value, meta.dtype, meta.device)
 
 
-@register(aten.zeros.default, aten.ones.default)
-def zeros_ones(size, **kwargs):
+@register(aten.zeros.default, aten.ones.default, with_op=True)
+def zeros_ones(op, size, **kwargs):
     meta = V.graph.current_node.meta["val"]
-    value = 0 if V.graph.current_node.target is aten.zeros.default else 1
+    value = 0 if op is aten.zeros.default else 1
     return full(to_size(size), value, meta.dtype, meta.device)
 
 

@@ -158,17 +158,17 @@ def mean(x, dims=None, keepdim=False, *, dtype=None):
                           out_dtype=dtype, compute_dtype=acc)
 
 
-@register(aten.amax, aten.amin, prims.amax, prims.amin)
-def amax_amin(x, dims=None, keepdim=False):
+@register(aten.amax, aten.amin, prims.amax, prims.amin, with_op=True)
+def amax_amin(op, x, dims=None, keepdim=False):
     _check(x)
-    kind = "max" if V.graph.current_node.target.overloadpacket in (aten.amax, prims.amax) else "min"
+    kind = "max" if op.overloadpacket in (aten.amax, prims.amax) else "min"
     return reduce(x, dims, keepdim, kind, x.get_dtype())
 
 
-@register(aten.argmax, aten.argmin)
-def argmax_argmin(x, dim=None, keepdim=False):
+@register(aten.argmax, aten.argmin, with_op=True)
+def argmax_argmin(op, x, dim=None, keepdim=False):
     _check(x)
-    kind = "argmax" if V.graph.current_node.target.overloadpacket is aten.argmax else "argmin"
+    kind = "argmax" if op.overloadpacket is aten.argmax else "argmin"
     if dim is None:
         x, dim = view(x, [-1]), 0
         if keepdim:
@@ -176,25 +176,26 @@ def argmax_argmin(x, dim=None, keepdim=False):
     return reduce(x, [dim], keepdim, kind, torch.int64)
 
 
-@register(aten.max.dim, aten.min.dim)
-def max_min_dim(x, dim, keepdim=False):
+@register(aten.max.dim, aten.min.dim, with_op=True)
+def max_min_dim(op, x, dim, keepdim=False):
     _check(x)
-    is_max = V.graph.current_node.target is aten.max.dim
+    is_max = op is aten.max.dim
     values = reduce(x, [dim], keepdim, "max" if is_max else "min", x.get_dtype())
     indices = reduce(x, [dim], keepdim, "argmax" if is_max else "argmin", torch.int64)
     return values, indices
 
 
-@register(aten.max.default, aten.min.default)
-def max_min_all(x):
-    return reduce(x, None, False, "max" if V.graph.current_node.target is aten.max.default else "min",
+@register(aten.max.default, aten.min.default, with_op=True)
+def max_min_all(op, x):
+    return reduce(x, None, False, "max" if op is aten.max.default else "min",
                   x.get_dtype())
 
 
-@register(aten.any.dim, aten.any.dims, aten.any.default, aten.all.dim, aten.all.dims, aten.all.default)
-def any_all(x, dims=None, keepdim=False):
+@register(aten.any.dim, aten.any.dims, aten.any.default, aten.all.dim, aten.all.dims, aten.all.default,
+          with_op=True)
+def any_all(op, x, dims=None, keepdim=False):
     _check(x)
-    kind = "any" if V.graph.current_node.target.overloadpacket is aten.any else "all"
+    kind = "any" if op.overloadpacket is aten.any else "all"
     b = make_pointwise(lambda v: ops.ne(v, ops.constant(0, x.get_dtype())), [x], out_dtype=torch.bool,
                        compute_dtype=x.get_dtype()) if x.get_dtype() != torch.bool else x
     return reduce(b, dims, keepdim, kind, torch.bool)
