@@ -22,7 +22,8 @@ from commfuse.sizevars import next_pow2
 from commfuse.runtime.loader import interpreting
 from commfuse.runtime.symm import signal_stride
 
-from .common import IndentedBuffer, triton_dtype
+from .common import IndentedBuffer
+from .triton_ops import store_text
 
 COMBINE = {"sum": "{a} + {b}", "avg": "{a} + {b}", "max": "tl.maximum({a}, {b})",
            "min": "tl.minimum({a}, {b})"}
@@ -138,7 +139,7 @@ def one_shot_all_reduce(name: str, world: int, reduce_op: str, dtype: torch.dtyp
             _reduce_peers(code, world, reduce_op)
             if inplace:  # every peer has read this chunk of our buffer before we overwrite it
                 sync.barrier(code, params)
-            code.writeline(f"tl.store(out + offs, {acc}.to({triton_dtype(dtype)}), mask)")
+            code.writeline(f"tl.store(out + offs, {store_text(acc, torch.float32, dtype)}, mask)")
         sync.leave(code, params)
     return code.getvalue()
 
@@ -148,7 +149,6 @@ def two_shot_all_reduce(name: str, world: int, reduce_op: str, dtype: torch.dtyp
     peer into its own buffer (no peer reads chunk r of it), then everyone gathers the chunks.
     Each rank moves 2N bytes instead of the one-shot's W*N. The same kernel runs in place: every
     chunk is gathered only after the barrier that follows its reduction."""
-    tdt = triton_dtype(dtype)
     code, sync, params = _signature(name, world)
     with code.indent():
         code.writeline(f"chunk = tl.cdiv(numel, {world})")
@@ -160,7 +160,7 @@ def two_shot_all_reduce(name: str, world: int, reduce_op: str, dtype: torch.dtyp
             _reduce_peers(code, world, reduce_op)
             for p in range(world):  # into my own buffer (in{rank}), where the peers will find it
                 code.writeline(f"if rank == {p}:")
-                code.writeline(f"    tl.store(in{p} + offs, acc.to({tdt}), mask)")
+                code.writeline(f"    tl.store(in{p} + offs, {store_text('acc', torch.float32, dtype)}, mask)")
         sync.barrier(code, params)
         code.writeline("for start in range(pid * BLOCK, chunk, NPROG * BLOCK):  # gather every chunk")
         with code.indent():

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import itertools
 
+import torch
+
 from commfuse import ir
 from commfuse.runtime.loader import interpreting
 from commfuse.scheduler import RSYM, XSYM
@@ -22,7 +24,7 @@ from commfuse.virtualized import V
 
 from .common import IndentedBuffer, triton_dtype
 from .triton import TritonKernel
-from .triton_ops import TritonOps
+from .triton_ops import TritonOps, store_text
 
 
 class OperandLoads(TritonKernel):
@@ -107,7 +109,7 @@ def render(buf: ir.MatmulTemplate, name: str) -> tuple[str, dict]:
             "out = out_ptr + xindex * stride_om + cols * stride_on",
             "omask = xmask & (cols < N)",
             "if SPLIT_K == 1:",
-            f"    tl.store(out, acc.to({dtype}), omask)",
+            f"    tl.store(out, {store_text('acc', torch.float32, buf.get_dtype())}, omask)",
             "else:",
             "    ws = ws_ptr + xindex * N + cols",
             "    tl.atomic_add(ws, acc, omask, sem=\"relaxed\")",
@@ -117,7 +119,7 @@ def render(buf: ir.MatmulTemplate, name: str) -> tuple[str, dict]:
             "        tl.debug_barrier()",
             "        total = tl.atomic_add(ws, tl.zeros_like(acc), omask)  # read where the adds went",
             "        tl.store(ws, tl.zeros_like(acc), omask)  # and leave it zeroed for the next call",
-            f"        tl.store(out, tl.where(omask, total, 0.0).to({dtype}), omask)",
+            f"        tl.store(out, {store_text('tl.where(omask, total, 0.0)', torch.float32, buf.get_dtype())}, omask)",
             "        tl.atomic_xchg(lock_ptr + tl.program_id(0), 0)"])
     even = n % cfg["BLOCK_N"] == 0 and k % (cfg["BLOCK_K"] * cfg["SPLIT_K"]) == 0
     meta = {"loader_args": list(loads.args), "size_symbols": sorted(loads.size_symbols, key=str),
