@@ -48,7 +48,7 @@ class GraphLowering(torch.fx.Interpreter):
         self.scalar_nodes: list[tuple] = []           # (symbol, fn, args, kwargs) computed at run time
         self.device_types: set[str] = set()
         self.example_inputs = example_inputs
-        self._hints: dict = {}
+        self.size_hints = size_hints(gm, example_inputs)  # read by sizevars.hint, while lowering too
         self.current_node = None
 
     # buffers ------------------------------------------------------------------
@@ -85,7 +85,6 @@ class GraphLowering(torch.fx.Interpreter):
         load_all()
         with V.set_graph(self):
             super().run(*self.example_inputs)
-        sizevars.set_hints(self._hints)
         return self
 
     def run_node(self, n):
@@ -104,7 +103,6 @@ class GraphLowering(torch.fx.Interpreter):
         val = node.meta.get("val", example)
         if isinstance(val, torch.Tensor):
             layout = meta_layout(val)
-            self._record_hints(val, example)
             cls = ir.DonatedBuffer if target in self.donated else ir.InputBuffer
             buf = cls(name=target, layout=layout)
             self.device_types.add(val.device.type)
@@ -113,26 +111,9 @@ class GraphLowering(torch.fx.Interpreter):
         if isinstance(val, torch.SymInt):
             expr = sizevars.from_torch(val)
             self.graph_inputs[target] = expr
-            if isinstance(example, int):
-                self._hints[expr] = example
-            elif isinstance(example, torch.SymInt) and example.node.hint is not None:
-                self._hints[expr] = example.node.hint
             return expr
         self.graph_inputs[target] = example  # ints, DeviceMesh script objects, ...
         return example
-
-    def _record_hints(self, val, example):
-        if not isinstance(example, torch.Tensor):
-            return
-        for s, e in zip(list(val.shape) + list(val.stride()), list(example.shape) + list(example.stride())):
-            if isinstance(s, torch.SymInt) and isinstance(e, int):
-                expr = sizevars.from_torch(s)
-                if isinstance(expr, sympy.Symbol):
-                    self._hints[expr] = e
-            elif isinstance(s, torch.SymInt) and isinstance(e, torch.SymInt):
-                expr = sizevars.from_torch(s)
-                if isinstance(expr, sympy.Symbol) and e.node.hint is not None:
-                    self._hints[expr] = e.node.hint
 
     def get_attr(self, target, args, kwargs):
         value = super().get_attr(target, args, kwargs)
@@ -240,6 +221,28 @@ class GraphLowering(torch.fx.Interpreter):
                 value = realize_output(value, meta)
             self.graph_outputs.append(value)
         return self.graph_outputs
+
+
+def size_hints(gm, example_inputs) -> dict:
+    """{size symbol: its value in the example inputs}, for the heuristics that need a concrete size
+    (`sizevars.hint`): the symbols of the placeholders' sizes, strides and SymInts."""
+    hints = {}
+    for node, example in zip(gm.graph.find_nodes(op="placeholder"), example_inputs):
+        val = node.meta.get("val", example)
+        if isinstance(val, torch.Tensor) and isinstance(example, torch.Tensor):
+            pairs = zip([*val.shape, *val.stride()], [*example.shape, *example.stride()])
+        elif isinstance(val, torch.SymInt):
+            pairs = [(val, example)]
+        else:
+            continue
+        for s, e in pairs:
+            if isinstance(e, torch.SymInt):
+                e = e.node.hint
+            if isinstance(s, torch.SymInt) and isinstance(e, int):
+                expr = sizevars.from_torch(s)
+                if isinstance(expr, sympy.Symbol):
+                    hints[expr] = e
+    return hints
 
 
 def _whole_storages(gm, names) -> set:

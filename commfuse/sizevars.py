@@ -13,6 +13,8 @@ from typing import Iterable, Sequence
 import sympy
 import torch
 
+from .virtualized import V
+
 Expr = sympy.Expr
 
 
@@ -187,20 +189,13 @@ def is_static(e) -> bool:
     return sympy.sympify(e).is_Integer
 
 
-_hints: dict = {}
-
-
-def set_hints(hints: dict) -> None:
-    _hints.clear()
-    _hints.update(hints)
-
-
 def hint(e) -> int:
-    """A concrete value for size heuristics (the example input's size for symbols)."""
+    """A concrete value for size heuristics: the graph being compiled gives its symbols the sizes of
+    its example inputs (`V.graph.size_hints`, known before lowering starts)."""
     e = sympy.sympify(e)
     if e.is_Integer:
         return int(e)
-    val = e.subs(_hints)
+    val = e.subs(V.graph.size_hints) if V.graph is not None else e
     try:
         return int(val)
     except TypeError:
