@@ -25,6 +25,13 @@ fallback_ops: list = []       # aten ops run as they are, neither decomposed nor
 choices = None                # a commfuse.choices.Choices (subclass) instance that makes every
                               # heuristic decision; None: the default Choices()
 
+# Caches.
+cache_dir: str | None = None  # generated modules and the graph cache live under this folder
+                              # (COMMFUSE_CACHE_DIR; None: <tmp>/commfuse_<uid>)
+graph_cache = True            # keep compiled graphs on disk (cache_dir/graphs): a graph compiled
+                              # before, with the same config, versions and commfuse files, is loaded
+                              # without lowering, scheduling or code generation (graph_cache.py)
+
 # Execution.
 cuda_graphs = False           # capture each compiled graph in a CUDA graph after warm-up, replay it
                               # (also `mode="reduce-overhead"`)

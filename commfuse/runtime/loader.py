@@ -8,11 +8,11 @@ import os
 import sys
 import tempfile
 
-from .. import compat
+from .. import compat, config
 
 
 def cache_dir() -> str:
-    d = os.environ.get("COMMFUSE_CACHE_DIR") or os.path.join(
+    d = config.cache_dir or os.environ.get("COMMFUSE_CACHE_DIR") or os.path.join(
         tempfile.gettempdir(), f"commfuse_{os.getuid() if hasattr(os, 'getuid') else 'user'}")
     os.makedirs(d, exist_ok=True)
     return d
