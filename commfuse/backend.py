@@ -18,7 +18,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from commfuse.codegen.wrapper import WrapperCodegen
 
-from . import choices, config, dump, ir
+from . import choices, config, dump, graph_cache, ir
 from .attention import use_sdpa_gqa
 from .decompositions import decomposition_table
 from .graph import GraphLowering
@@ -131,7 +131,57 @@ def _aten_fallback(gm):
 def _compile(gm, example_inputs, graph_id, kind="inference", donated=frozenset()):
     t0 = time.time()
     reinplace_input_updates(gm)
-    with choices.install():
+    key, description, gen, skipped = _cached(gm, example_inputs, graph_id, kind, donated)
+    hit = gen is not None
+    for level, message in gen.messages if hit else ():  # what compiling it said, said again
+        log.log(level, "%s", message)
+    if not hit:
+        gen = _generate(gm, example_inputs, graph_id, donated)
+        if key is not None:
+            skipped = graph_cache.store(key, description, gm, gen)
+            key = None if skipped else key
+    check_triton_mode(gen.computed_device_types)
+    module, path = load_module(gen.source, gen.constants)
+    if config.cuda_graphs and gen.device_types == {"cuda"}:
+        module.call = CudaGraphed(module.call, graph_id, input_roles(gm, kind))
+    summary = {"graph_id": graph_id, **gen.summary, "compile_seconds": round(time.time() - t0, 3),
+               "cache_hit": hit, "cache_key": key}
+    if skipped:
+        summary["cache_skipped"] = skipped
+    summaries.append(summary)
+    dump.write(graph_id, {"fx_graph.txt": gm.print_readable(print_output=False),
+                          "ir_pre_fusion.txt": gen.pre_fusion + "\n",
+                          "ir_post_fusion.txt": gen.post_fusion,
+                          "output_code.py": gen.source}, summary)
+    if config.debug:
+        log.warning("commfuse: %s %s: %d kernels, %d extern calls (not lowered: %s) -> %s", graph_id,
+                    "loaded from the graph cache" if hit else "compiled", len(summary["kernels"]),
+                    len(summary["extern_calls"]), summary["fallback_reasons"] or "none", path)
+    return CompiledGraph(module, graph_id, path, summary)
+
+
+def _cached(gm, example_inputs, graph_id, kind, donated):
+    """(key, its description, the cached graph or None on a miss, why the graph has no key)."""
+    if not config.graph_cache:
+        return None, None, None, None
+    try:
+        description = graph_cache.describe(gm, example_inputs, kind, donated)
+    except graph_cache.Uncacheable as e:
+        log.debug("commfuse: graph %s not cached: %s", graph_id, e)
+        return None, None, None, str(e)
+    except Exception as e:  # a bug in the key: compile without the cache
+        if not config.fallback_on_error:
+            raise
+        log.warning("commfuse: graph %s: no cache key (%s: %s); compiling it", graph_id, type(e).__name__, e)
+        return None, None, None, f"no key: {type(e).__name__}: {e}"
+    key = graph_cache.digest(description)
+    gen = graph_cache.lookup(key, description, gm, graph_id, need_ir=bool(config.dump_dir))
+    return key, description, gen, None
+
+
+def _generate(gm, example_inputs, graph_id, donated) -> graph_cache.Generated:
+    """Lower, schedule and generate the module's source: what a cache hit skips."""
+    with graph_cache.recording_messages() as messages, choices.install():
         graph = GraphLowering(gm, example_inputs, graph_id, donated).run()
         with V.set_graph(graph):
             pre_fusion = "\n".join(str(b) for b in graph.buffers)
@@ -139,12 +189,7 @@ def _compile(gm, example_inputs, graph_id, kind="inference", donated=frozenset()
             wrapper = WrapperCodegen(graph, sched)
             source = wrapper.generate()
             post_fusion = sched.debug_str() if config.dump_dir else ""
-    check_triton_mode({b.get_device().type for b in graph.buffers if isinstance(b, ir.ComputedBuffer)})
-    module, path = load_module(source, wrapper.constants)
-    if config.cuda_graphs and graph.device_types == {"cuda"}:
-        module.call = CudaGraphed(module.call, graph_id, input_roles(gm, kind))
     summary = {
-        "graph_id": graph_id,
         "compiled": True,
         "kernels": wrapper.kernel_info,
         "extern_calls": wrapper.extern_calls,
@@ -159,15 +204,7 @@ def _compile(gm, example_inputs, graph_id, kind="inference", donated=frozenset()
         "peak_memory_by_order": sched.peak_memory_by_order,
         "cross_kernel_bytes": cross_kernel_bytes(sched),
         "rematerialized": sched.remat_log,
-        "compile_seconds": round(time.time() - t0, 3),
     }
-    summaries.append(summary)
-    dump.write(graph_id, {"fx_graph.txt": gm.print_readable(print_output=False),
-                          "ir_pre_fusion.txt": pre_fusion + "\n",
-                          "ir_post_fusion.txt": post_fusion,
-                          "output_code.py": source}, summary)
-    if config.debug:
-        log.warning("commfuse: %s compiled: %d kernels, %d extern calls (not lowered: %s) -> %s",
-                    graph_id, len(summary["kernels"]), len(summary["extern_calls"]),
-                    graph.fallback_reasons or "none", path)
-    return CompiledGraph(module, graph_id, path, summary)
+    computed = {b.get_device().type for b in graph.buffers if isinstance(b, ir.ComputedBuffer)}
+    return graph_cache.Generated(graph_id, source, wrapper.constants, summary, set(graph.device_types),
+                                 computed, pre_fusion, post_fusion, messages)

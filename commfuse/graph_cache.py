@@ -1,0 +1,422 @@
+"""A persistent on-disk cache of compiled graphs.
+
+A hit skips lowering, scheduling and code generation: the generated module's source is read back
+and loaded (Triton keeps its own kernel cache). The key is a digest of everything the generated
+code depends on, written out by `describe`: the aten graph (its code, every node's value: shapes,
+strides, dtypes, devices, aliasing), the example inputs, symbolic-shape facts, the whole config,
+the distributed context, the device, the library versions, commfuse's own files, and any commfuse
+function replaced at run time. A graph that depends on something the key cannot describe (a
+config value or a constant that is not plain data) is compiled every time and never stored.
+
+Tensor constants are never stored: an entry names the graph attribute each comes from, and a hit
+takes them from the live graph. Entries are written atomically; one that cannot be read, or whose
+description differs from the one it is looked up with, is a miss.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import hashlib
+import importlib
+import json
+import logging
+import os
+import pickle
+import platform
+import re
+import sys
+import uuid
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from . import config
+
+log = logging.getLogger("commfuse")
+FORMAT = 1
+NOT_KEYED = ("debug", "dump_dir", "graph_cache", "cache_dir")  # options that leave the code as it is
+
+
+class Uncacheable(Exception):
+    """The graph depends on something the key cannot describe: compile it, store nothing."""
+
+
+@dataclasses.dataclass
+class Generated:
+    """What `backend._compile` needs from lowering, scheduling and code generation."""
+    graph_id: str
+    source: str
+    constants: dict                 # name -> value, as the loader installs them
+    summary: dict                   # without the per-call fields (graph id, timing, cache)
+    device_types: set               # of every buffer (CUDA-graph mode needs {"cuda"})
+    computed_device_types: set      # of the kernels' outputs (Triton's interpreter for "cpu")
+    pre_fusion: str
+    post_fusion: str                # "" when dumps were off
+    messages: list = dataclasses.field(default_factory=list)  # (level, text) logged while compiling
+
+
+@contextlib.contextmanager
+def recording_messages():
+    """The commfuse log records of a compile (a lowering's warning), which a hit logs again."""
+    records = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = lambda record: records.append((record.levelno, record.getMessage()))
+    log.addHandler(handler)
+    try:
+        yield records
+    finally:
+        log.removeHandler(handler)
+
+
+# ------------------------------------------------------------------------------------ the key
+def describe(gm: torch.fx.GraphModule, example_inputs, kind: str, donated) -> str:
+    """Everything the generated code depends on, as text (its digest is the key). Raises
+    Uncacheable where a part cannot be written out faithfully."""
+    storages, inputs = {}, {}  # storage -> index, for aliasing among nodes, among inputs
+    parts = {
+        "format": FORMAT,
+        "kind": kind,
+        "donated": sorted(donated),
+        "code": [gm.code] + [f"{name}:\n{m.code}" for name, m in gm.named_modules()
+                             if m is not gm and isinstance(m, torch.fx.GraphModule)],
+        "nodes": [[n.name, n.op, _value(n.meta.get("val"), storages)] for n in gm.graph.nodes],
+        "attributes": _attributes(gm),
+        "inputs": [_value(x, inputs, strict=True) for x in example_inputs],
+        "shape_env": _shape_env(example_inputs),
+        "config": _config(),
+        "distributed": _distributed(),
+        "device": _device(gm),
+        "versions": _versions(),
+        "default_dtype": str(torch.get_default_dtype()),
+        "commfuse_files": files_digest(),
+        "replaced_functions": replaced_functions(),
+    }
+    return json.dumps(parts, sort_keys=True)
+
+
+def digest(description: str) -> str:
+    return hashlib.sha256(description.encode()).hexdigest()
+
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def _value(v, storages: dict, strict: bool = False):
+    """A node's value or an example input, as plain data: tensors by metadata (never by their
+    data), with the storage each shares among the others (aliasing), symbolic sizes by their
+    expression and hint."""
+    if isinstance(v, torch.Tensor):
+        try:
+            storage = storages.setdefault(StorageWeakRef(v.untyped_storage()), len(storages))
+        except Exception:
+            storage = None
+        return ["tensor", type(v).__name__, str(v.dtype), str(v.device), str(v.layout),
+                [_value(s, storages) for s in v.shape], [_value(s, storages) for s in v.stride()],
+                _value(v.storage_offset(), storages), storage, v.requires_grad, v.is_conj(), v.is_neg()]
+    if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        hint = v.node.hint if v.node.has_hint() else None
+        return [type(v).__name__, str(v.node.expr), repr(hint)]
+    if v is None or isinstance(v, (bool, int, str)):
+        return v
+    if isinstance(v, float):
+        return repr(v)
+    if isinstance(v, (list, tuple)):
+        return [type(v).__name__, [_value(x, storages, strict) for x in v]]
+    if isinstance(v, dict):
+        return ["dict", [[repr(k), _value(x, storages, strict)] for k, x in v.items()]]
+    if isinstance(v, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
+        return [type(v).__name__, str(v)]
+    if strict:
+        raise Uncacheable(f"an example input is a {type(v).__qualname__}")
+    return [type(v).__module__, type(v).__qualname__, _ADDRESS.sub("", repr(v))]
+
+
+def _attributes(gm) -> list:
+    """The graph's attributes: tensor constants by metadata (their values are read from the live
+    graph at every load), anything else by type."""
+    out = []
+    for node in gm.graph.find_nodes(op="get_attr"):
+        value = _fetch(gm, node.target)
+        out.append([node.target, _value(value, {}) if isinstance(value, torch.Tensor)
+                    else [type(value).__module__, type(value).__qualname__]])
+    return out
+
+
+def _shape_env(example_inputs):
+    env = None
+    ctx = torch._guards.TracingContext.try_get()
+    if ctx is not None and ctx.fake_mode is not None:
+        env = ctx.fake_mode.shape_env
+    for x in example_inputs:
+        if env is None and getattr(x, "fake_mode", None) is not None:
+            env = x.fake_mode.shape_env
+    if env is None or not env.var_to_range:
+        return None
+
+    def items(d):
+        return sorted([str(k), str(v)] for k, v in d.items())
+    return {"ranges": items(env.var_to_range), "hints": items(env.var_to_val),
+            "replacements": items(env.replacements), "guards": [str(g.expr) for g in env.guards],
+            "runtime_asserts": sorted(str(a.expr) for asserts in env.deferred_runtime_asserts.values()
+                                      for a in asserts)}
+
+
+def _config() -> dict:
+    out = {}
+    for name, value in config.snapshot().items():
+        if name not in NOT_KEYED:
+            out[name] = _plain(value, name)
+    if config.comm.table:
+        try:
+            with open(config.comm.table, "rb") as f:
+                out["comm.table contents"] = hashlib.sha256(f.read()).hexdigest()
+        except OSError as e:
+            raise Uncacheable(f"comm.table {config.comm.table} unreadable: {e}") from e
+    return out
+
+
+def _plain(v, name: str):
+    if v is None or isinstance(v, (bool, int, str)):
+        return v
+    if isinstance(v, float):
+        return repr(v)
+    if isinstance(v, (list, tuple)):
+        return [type(v).__name__, [_plain(x, name) for x in v]]
+    if isinstance(v, (set, frozenset)):
+        return ["set", sorted(json.dumps(_plain(x, name)) for x in v)]
+    if isinstance(v, dict):
+        return ["dict", sorted([repr(k), _plain(x, name)] for k, x in v.items())]
+    raise Uncacheable(f"config option {name} is a {type(v).__qualname__}")
+
+
+def _distributed():
+    """The process groups a plan may depend on: their names, ranks and backends; this rank."""
+    import torch.distributed as dist
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    world = dist.distributed_c10d._world
+    groups = []
+    for pg, name in world.pg_names.items():
+        try:
+            backend = str(dist.get_backend(pg))
+        except Exception:
+            backend = None
+        groups.append([name, sorted(world.pg_group_ranks.get(pg, {}).items()), backend])
+    return {"rank": dist.get_rank(), "world_size": dist.get_world_size(), "groups": sorted(groups),
+            "LOCAL_WORLD_SIZE": os.environ.get("LOCAL_WORLD_SIZE")}
+
+
+def _device(gm) -> dict:
+    from .runtime.loader import interpreting
+    cuda = torch.cuda.is_available()
+    devices = set()
+    for node in gm.graph.nodes:
+        for v in torch.utils._pytree.tree_leaves(node.meta.get("val")):
+            if isinstance(v, torch.Tensor) and v.device.type == "cuda":
+                devices.add(v.device.index or 0)
+    props = []
+    for i in sorted(devices):
+        p = torch.cuda.get_device_properties(i)
+        props.append([i, p.name, [p.major, p.minor], p.multi_processor_count, p.total_memory])
+    return {"cuda_available": cuda, "triton_interpret": interpreting(), "machine": platform.machine(),
+            "cuda": props}
+
+
+def _versions() -> dict:
+    import sympy
+    import triton
+    out = {"python": sys.version, "torch": torch.__version__, "torch_git": torch.version.git_version,
+           "cuda": torch.version.cuda, "hip": torch.version.hip, "triton": triton.__version__,
+           "sympy": sympy.__version__}
+    if "numpy" in sys.modules:
+        out["numpy"] = sys.modules["numpy"].__version__
+    return out
+
+
+def _package_dirs() -> list[str]:
+    import commfuse
+    import commfuse.codegen
+    import commfuse.lowering
+    return sorted({os.path.dirname(os.path.abspath(m.__file__)) for m in (commfuse, commfuse.lowering, commfuse.codegen)})
+
+
+@functools.lru_cache(None)
+def files_digest() -> str:
+    """commfuse's own files (the compiler, its tables): editing any is a new key. Read once per
+    process, which is the code it runs (a file edited after it is imported is not)."""
+    h = hashlib.sha256()
+    for top in _package_dirs():
+        for root, dirs, files in os.walk(top):
+            dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+            for name in sorted(files):
+                if name.endswith((".py", ".json")):
+                    path = os.path.join(root, name)
+                    with open(path, "rb") as f:
+                        h.update(f"{os.path.relpath(path, top)}\0".encode() + f.read() + b"\0")
+    return h.hexdigest()
+
+
+def replaced_functions() -> list[str]:
+    """Functions in commfuse's namespaces (modules, their classes, their dict registries such as
+    the lowering table) whose code lies outside commfuse and the libraries it uses: a patch made at
+    run time (a test's monkeypatch), which the file digest cannot see."""
+    trusted = _trusted_dirs()
+    out = []
+    for modname, mod in sorted(sys.modules.items()):
+        if not (modname == "commfuse" or modname.startswith("commfuse.")) or mod is None:
+            continue
+        for attr, value in list(vars(mod).items()):
+            found = [(attr, value)]
+            if isinstance(value, type) and value.__module__ == modname:
+                found += [(f"{attr}.{k}", v) for k, v in vars(value).items()]
+            elif isinstance(value, dict):
+                found += [(f"{attr}[{k}]", v) for k, v in list(value.items())]
+            for where, obj in found:
+                code = getattr(getattr(obj, "__func__", obj), "__code__", None)
+                if code is not None and not code.co_filename.startswith("<") \
+                        and not os.path.abspath(code.co_filename).startswith(trusted):
+                    out.append(f"{modname}.{where}: {code.co_filename}:{code.co_firstlineno}")
+    return out
+
+
+@functools.lru_cache(None)
+def _trusted_dirs() -> tuple:
+    import sysconfig
+    import sympy
+    import triton
+    paths = sysconfig.get_paths()
+    dirs = _package_dirs() + [os.path.dirname(m.__file__) for m in (torch, triton, sympy)] + \
+        [paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths]
+    return tuple(os.path.join(os.path.abspath(d), "") for d in dirs)
+
+
+# ------------------------------------------------------------------------------------ entries
+def cache_dir() -> str:
+    from .runtime.loader import cache_dir as base
+    path = os.path.join(base(), "graphs")
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    return path
+
+
+def _path(key: str) -> str:
+    return os.path.join(cache_dir(), f"{key}.pkl")
+
+
+def store(key: str, description: str, gm: torch.fx.GraphModule, gen: Generated) -> str | None:
+    """Write an entry; None when written, else why not (the graph's constants, pickling, the disk)."""
+    try:
+        constants = {name: _constant_ref(gm, name, value) for name, value in gen.constants.items()}
+        entry = {"format": FORMAT, "key": key, "description": description,
+                 "generated": dataclasses.replace(gen, constants=constants)}
+        data = pickle.dumps(entry, protocol=4)
+        path = _path(key)
+        tmp = f"{path}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        return None
+    except Uncacheable as e:
+        why = str(e)
+    except Exception as e:
+        why = f"{type(e).__name__}: {e}"
+    log.debug("commfuse: graph %s not cached: %s", gen.graph_id, why)
+    return why
+
+
+def lookup(key: str, description: str, gm: torch.fx.GraphModule, graph_id: str,
+           need_ir: bool = False) -> Generated | None:
+    """The entry for `key`, made ready for this graph: its graph id, its constants from `gm`.
+    None on a miss, including an entry that cannot be read or used."""
+    path = _path(key)
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path, "rb") as f:
+            entry = pickle.load(f)
+        if entry.get("format") != FORMAT or entry.get("key") != key or entry.get("description") != description:
+            raise ValueError("the entry was written for another key")
+        gen = entry["generated"]
+        if need_ir and not gen.post_fusion:
+            log.debug("commfuse: cache entry %s has no IR for the dumps: compiling again", path)
+            return None
+        constants = {name: _constant(gm, ref) for name, ref in gen.constants.items()}
+        return dataclasses.replace(gen, graph_id=graph_id, source=gen.source.replace(gen.graph_id, graph_id),
+                                   constants=constants,
+                                   messages=[(lv, m.replace(gen.graph_id, graph_id)) for lv, m in gen.messages])
+    except Exception as e:
+        log.debug("commfuse: cache entry %s unusable (%s: %s): compiling", path, type(e).__name__, e)
+        return None
+
+
+def _fetch(gm, target: str):
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _constant_ref(gm, name: str, value):
+    """How a hit finds a constant again: a tensor as the graph attribute holding it (its value
+    is never stored), anything else by import path."""
+    if isinstance(value, torch.Tensor):
+        for node in gm.graph.find_nodes(op="get_attr"):
+            if _fetch(gm, node.target) is value:
+                return ("attr", node.target)
+        raise Uncacheable(f"tensor constant {name} is no attribute of the graph")
+    ref = _reference(value)
+    if not (_resolve(ref) is value or isinstance(value, slice) and _resolve(ref) == value):
+        raise Uncacheable(f"constant {name} ({value!r}) is not found again by {ref}")
+    return ("ref", ref)
+
+
+def _reference(obj) -> tuple:
+    if isinstance(obj, torch._ops.OpOverload):
+        return ("op", obj.namespace, obj._opname, obj._overloadname)
+    if isinstance(obj, torch._ops.OpOverloadPacket):
+        ns, name = obj._qualified_op_name.split("::")
+        return ("packet", ns, name)
+    if isinstance(obj, torch._ops.HigherOrderOperator):
+        return ("hop", obj.name())
+    if isinstance(obj, slice) and all(x is None or type(x) is int for x in (obj.start, obj.stop, obj.step)):
+        return ("slice", obj.start, obj.stop, obj.step)
+    if obj is Ellipsis:
+        return ("ellipsis",)
+    module, qualname = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
+    if isinstance(module, str) and isinstance(qualname, str) and "<" not in qualname:
+        return ("python", module, qualname)
+    raise Uncacheable(f"a constant of type {type(obj).__qualname__}")
+
+
+def _resolve(ref: tuple):
+    kind = ref[0]
+    if kind == "op":
+        return getattr(getattr(getattr(torch.ops, ref[1]), ref[2]), ref[3])
+    if kind == "packet":
+        return getattr(getattr(torch.ops, ref[1]), ref[2])
+    if kind == "hop":
+        return getattr(torch.ops.higher_order, ref[1])
+    if kind == "slice":
+        return slice(*ref[1:])
+    if kind == "ellipsis":
+        return Ellipsis
+    if kind == "python":
+        obj = importlib.import_module(ref[1])
+        for part in ref[2].split("."):
+            obj = getattr(obj, part)
+        return obj
+    raise ValueError(f"unknown constant reference {ref}")
+
+
+def _constant(gm, ref: tuple):
+    kind, what = ref
+    if kind == "attr":
+        value = _fetch(gm, what)
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"graph attribute {what} is no tensor")
+        return value
+    return _resolve(what)
