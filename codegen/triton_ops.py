@@ -231,17 +231,20 @@ class TritonOps:
     def ceil(self, a): return self._f("tl.ceil", a) if a.dtype.is_floating_point else a
     def reciprocal(self, a): return self._op(f"1.0 / {a}", a.dtype)
     def sigmoid(self, a): return self._f("tl.sigmoid", a)
-
-    def __getattr__(self, name):
-        helper = {"tanh", "expm1", "log1p", "atan", "asin", "acos", "sinh", "cosh", "asinh",
-                  "acosh", "atanh", "erfc"}
-        if name in helper:
-            return lambda a: self._f(f"triton_helpers.{name}", a)
-        if name == "trunc":
-            return lambda a: self._f("triton_helpers.trunc", a) if a.dtype.is_floating_point else a
-        if name == "round":
-            return lambda a: self._f("triton_helpers.round_half_even", a) if a.dtype.is_floating_point else a
-        raise NotImplementedError(f"commfuse cannot generate Triton code for ops.{name}")
+    def tanh(self, a): return self._f("triton_helpers.tanh", a)
+    def expm1(self, a): return self._f("triton_helpers.expm1", a)
+    def log1p(self, a): return self._f("triton_helpers.log1p", a)
+    def atan(self, a): return self._f("triton_helpers.atan", a)
+    def asin(self, a): return self._f("triton_helpers.asin", a)
+    def acos(self, a): return self._f("triton_helpers.acos", a)
+    def sinh(self, a): return self._f("triton_helpers.sinh", a)
+    def cosh(self, a): return self._f("triton_helpers.cosh", a)
+    def asinh(self, a): return self._f("triton_helpers.asinh", a)
+    def acosh(self, a): return self._f("triton_helpers.acosh", a)
+    def atanh(self, a): return self._f("triton_helpers.atanh", a)
+    def erfc(self, a): return self._f("triton_helpers.erfc", a)
+    def trunc(self, a): return self._f("triton_helpers.trunc", a) if a.dtype.is_floating_point else a
+    def round(self, a): return self._f("triton_helpers.round_half_even", a) if a.dtype.is_floating_point else a
 
 
 def _promote(a, b) -> torch.dtype:

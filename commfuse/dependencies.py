@@ -10,7 +10,7 @@ import itertools
 import sympy
 
 from .sizevars import index_symbol
-from .virtualized import V
+from .virtualized import OPS, V
 
 
 @dataclasses.dataclass
@@ -80,6 +80,9 @@ class RecordingOps:
         return self._emit("masked_value({}, other={})", result, other)
 
     def __getattr__(self, op):
+        if op not in OPS:
+            raise AttributeError(op)
+
         def fn(*args, **kwargs):
             fmt = ", ".join(["{}"] * len(args) + [f"{k}={{}}" for k in kwargs])
             return self._emit(f"{op}({fmt})", *args, *kwargs.values())

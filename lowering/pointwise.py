@@ -6,7 +6,7 @@ import torch
 
 from commfuse import ir, sizevars
 from commfuse.ir import Pointwise, TensorBox
-from commfuse.virtualized import V, ops
+from commfuse.virtualized import OPS, V, ops
 
 from . import register
 from .common import (BOOL, DEFAULT, INT_TO_FLOAT, broadcast_shapes, full, is_tensor,
@@ -27,6 +27,8 @@ def _register_simple(table, kind):
         if isinstance(prim, torch._ops.OpOverloadPacket) and prim not in table:
             table[prim] = op_name  # prims decompositions produce the same math
     for aten_op, op_name in table.items():
+        assert op_name in OPS, op_name
+
         def lower(*args, _fn=_simple(op_name), _kind=kind, **kwargs):
             if kwargs:
                 raise ir.Unsupported(f"keyword arguments {kwargs}")
