@@ -14,6 +14,8 @@ from typing import Any
 import sympy
 import torch
 import torch.fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from commfuse.lowering import load_all, lowerings
 from commfuse.lowering.extern import fallback
@@ -249,8 +251,6 @@ def _whole_storages(gm, names) -> set:
     """Those of `names` (placeholders) whose tensor is its storage, whole and dense, shared with
     no other input: overwriting or freeing it touches nothing else. (Saved activations may be
     views of one another; the fake tensors of aliasing placeholders share their storage.)"""
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
-    from torch.multiprocessing.reductions import StorageWeakRef
     vals = {n.name: n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")}
     storages = collections.Counter(StorageWeakRef(v.untyped_storage()) for v in vals.values()
                                    if isinstance(v, torch.Tensor))

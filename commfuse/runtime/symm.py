@@ -12,6 +12,7 @@ capture) and kept for its life.
 """
 from __future__ import annotations
 
+import logging
 import os
 import uuid
 
@@ -183,7 +184,6 @@ class CommState:
 
 def comm_report() -> dict:
     """Pool bytes per process group and device, allocated so far in this process."""
-    import logging
     report = shared_pools.report()
     logging.getLogger("commfuse").info("commfuse: symmetric pools: %s", report)
     return report
