@@ -19,6 +19,7 @@ import dataclasses
 import functools
 import hashlib
 import importlib
+import importlib.util
 import json
 import logging
 import os
@@ -235,10 +236,11 @@ def _versions() -> dict:
 
 
 def _package_dirs() -> list[str]:
-    import commfuse
-    import commfuse.codegen
-    import commfuse.lowering
-    return sorted({os.path.dirname(os.path.abspath(m.__file__)) for m in (commfuse, commfuse.lowering, commfuse.codegen)})
+    """commfuse's folders: this package, and lowering/ and codegen/ wherever they are installed
+    (found, not imported: the package imports the compiler, which imports this module)."""
+    subpackages = [importlib.util.find_spec(f"{__package__}.{name}") for name in ("lowering", "codegen")]
+    return sorted({os.path.dirname(os.path.abspath(__file__)),
+                   *(os.path.abspath(s.submodule_search_locations[0]) for s in subpackages)})
 
 
 @functools.lru_cache(None)

@@ -21,8 +21,8 @@ PACKAGES = {"commfuse": "commfuse", "lowering": "commfuse.lowering", "codegen": 
 # Highest first. A module may import its own layer or a lower one. An entry ending in ".*" is a
 # whole package; every product module must be in exactly one layer.
 LAYERS = [
-    ("entry", ["commfuse", "commfuse.backend", "commfuse.graph", "commfuse.attention", "commfuse.reinplace",
-               "commfuse.decompositions", "commfuse.dump", "commfuse.tune"]),
+    ("entry", ["commfuse", "commfuse.backend", "commfuse.graph", "commfuse.graph_cache", "commfuse.attention",
+               "commfuse.reinplace", "commfuse.decompositions", "commfuse.dump", "commfuse.tune"]),
     ("lowering", ["commfuse.lowering", "commfuse.lowering.*"]),
     ("codegen", ["commfuse.codegen", "commfuse.codegen.wrapper", "commfuse.codegen.triton", "commfuse.codegen.matmul"]),
     ("scheduling", ["commfuse.scheduler", "commfuse.loop_order", "commfuse.remat", "commfuse.memory",
