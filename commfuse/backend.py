@@ -149,10 +149,11 @@ def _compile(gm, example_inputs, graph_id, kind="inference", donated=frozenset()
     if skipped:
         summary["cache_skipped"] = skipped
     summaries.append(summary)
-    dump.write(graph_id, {"fx_graph.txt": gm.print_readable(print_output=False),
-                          "ir_pre_fusion.txt": gen.pre_fusion + "\n",
-                          "ir_post_fusion.txt": gen.post_fusion,
-                          "output_code.py": gen.source}, summary)
+    if config.dump_dir:  # printing the graph costs as much as a cache hit
+        dump.write(graph_id, {"fx_graph.txt": gm.print_readable(print_output=False),
+                              "ir_pre_fusion.txt": gen.pre_fusion + "\n",
+                              "ir_post_fusion.txt": gen.post_fusion,
+                              "output_code.py": gen.source}, summary)
     if config.debug:
         log.warning("commfuse: %s %s: %d kernels, %d extern calls (not lowered: %s) -> %s", graph_id,
                     "loaded from the graph cache" if hit else "compiled", len(summary["kernels"]),

@@ -334,24 +334,24 @@ def lookup(key: str, description: str, gm: torch.fx.GraphModule, graph_id: str,
            need_ir: bool = False) -> Generated | None:
     """The entry for `key`, made ready for this graph: its graph id, its constants from `gm`.
     None on a miss, including an entry that cannot be read or used."""
-    path = _path(key)
-    if not os.path.exists(path):
-        return None
     try:
+        path = _path(key)
+        if not os.path.exists(path):
+            return None
         with open(path, "rb") as f:
             entry = pickle.load(f)
         if entry.get("format") != FORMAT or entry.get("key") != key or entry.get("description") != description:
             raise ValueError("the entry was written for another key")
         gen = entry["generated"]
         if need_ir and not gen.post_fusion:
-            log.debug("commfuse: cache entry %s has no IR for the dumps: compiling again", path)
+            log.debug("commfuse: cache entry %s has no IR for the dumps: compiling again", key)
             return None
         constants = {name: _constant(gm, ref) for name, ref in gen.constants.items()}
         return dataclasses.replace(gen, graph_id=graph_id, source=gen.source.replace(gen.graph_id, graph_id),
                                    constants=constants,
                                    messages=[(lv, m.replace(gen.graph_id, graph_id)) for lv, m in gen.messages])
     except Exception as e:
-        log.debug("commfuse: cache entry %s unusable (%s: %s): compiling", path, type(e).__name__, e)
+        log.debug("commfuse: cache entry %s unusable (%s: %s): compiling", key, type(e).__name__, e)
         return None
 
 

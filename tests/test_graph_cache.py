@@ -119,6 +119,23 @@ def test_what_the_code_depends_on_is_a_new_entry(tmp_path, change):
         assert len(summaries[0]["kernels"]) > len(first[0]["kernels"])
 
 
+def test_symbolic_sizes(tmp_path, lowerings):
+    """A graph with symbolic sizes hits for the same first sizes; other first sizes (the hints
+    that shaped its kernels) make another entry. Either way, any size runs right."""
+    f = lambda x: (x * 2).softmax(-1) + x.sum()  # noqa: E731
+    for n, hit in ((5, False), (5, True), (9, False)):
+        torch._dynamo.reset()
+        before = len(backend.summaries)
+        with config.patch(cache_dir=str(tmp_path)):
+            compiled = torch.compile(f, backend="commfuse", dynamic=True)
+            for m in (n, n + 3):
+                x = torch.randn(m, 6, device=DEVICE)
+                torch.testing.assert_close(compiled(x), f(x))
+        (summary,) = backend.summaries[before:]
+        assert summary["cache_hit"] is hit
+    assert len(lowerings) == 2 and len(_entries(tmp_path)) == 2
+
+
 def test_a_constant_value_comes_from_the_live_graph(tmp_path):
     """Two functions that differ only in a tensor constant's value trace to the same aten graph
     (the constant is a graph attribute): the entry is shared, the value is the live graph's."""
