@@ -11,7 +11,8 @@ import os
 import sys
 from typing import Any
 
-# Debugging and dumps.
+# Debugging and dumps. (debug, dump_dir and the cache options are left out of the graph cache's key:
+# they must not change the generated code. Every other option is in it.)
 debug = False                 # log each compiled graph's summary
 dump_dir: str | None = None   # write per-rank dumps under this folder (COMMFUSE_DUMP_DIR)
 fallback_on_error = True      # a graph we fail to compile runs through aten instead of raising;
