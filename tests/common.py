@@ -6,6 +6,7 @@ import json
 import os
 
 import torch
+from torch.testing import FileCheck
 
 from commfuse import config
 
@@ -46,3 +47,30 @@ def compile_and_run(fn, *args, tmp_path, dynamic=False, **patch):
 
 def kernel_defs(code: str) -> list[str]:
     return [line for line in code.splitlines() if line.startswith("def cf_")]
+
+
+# torch's FileCheck misplaces a check_regex that follows another check (it resumes from the wrong
+# position): find names with `re`, then check them as literal strings.
+
+
+def count(code: str, text: str, n: int) -> None:
+    """`text` occurs exactly `n` times in `code` (FileCheck: a failure prints the code)."""
+    FileCheck().check_count(text, n, exactly=True).run(code)
+
+
+def check_peer_sum(code: str, buf: str, world: int, kernel: str = "def cf_") -> None:
+    """After `kernel`'s definition, one line sums the loads of `buf`'s copy on every rank, in rank
+    order: the all-reduce reads each peer's buffer, none missing."""
+    check = FileCheck().check(kernel).check(f"tl.load({buf}_peer0 + (")
+    for r in range(1, world):
+        check = check.check_same(f"tl.load({buf}_peer{r} + (")
+    check.run(code)
+
+
+def check_reduced_in_place(code: str, buf: str, kernel: str) -> None:
+    """The graph's one in-place all-reduce: the wrapper takes comm buffer `buf` from the pool, and
+    `kernel`, launched right after the result is aliased to `buf`, reads the peers' copies of
+    `buf` and writes over it: no copy out."""
+    FileCheck().check(f"{buf} = comm['{buf}']").check(f" = {buf}  # reduced in place").check_next(
+        f"{kernel}[").check_same(f"comm['peers_{buf}'][0]").run(code)
+    count(code, "# reduced in place", 1)

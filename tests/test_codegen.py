@@ -2,11 +2,13 @@
 import itertools
 import json
 import os
+import re
 
 import torch
 import torch.nn.functional as F
+from torch.testing import FileCheck
 
-from tests.common import DEVICE, compile_and_run, kernel_defs
+from tests.common import DEVICE, compile_and_run, count, kernel_defs
 
 
 def test_relu_add_sum_is_one_kernel(tmp_path):
@@ -39,7 +41,7 @@ def test_softmax_one_kernel_and_looped_reduction(tmp_path):
     torch.testing.assert_close(out, fn(x))
     summary, code = dumps.only()
     assert len(summary["kernels"]) == 1
-    assert "for roffset in range(0, rnumel, RBLOCK):" in code
+    FileCheck().check("def cf_").check("for roffset in range(0, rnumel, RBLOCK):").check("tl.store(").run(code)
     assert summary["kernels"][0]["persistent"] is False
 
 
@@ -51,7 +53,9 @@ def test_unlowered_op_is_an_extern_call(tmp_path):
     summary, code = dumps.only()
     assert "aten.mm.out" in summary["extern_calls"]
     assert any("sort" in c for c in summary["extern_calls"])
-    assert "aten.mm.out(arg0_1, arg1_1, out=buf" in code  # the wrapper allocated mm's output
+    out_buf = re.search(r"aten\.mm\.out\(arg0_1, arg1_1, out=(buf\d+)\)", code).group(1)
+    FileCheck().check(f"{out_buf} = empty_strided((8, 8), (8, 1)").check_next(  # the wrapper allocated mm's output
+        f"aten.mm.out(arg0_1, arg1_1, out={out_buf})").run(code)
 
 
 def test_intermediate_buffer_not_stored(tmp_path):
@@ -61,7 +65,7 @@ def test_intermediate_buffer_not_stored(tmp_path):
     torch.testing.assert_close(out, fn(x))
     summary, code = dumps.only()
     assert len(summary["kernels"]) == 1
-    assert code.count("tl.store(") == 1
+    count(code, "tl.store(", 1)
 
 
 def test_horizontal_fusion_of_shared_reads(tmp_path):
@@ -71,7 +75,7 @@ def test_horizontal_fusion_of_shared_reads(tmp_path):
     torch.testing.assert_close(out, fn(x))
     summary, code = dumps.only()
     assert len(summary["kernels"]) == 1
-    assert code.count("tl.load(") == 1
+    count(code, "tl.load(", 1)
 
 
 def test_transposed_input_tiles_2d(tmp_path):
@@ -82,7 +86,7 @@ def test_transposed_input_tiles_2d(tmp_path):
     summary, code = dumps.only()
     assert len(summary["kernels"]) == 1
     assert summary["kernels"][0]["tiled"] is True
-    assert "tl.program_id(1)" in code
+    count(code, "tl.program_id(1)", 1)
 
 
 def test_contiguous_pointwise_stays_1d(tmp_path):
@@ -92,7 +96,7 @@ def test_contiguous_pointwise_stays_1d(tmp_path):
     torch.testing.assert_close(out, fn(x, y))
     summary, code = dumps.only()
     assert summary["kernels"][0]["tiled"] is False
-    assert "tl.program_id(1)" not in code
+    count(code, "tl.program_id(1)", 0)
 
 
 def test_dump_layout_and_summary(tmp_path):
@@ -107,7 +111,7 @@ def test_dump_layout_and_summary(tmp_path):
         assert key in summary
     assert summary["comm_buffers"] == []
     kernel = summary["kernels"][0]
-    assert "arg0_1" in " ".join(k for k in kernel["reads"]) or kernel["reads"]  # placeholder names
+    assert kernel["reads"] and all(re.fullmatch(r"arg\d+_\d+|buf\d+", r) for r in kernel["reads"]), kernel
     assert all(b["bytes"] > 0 for b in summary["buffers"])
     # the dumped module is runnable on its own
     import importlib.util
@@ -129,12 +133,14 @@ def test_post_fusion_dump_shows_code_per_node_and_group(tmp_path):
     fused = [k for k in summary["kernels"] if len(k["nodes"]) > 1]
     assert fused
     for k in fused:  # each node of a fused group renders its own kernel, then the group its kernel
+        check = FileCheck().check(f"Group({'+'.join(k['nodes'])}, ")
         for name in k["nodes"]:
-            assert f"| def cf_{name}(" in text
+            check = check.check(f"| def cf_{name}(")
+        check.check("kernel:").check_next("| @triton.jit").check_next(f"| def {k['name']}(").run(text)
         after = text.split(f"| def {k['name']}(")[1].splitlines()[1:]
         body = [line.split("| ", 1)[1] for line in itertools.takewhile(lambda l: "| " in l, after)]  # noqa: E741
         assert len(body) > 3 and "\n".join(body) in code
-    assert "# extern: " in text and "aten.mm" in text
+    FileCheck().check("kernel:").check_next("| # extern: ").check_same("ExternKernel aten.mm.out(").run(text)
 
 
 def test_bfloat16_rounds_to_nearest_even(tmp_path):

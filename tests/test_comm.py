@@ -2,10 +2,13 @@
 (emulated) symmetric memory, persistent pool slices, and the c10d path for what is ineligible."""
 import glob
 import json
+import re
 
 import pytest
 import torch
+from torch.testing import FileCheck
 
+from tests.common import check_peer_sum, check_reduced_in_place, count
 from tests.dist_utils import WORLD, device, run_ranks
 
 
@@ -156,9 +159,9 @@ def test_producers_write_into_the_pool(tmp_path):
     (code0,) = _code(tmp_path, 0)
     assert len(s0["comm_buffers"]) == 3
     # (a) buffers we produce are written by their producers: mm through out=, a fused kernel
-    mm_buf = next(b["name"] for b in s0["comm_buffers"] if f"aten.mm.out(arg0_1, arg1_1, out={b['name']})"
-                  in code0 or f"out={b['name']})" in code0)
-    assert f"{mm_buf} = comm['{mm_buf}']" in code0
+    mm_buf = re.search(r"aten\.mm\.out\(arg0_1, arg1_1, out=(buf\d+)\)", code0).group(1)
+    assert mm_buf in [b["name"] for b in s0["comm_buffers"]]
+    FileCheck().check(f"{mm_buf} = comm['{mm_buf}']").check_next(f"aten.mm.out(arg0_1, arg1_1, out={mm_buf})").run(code0)
     written = {w for k in s0["kernels"] for w in k["writes"]}
     # the first all-reduce's kernel computes relu(y + b) as its epilogue, straight into the second
     # all-reduce's buffer; a copy kernel fills the third from the graph input
@@ -166,13 +169,22 @@ def test_producers_write_into_the_pool(tmp_path):
     # (b) one-shot all-reduces read the peers' buffers, in two kernels: the second all-reduce reads
     # what the first one's epilogue wrote in the same kernel (a barrier in between), and the copy of
     # the graph input is the prologue of the third's kernel
-    assert code0.count("def cf_allreduce_") == 2
+    count(code0, "def cf_allreduce_", 2)
     assert len([k for k in s0["kernels"] if k.get("collective") == "all_reduce"]) == 2
+    for b in s0["comm_buffers"]:  # a kernel sums every peer's copy, which the wrapper passes it
+        check_peer_sum(code0, b["name"], WORLD)
+        check = FileCheck().check("def call(").check(f"comm['peers_{b['name']}'][0]")
+        for peer in range(1, WORLD):
+            check = check.check_same(f"comm['peers_{b['name']}'][{peer}]")
+        check.run(code0)
+    # the two barriers that publish in-kernel writes (atomics in the interpreter, PTX on the GPU),
+    # each between the store into a comm buffer and the loads of its peers' copies
+    release = re.findall(r'sem="release"|st\.release\.sys', code0)
+    assert len(release) == 2, release
     for b in s0["comm_buffers"]:
-        for peer in range(WORLD):
-            assert f"comm['peers_{b['name']}'][{peer}]" in code0 and f"{b['name']}_peer{peer} + (" in code0
-    # the two barriers that publish in-kernel writes (atomics in the interpreter, PTX on the GPU)
-    assert code0.count('sem="release"') + code0.count("st.release.sys") == 2
+        if b["name"] in written:
+            FileCheck().check(f"tl.store(ptr_{b['name']} + (").check(release[0]).check(
+                f"tl.load({b['name']}_peer0 + (").run(code0)
     # (c) the same pool slices on every rank
     for rank in range(1, WORLD):
         (s,) = _summaries(tmp_path, rank)
@@ -198,8 +210,10 @@ def test_inplace_all_reduce_has_no_copy(tmp_path):
     run_ranks(_inplace, WORLD, args=(str(tmp_path),))
     (s0,) = _summaries(tmp_path, 0)
     (code0,) = _code(tmp_path, 0)
-    assert len(s0["comm_buffers"]) == 1 and not s0["comm_buffers"][0]["copy_in"]
-    assert "# reduced in place" in code0
+    (buf,) = s0["comm_buffers"]
+    assert not buf["copy_in"]
+    (kernel,) = [k for k in s0["kernels"] if k.get("collective")]
+    check_reduced_in_place(code0, buf["name"], kernel["name"])
 
 
 def test_dtensor_tp_mlp_forward_backward(tmp_path):
@@ -341,4 +355,4 @@ def test_eight_ranks_one_shot_two_shot_and_fused_norm(tmp_path):
     comm = sorted(((k["algorithm"], bool(k["reduction"])) for k in s0["kernels"] if k.get("collective")))
     assert comm == [("one_shot", False), ("one_shot", True), ("two_shot", False), ("two_shot", True)], comm
     for b in s0["comm_buffers"]:  # every kernel reads all 8 ranks' copies
-        assert all(f"{b['name']}_peer{r} + (" in code0 for r in range(8)), b["name"]
+        check_peer_sum(code0, b["name"], 8)

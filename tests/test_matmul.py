@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.testing import FileCheck
 
 from commfuse import config
 from tests.common import DEVICE
@@ -30,10 +31,14 @@ def test_silu_prologue_is_computed_in_the_matmul(tmp_path, m, k, n, dtype):
     s, code = _compile_and_check(lambda a, w: F.silu(a * 2) @ w, (a, w), tmp_path)
     (kernel,) = s["kernels"]  # silu is never stored: one kernel, no aten mm
     assert kernel["template"] == "mm" and kernel["prologue"] and not s["extern_calls"], s
-    assert "tl.sigmoid" in code and "tl.dot" in code
-    assert "pf0_now = pf0" in code  # the prologue's load is issued a step ahead
+    # the prologue's load is issued a step ahead; silu is computed on it in the loop, before tl.dot
+    FileCheck().check(f"def {kernel['name']}(").check("pf0 = tl.load(ptr_arg0_1 + ").check(
+        "for roffset in range(").check_next("pf0_now = pf0").check("pf0 = tl.load(ptr_arg0_1 + ").check(
+        "= pf0_now").check("tl.sigmoid(").check("acc = tl.dot(a, b, acc)").run(code)
     if (m, k, n) == (3, 512, 64):  # one column block: K is split over four programs
-        assert kernel["config"]["SPLIT_K"] == 4 and "_workspaces" in code
+        assert kernel["config"]["SPLIT_K"] == 4
+        FileCheck().check(f"{kernel['name']}[(").check_same(
+            f"workspace(_workspaces, '{kernel['name']}_sums'").check_same("SPLIT_K=4").run(code)
 
 
 def test_strided_operands(tmp_path):

@@ -2,8 +2,9 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.testing import FileCheck
 
-from tests.common import DEVICE, compile_and_run, kernel_defs
+from tests.common import DEVICE, compile_and_run, count, kernel_defs
 
 LOOP = "for roffset in range(0, rnumel, RBLOCK):"
 LOOPED = {"persistent_reduction_max": 64}  # rows longer than 64 are reduced in a loop
@@ -25,9 +26,16 @@ def test_looped_softmax_passes_and_values(tmp_path, fn, online):
     torch.testing.assert_close(out, fn(x, -1), equal_nan=True)
     summary, code = dumps.only()
     assert len(kernel_defs(code)) == 1
-    assert code.count(LOOP) == (2 if online else 3)
-    assert code.count("tl.load(") == 2 if online else 3
-    assert ("online_softmax_update" in code) is online
+    passes = 2 if online else 3  # online: max and sum of exp in the first pass, then the output
+    count(code, LOOP, passes)
+    count(code, "tl.load(", passes)
+    count(code, "triton_helpers.online_softmax_update(", 1 if online else 0)
+    check = FileCheck().check(LOOP).check("tl.load(ptr_arg0_1 + ")
+    if online:
+        check = check.check_next("= triton_helpers.online_softmax_update(")
+    for _ in range(passes - 1):  # each pass loads the row in its own loop; the last one stores
+        check = check.check(LOOP).check("tl.load(ptr_arg0_1 + ")
+    check.check("tl.store(").run(code)
 
 
 def test_online_softmax_bf16(tmp_path):
@@ -35,7 +43,7 @@ def test_online_softmax_bf16(tmp_path):
     fn = lambda x: torch.softmax(x, -1)  # noqa: E731
     out, dumps = compile_and_run(fn, x, tmp_path=tmp_path, online_softmax=True, **LOOPED)
     torch.testing.assert_close(out, fn(x))
-    assert dumps.only()[1].count(LOOP) == 2
+    count(dumps.only()[1], LOOP, 2)
 
 
 @pytest.mark.parametrize("online", [True, False])
@@ -47,7 +55,11 @@ def test_cross_entropy_reads_logits_once_for_max_and_sum(tmp_path, online):
     out, dumps = compile_and_run(fn, x, t, tmp_path=tmp_path, online_softmax=online, **LOOPED)
     torch.testing.assert_close(out, fn(x, t))
     summary, code = dumps.only()
-    assert code.count(LOOP) == (1 if online else 2)  # the loss kernel gathers x[t]: no loop
+    count(code, LOOP, 1 if online else 2)
+    check = FileCheck().check("def cf_")  # the row statistics' kernel loops over the row
+    for _ in range(1 if online else 2):
+        check = check.check(LOOP)
+    check.check("def cf_").check_not("for roffset").check("def call(").run(code)  # the loss kernel gathers x[t]
 
 
 def test_persistent_softmax_unchanged(tmp_path):
@@ -56,8 +68,9 @@ def test_persistent_softmax_unchanged(tmp_path):
     out, dumps = compile_and_run(lambda x: torch.softmax(x, -1), x, tmp_path=tmp_path)
     torch.testing.assert_close(out, torch.softmax(x, -1), equal_nan=True)
     summary, code = dumps.only()
-    assert LOOP not in code and code.count("tl.load(") == 1
-    assert code.count("triton_helpers.max_nan)") == 1  # one row max, shared
+    count(code, "for roffset", 0)
+    count(code, "tl.load(", 1)
+    count(code, "triton_helpers.max_nan)", 1)  # one row max, shared
 
 
 def test_softmax_backward(tmp_path):
