@@ -23,6 +23,9 @@ Adding a case: one `C(...)` row, reusing a maker (`un`, `bi`, `rd`, ...) or an i
 keep the function pure (no in-place ops on its inputs), and avoid inputs whose result
 sits on a discontinuity. `op` must be the exact overload that make_fx records for `fn`
 (test_declared_ops_are_exercised checks this) unless it is CompositeImplicitAutograd.
+`aten=` / `aten_bw=` name the ops that commfuse runs through aten rather than lowering, in the
+forward and the backward graph (the default, none: everything lowered); test_ops checks the
+dumps' summaries against them, so a new lowering or a new fallback shows as a test to update.
 Every parametrized case costs a compile (two with grad), so add dtypes/variants sparingly.
 """
 from __future__ import annotations
@@ -59,10 +62,19 @@ class OpCase:
     rtol: float | None = None
     check: str = "close"           # "meta": compare shape/dtype only (uninitialised memory)
     fullgraph: bool = True         # False only where dynamo must graph-break (data-dependent)
+    # What commfuse runs through aten (a per-op fallback: summary.json's fallback_reasons) in the
+    # forward graph and in the backward graph; () means every op is lowered. A dict gives it per
+    # variant, its "*" entry (else ()) for the variants it does not name.
+    aten: tuple | dict = ()
+    aten_bw: tuple | dict = ()
 
     def variants(self, dtype):
         made = self.inputs(dtype)
         return made if self.v is None else {k: made[k] for k in self.v}
+
+    def through_aten(self, variant, backward=False) -> set[str]:
+        want = self.aten_bw if backward else self.aten
+        return set(want.get(variant, want.get("*", ())) if isinstance(want, dict) else want)
 
 
 C = OpCase
@@ -415,16 +427,16 @@ CASES: list[OpCase] = [
     C("tanh", "aten.tanh.default", torch.tanh, un(), (f32, bf16), v=("strided",), grad=True),
     C("asinh", "aten.asinh.default", torch.asinh, un(-5, 5), FL, grad=True),
     C("acosh", "aten.acosh.default", torch.acosh, un(1.05, 5), FL, grad=True),
-    C("atanh", "aten.atanh.default", torch.atanh, un(-0.9, 0.9), FL, grad=True),
+    C("atanh", "aten.atanh.default", torch.atanh, un(-0.9, 0.9), FL, grad=True, aten_bw=("aten.empty_permuted.default",)),
     C("sigmoid", "aten.sigmoid.default", torch.sigmoid, un(-8, 8), (f32, bf16), v=("contig", "empty"), grad=True),
     C("erf", "aten.erf.default", torch.erf, un(), (f32, f16), grad=True),
     C("erfc", "aten.erfc.default", torch.erfc, un(), FL, grad=True),
-    C("erfinv", "aten.erfinv.default", torch.erfinv, un(-0.95, 0.95), FL, grad=True),
-    C("lgamma", "aten.lgamma.default", torch.lgamma, un(0.1, 6), FL, grad=True),
+    C("erfinv", "aten.erfinv.default", torch.erfinv, un(-0.95, 0.95), FL, grad=True, aten=("aten.erfinv.default",), aten_bw=("aten.erfinv.default",)),
+    C("lgamma", "aten.lgamma.default", torch.lgamma, un(0.1, 6), FL, grad=True, aten=("aten.lgamma.default",), aten_bw=("aten.digamma.default",)),
     C("floor", "aten.floor.default", torch.floor, un(-20, 20), (f32, i32)),
     C("ceil", "aten.ceil.default", torch.ceil, un(-20, 20), FL),
     C("round", "aten.round.default", torch.round, _round_halves, (f32, f16), v=("halves",)),
-    C("round-decimals", "aten.round.decimals", lambda x: torch.round(x, decimals=2), _round_dec),
+    C("round-decimals", "aten.round.decimals", lambda x: torch.round(x, decimals=2), _round_dec, aten=("aten.round.decimals",)),
     C("trunc", "aten.trunc.default", torch.trunc, un(-20, 20), FL),
     C("frac", "aten.frac.default", torch.frac, un(-20, 20), FL, grad=True),
     C("sign", "aten.sign.default", torch.sign, sp(), (f32, i32)),
@@ -470,7 +482,7 @@ CASES: list[OpCase] = [
     C("remainder", "aten.remainder.Tensor", torch.remainder, bi(-20, 20, nz=True), (f32, i64), v=("bcast",)),
     C("fmod", "aten.fmod.Tensor", torch.fmod, bi(-20, 20, nz=True), (f32, i32), v=("contig",)),
     C("pow", "aten.pow.Tensor_Tensor", torch.pow, bi(0.1, 3, -2, 2), (f32, f16), v=("bcast",), grad=True),
-    C("pow-int", "aten.pow.Tensor_Tensor", torch.pow, bi(-3, 4, 0, 5), (i64,)),
+    C("pow-int", "aten.pow.Tensor_Tensor", torch.pow, bi(-3, 4, 0, 5), (i64,), aten=("aten.pow.Tensor_Tensor",)),
     C("pow-sq", "aten.pow.Tensor_Scalar", lambda x: x ** 2, un(), (f32, i32), grad=True),
     C("pow-frac", "aten.pow.Tensor_Scalar", lambda x: x ** 0.5 + x ** -1.5 + x ** 3, un(0.2, 3), FL, v=("t",), grad=True),
     C("pow-scalar-base", "aten.pow.Scalar", lambda x: 2.0 ** x, un(), FL, grad=True),
@@ -500,7 +512,7 @@ CASES: list[OpCase] = [
     C("left_shift", "aten.bitwise_left_shift.Tensor", torch.bitwise_left_shift, _shift, (i32, i64), v=("bcast",)),
     C("right_shift", "aten.bitwise_right_shift.Tensor", torch.bitwise_right_shift, _shift, (i32, i64)),
     C("lerp", "aten.lerp.Scalar", lambda a, b: torch.lerp(a, b, 0.3), bi(), (f32, bf16), v=("bcast",), grad=True),
-    C("lerp-tensor", "aten.lerp.Tensor", torch.lerp, tern(lo3=0, hi3=1), FL, v=("bcast",), grad=True),
+    C("lerp-tensor", "aten.lerp.Tensor", torch.lerp, tern(lo3=0, hi3=1), FL, v=("bcast",), grad=True, aten_bw=("aten.empty_permuted.default",)),
     C("xlogy", "aten.xlogy.Tensor", torch.xlogy, _xlogy, FL, v=("contig",), grad=True),
     C("addcmul", "aten.addcmul.default", lambda a, b, c: torch.addcmul(a, b, c, value=0.5), tern(), FL, v=("bcast",), grad=True),
     C("addcdiv", "aten.addcdiv.default", lambda a, b, c: torch.addcdiv(a, b, c, value=-2), tern(nz3=True), FL, v=("t",), grad=True),
@@ -534,7 +546,7 @@ CASES: list[OpCase] = [
     C("full_like", "aten.full_like.default", lambda x: torch.full_like(x, 7) + torch.full_like(x, 0.5, dtype=f32), un(), FL, v=("t",)),
     C("zeros_like", "aten.zeros_like.default", lambda x: (torch.zeros_like(x), torch.zeros_like(x, dtype=b8)), un(), FL, v=("t",)),
     C("ones_like", "aten.ones_like.default", lambda x: torch.ones_like(x) + x, un(), FL),
-    C("empty_like", "aten.empty_like.default", lambda x: (torch.empty_like(x), torch.empty_like(x, dtype=i32)), un(), FL, v=("t",), check="meta"),
+    C("empty_like", "aten.empty_like.default", lambda x: (torch.empty_like(x), torch.empty_like(x, dtype=i32)), un(), FL, v=("t",), check="meta", aten=("aten.empty_permuted.default",)),
     C("empty", "aten.empty.memory_format", lambda x: torch.empty(3, 4, dtype=x.dtype, device=x.device), un(), FL, check="meta"),
     C("new_zeros", "aten.new_zeros.default", lambda x: (x.new_zeros(3, 2), x.new_ones(4) + 1), un(), FL),
     C("new_full", "aten.new_full.default", lambda x: x.new_full((2, 3), 4) * x[0, :3], un(), FL),
@@ -547,8 +559,8 @@ CASES: list[OpCase] = [
     C("sum-default", "aten.sum.default", lambda x: x.sum(), un(), (f32, i64), v=("big",), grad=True, atol=1e-4, rtol=1e-4),
     C("mean", "aten.mean.dim", red(torch.mean), rd(), (f32, bf16), v=("all", "long"), grad=True, atol=1e-4, rtol=1e-4),
     C("nansum", "aten.nansum.default", red(torch.nansum), rd(), FL, v=("nan",), atol=1e-4, rtol=1e-4),
-    C("prod", "aten.prod.dim_int", red(torch.prod), rd(0.5, 1.5, irange=(-2, 3)), (f32, i64), v=("last_keep", "empty0"), grad=True, atol=1e-4, rtol=1e-4),
-    C("prod-all", "aten.prod.default", torch.prod, lambda dt: {"contig": (R(5, 7, dt=dt, lo=0.7, hi=1.3) if dt.is_floating_point else R(3, 4, dt=dt, lo=-2, hi=3, nz=True),)}, (f32, i32), grad=True, atol=1e-4, rtol=1e-4),
+    C("prod", "aten.prod.dim_int", red(torch.prod), rd(0.5, 1.5, irange=(-2, 3)), (f32, i64), v=("last_keep", "empty0"), grad=True, atol=1e-4, rtol=1e-4, aten_bw={"last_keep": ("aten.cumprod.default", "prims.rev.default")}),
+    C("prod-all", "aten.prod.default", torch.prod, lambda dt: {"contig": (R(5, 7, dt=dt, lo=0.7, hi=1.3) if dt.is_floating_point else R(3, 4, dt=dt, lo=-2, hi=3, nz=True),)}, (f32, i32), grad=True, atol=1e-4, rtol=1e-4, aten_bw=("aten.cumprod.default", "prims.rev.default")),
     C("amax", "aten.amax.default", lambda x, dim, keepdim=False: torch.amax(x, () if dim is None else dim, keepdim), rd(), (f32, i32), v=("multi", "long", "nan"), grad=True),
     C("amin", "aten.amin.default", lambda x, dim, keepdim=False: torch.amin(x, () if dim is None else dim, keepdim), rd(), FL, v=("last_keep", "empty"), grad=True),
     C("max-dim", "aten.max.dim", red(torch.max), rd(), (f32, i32), v=("d0", "long", "t"), grad=True),
@@ -572,9 +584,9 @@ CASES: list[OpCase] = [
       lambda x, dim, keepdim=False: tuple(torch.linalg.vector_norm(x, o, dim, keepdim) for o in (1, float("inf"), 3)),
       rd(), FL, v=("multi",), grad=True, atol=1e-4, rtol=1e-4),
     C("count_nonzero", "aten.count_nonzero.dim_IntList", lambda x, dim, keepdim=False: torch.count_nonzero(x, dim), rd(-1, 2, ints=True), FL, v=("multi",)),
-    C("cumsum", "aten.cumsum.default", lambda x, dim: torch.cumsum(x, dim), rd(), (f32, i32), v=("neg", "long", "t"), grad=True, atol=1e-4, rtol=1e-4),
-    C("cumprod", "aten.cumprod.default", lambda x, dim: torch.cumprod(x, dim), rd(0.5, 1.5, irange=(-2, 3)), FL, v=("d0",), grad=True, atol=1e-4, rtol=1e-4),
-    C("cummax", "aten.cummax.default", lambda x, dim: torch.cummax(x, dim), rd(), (f32,), v=("neg",), grad=True),
+    C("cumsum", "aten.cumsum.default", lambda x, dim: torch.cumsum(x, dim), rd(), (f32, i32), v=("neg", "long", "t"), grad=True, atol=1e-4, rtol=1e-4, aten=("aten.cumsum.default",), aten_bw=("aten.cumsum.default", "prims.rev.default")),
+    C("cumprod", "aten.cumprod.default", lambda x, dim: torch.cumprod(x, dim), rd(0.5, 1.5, irange=(-2, 3)), FL, v=("d0",), grad=True, atol=1e-4, rtol=1e-4, aten=("aten.cumprod.default",), aten_bw=("aten.cumprod.default", "aten.cumsum.default", "prims.rev.default")),
+    C("cummax", "aten.cummax.default", lambda x, dim: torch.cummax(x, dim), rd(), (f32,), v=("neg",), grad=True, aten=("aten.cummax.default",), aten_bw=("aten.scatter_add.default",)),
 
     # ---- normalization, softmax ------------------------------------------------------------------
     C("softmax", "aten._softmax.default", lambda x, dim: torch.softmax(x, dim), smx(), (f32, bf16), v=("last", "d0", "long"), grad=True, atol=1e-5, rtol=1e-4),
@@ -597,23 +609,23 @@ CASES: list[OpCase] = [
     C("unsqueeze", "aten.unsqueeze.default", lambda x: (x.unsqueeze(0), x.unsqueeze(-1) * x.unsqueeze(1)), mk(contig=(5, 7), t=((7, 5), "t")), FL, v=("t",), grad=True),
     C("flatten", "aten.flatten.using_ints", lambda x: (x.flatten(1), x.flatten() + 1), _views, (f32,), v=("t",), grad=True),
     C("unflatten", "aten.unflatten.int", lambda x: x.unflatten(1, (2, 3)) * 2, _views, FL, v=("t",), grad=True),
-    C("narrow", "aten.narrow.default", lambda x: (x.narrow(1, 2, 3), x.narrow(-1, 1, 3) + 1), _views, FL, v=("t",), grad=True),
-    C("slice-step", "aten.slice.Tensor", lambda x: (x[1:, ::2, 1::3], x[:, 1:-1:2] * 2, x[..., -3:]), _views, (f32, bf16), v=("t",), grad=True),
+    C("narrow", "aten.narrow.default", lambda x: (x.narrow(1, 2, 3), x.narrow(-1, 1, 3) + 1), _views, FL, v=("t",), grad=True, aten_bw=("aten.slice_scatter.default",)),
+    C("slice-step", "aten.slice.Tensor", lambda x: (x[1:, ::2, 1::3], x[:, 1:-1:2] * 2, x[..., -3:]), _views, (f32, bf16), v=("t",), grad=True, aten_bw=("aten.slice_scatter.default",)),
     C("select", "aten.select.int", lambda x: (x[:, 2], x[-1] + 1, x[1, :, 3]), _views, FL, v=("t",), grad=True),
     C("unbind", "aten.unbind.int", lambda x: [t * (i + 1) for i, t in enumerate(x.unbind(1))], _views, FL, v=("t",), grad=True),
-    C("split", "aten.split.Tensor", lambda x: [t + 1 for t in x.split(2, dim=1)], _views, FL, v=("t",), grad=True),
+    C("split", "aten.split.Tensor", lambda x: [t + 1 for t in x.split(2, dim=1)], _views, FL, v=("t",), grad=True, aten=("aten.as_strided.default",)),
     C("split_with_sizes", "aten.split_with_sizes.default", lambda x: x.split([1, 3, 2], dim=1), _views, FL, grad=True),
-    C("chunk", "aten.chunk.default", lambda x: [t * 2 for t in x.chunk(3, dim=-1)], _views, FL, v=("t",), grad=True),
+    C("chunk", "aten.chunk.default", lambda x: [t * 2 for t in x.chunk(3, dim=-1)], _views, FL, v=("t",), grad=True, aten=("aten.as_strided.default",)),
     C("as_strided", "aten.as_strided.default", lambda x: (x.as_strided((3, 4), (5, 2), 1) + 1, x.as_strided((2, 2, 3), (30, 1, 10))), lambda dt: {"contig": (R(4, 6, 5, dt=dt),)}, FL, grad=True),
-    C("diagonal", "aten.diagonal.default", lambda x: (x.diagonal(), x.diagonal(1, 0, 2) * 2, x.diagonal(-1, -2, -1)), _views, FL, v=("t",), grad=True),
+    C("diagonal", "aten.diagonal.default", lambda x: (x.diagonal(), x.diagonal(1, 0, 2) * 2, x.diagonal(-1, -2, -1)), _views, FL, v=("t",), grad=True, aten_bw=("aten.diagonal_scatter.default",)),
     C("movedim", "aten.movedim.int", lambda x: x.movedim(0, -1) + 1, _views, FL, v=("t",), grad=True),
     C("contiguous", "aten.clone.default", lambda x: x.t().contiguous(), mk(contig=(5, 7), t=((7, 5), "t")), (f32, b8), v=("contig",), grad=True),
-    C("unfold", "aten.unfold.default", lambda x: x.unfold(-1, 3, 2) * 2, _views, FL, v=("t",), grad=True),
+    C("unfold", "aten.unfold.default", lambda x: x.unfold(-1, 3, 2) * 2, _views, FL, v=("t",), grad=True, aten=("aten.unfold.default",), aten_bw=("aten.unfold.default",)),
 
     # ---- in-place on fresh tensors (functionalized by the compiler) -------------------------------
     C("inplace", "aten.mul_.Tensor", lambda x: x.clone().mul_(2).add_(1).clamp_(-3, 5), un(), (f32, i32), v=("t",), grad=True),
     C("slice-assign", "aten.copy_.default", lambda x, y: (lambda z: (z[:, 1:4].copy_(y), z)[1])(x.clone()),
-      lambda dt: {"bcast": (R(5, 7, dt=dt), R(3, dt=dt))}, FL, grad=True),
+      lambda dt: {"bcast": (R(5, 7, dt=dt), R(3, dt=dt))}, FL, grad=True, aten=("aten.copy.default", "aten.slice_scatter.default"), aten_bw=("aten.copy.default", "aten.slice_scatter.default")),
 
     # ---- cat / stack / pad -----------------------------------------------------------------------
     C("cat", "aten.cat.default", lambda a, b, dim: torch.cat([a, b], dim), _cat, (f32, b8), v=("d0_t", "empty", "promo"), grad=True),
@@ -621,7 +633,7 @@ CASES: list[OpCase] = [
     C("pad", "aten.constant_pad_nd.default", lambda x: F.pad(x, (1, 2, 0, 3)), _views, (f32, i64), v=("t",), grad=True),
     C("pad-neg", "aten.constant_pad_nd.default", lambda x: F.pad(x, (-1, 2, -2, 0), value=1.5), _views, FL, v=("t",), grad=True),
     C("pad-reflect", "aten.reflection_pad1d.default", lambda x: F.pad(x, (2, 3), mode="reflect"), _views, FL, v=("t",), grad=True),
-    C("pad-replicate", "aten.replication_pad2d.default", lambda x: F.pad(x, (1, 2, 2, 1), mode="replicate"), _views, FL, grad=True),
+    C("pad-replicate", "aten.replication_pad2d.default", lambda x: F.pad(x, (1, 2, 2, 1), mode="replicate"), _views, FL, grad=True, aten_bw=("aten.replication_pad2d_backward.default",)),
 
     # ---- indexing, gather/scatter -------------------------------------------------------------------
     C("index", "aten.index.Tensor", lambda x, i: x[i], _idx, FL, v=("neg", "t"), grad=(0,)),
@@ -632,65 +644,65 @@ CASES: list[OpCase] = [
       lambda dt: {"d0": (R(7, 5, dt=dt), I(7, 3, 5), K(dim=0)), "t": (R(9, 4, dt=dt).t(), I(9, 4, 3), K(dim=1)),
                   # aten allows a 0-d input with a 1-d index, and an empty index of any rank
                   "0d": (R(dt=dt), I(1, 1), K(dim=0)), "empty": (R(5, dt=dt), I(5, 2, 0), K(dim=0))},
-      (f32, i64), v=("d0", "t", "0d", "empty"), grad=(0,)),
+      (f32, i64), v=("d0", "t", "0d", "empty"), grad=(0,), aten={"empty": ("aten.gather.default",)}, aten_bw=("aten.scatter_add.default",)),
     C("embedding", "aten.embedding.default", F.embedding, lambda dt: {"contig": (I(10, 4, 5), R(10, 8, dt=dt))}, FL, grad=(1,)),
     C("index_select", "aten.index_select.default", lambda x, i, dim: torch.index_select(x, dim, i), lambda dt: {"d0": (R(7, 5, dt=dt), I(7, 9), K(dim=0)), "d1": (R(5, 7, dt=dt), I(7, 3), K(dim=1))}, FL, v=("d1",), grad=(0,)),
-    C("take_along_dim", "aten.take_along_dim.default", lambda x: torch.take_along_dim(x, x.argsort(dim=1), dim=1), lambda dt: {"contig": (P(4, 9, dt=dt),)}, FL, grad=True),
-    C("take", "aten.take.default", torch.take, lambda dt: {"contig": (R(5, 6, dt=dt), I(30, 3, 4, lo=-30)), "t": (R(6, 5, dt=dt).t(), I(30, 7))}, FL, v=("t",), grad=(0,)),
+    C("take_along_dim", "aten.take_along_dim.default", lambda x: torch.take_along_dim(x, x.argsort(dim=1), dim=1), lambda dt: {"contig": (P(4, 9, dt=dt),)}, FL, grad=True, aten=("aten.sort.default",), aten_bw=("aten.scatter_add.default",)),
+    C("take", "aten.take.default", torch.take, lambda dt: {"contig": (R(5, 6, dt=dt), I(30, 3, 4, lo=-30)), "t": (R(6, 5, dt=dt).t(), I(30, 7))}, FL, v=("t",), grad=(0,), aten_bw=("aten.put.default",)),
     C("index_put", "aten.index_put.default", lambda x, i, v: torch.index_put(x, (i,), v), _put, FL, v=("unique", "bcast"), grad=(0, 2)),
     C("index_put-acc", "aten.index_put.default", lambda x, i, v: torch.index_put(x, (i,), v, accumulate=True), _put_acc, (f32, i64), v=("dup",), grad=(0, 2), atol=1e-5, rtol=1e-5),
     C("index_put-multi", "aten.index_put.default", lambda x, i, j, v: torch.index_put(x, (i, j), v, accumulate=True), lambda dt: {"contig": (R(6, 5, dt=dt), I(6, 9), I(5, 9), R(9, dt=dt))}, FL, grad=(0, 3)),
     C("setitem", "aten.index_put_.default", lambda x, i, v: (lambda y: (y.__setitem__(i, v), y)[1])(x.clone()), _put, FL, v=("unique",), grad=(0, 2)),
-    C("scatter", "aten.scatter.src", lambda x, i, s, dim: torch.scatter(x, dim, i, s), _scatter_src, FL, v=("d0",), grad=(0, 2)),
-    C("scatter-value", "aten.scatter.value", lambda x, i, s, dim: torch.scatter(x, dim, i, 2.5), _scatter_src, FL, v=("d1",), grad=(0,)),
+    C("scatter", "aten.scatter.src", lambda x, i, s, dim: torch.scatter(x, dim, i, s), _scatter_src, FL, v=("d0",), grad=(0, 2), aten=("aten.scatter.src",), aten_bw=("aten.scatter.value",)),
+    C("scatter-value", "aten.scatter.value", lambda x, i, s, dim: torch.scatter(x, dim, i, 2.5), _scatter_src, FL, v=("d1",), grad=(0,), aten=("aten.scatter.value",), aten_bw=("aten.scatter.value",)),
     C("scatter-row", "aten.scatter.src", lambda x, i, s, dim: torch.scatter(x, dim, i, s), _scatter_row, (f32, i64), v=("d1", "d0"), grad=(0, 2)),
     C("scatter-row-value", "aten.scatter.value", lambda x, i, s, dim: torch.scatter(x, dim, i, -1.0), _scatter_row, FL, v=("d1",), grad=(0,)),
-    C("scatter_add", "aten.scatter_add.default", lambda x, i, s, dim: torch.scatter_add(x, dim, i, s), _scatter_dup, (f32, i64), v=("d0",), grad=(0, 2)),
+    C("scatter_add", "aten.scatter_add.default", lambda x, i, s, dim: torch.scatter_add(x, dim, i, s), _scatter_dup, (f32, i64), v=("d0",), grad=(0, 2), aten=("aten.scatter_add.default",)),
     C("scatter_reduce", "aten.scatter_reduce.two",
       lambda x, i, s, dim: (torch.scatter_reduce(x, dim, i, s, "prod", include_self=False), torch.scatter_reduce(x, dim, i, s, "amax"),
                             torch.scatter_reduce(x, dim, i, s, "amin", include_self=False), torch.scatter_reduce(x, dim, i, s, "mean")),
-      _scatter_dup, (f32, i32), v=("d0",)),
-    C("scatter_reduce-sum", "aten.scatter_reduce.two", lambda x, i, s, dim: torch.scatter_reduce(x, dim, i, s, "sum"), _scatter_dup, FL, v=("d1",), grad=(0, 2)),
+      _scatter_dup, (f32, i32), v=("d0",), aten=("aten.scatter_reduce.two",)),
+    C("scatter_reduce-sum", "aten.scatter_reduce.two", lambda x, i, s, dim: torch.scatter_reduce(x, dim, i, s, "sum"), _scatter_dup, FL, v=("d1",), grad=(0, 2), aten=("aten.scatter_reduce.two",)),
     C("index_add", "aten.index_add.default", lambda x, i, s, dim: torch.index_add(x, dim, i, s, alpha=2), _index_add, FL, v=("d1",), grad=(0, 2)),
     C("index_copy", "aten.index_copy.default", lambda x, i, s: torch.index_copy(x, 0, i, s), lambda dt: {"contig": (R(8, 6, dt=dt), U(8, 1, 5)[0], R(5, 6, dt=dt))}, FL, grad=(0, 2)),
     C("index_fill", "aten.index_fill.int_Scalar", lambda x, i: torch.index_fill(x, 1, i, -1.0), lambda dt: {"contig": (R(5, 7, dt=dt), I(7, 3))}, FL, grad=(0,)),
     C("masked_scatter", "aten.masked_scatter.default", lambda x, m, s: x.masked_scatter(m, s),
-      lambda dt: {"bcast": (R(4, 6, dt=dt), R(6, dt=b8), R(30, dt=dt))}, FL, grad=(0, 2)),
+      lambda dt: {"bcast": (R(4, 6, dt=dt), R(6, dt=b8), R(30, dt=dt))}, FL, grad=(0, 2), aten=("aten.masked_scatter.default",), aten_bw=("aten.masked_scatter_backward.default",)),
 
     # ---- structural --------------------------------------------------------------------------------
     C("tril", "aten.tril.default", lambda x: (torch.tril(x), torch.tril(x, -1)), mk(contig=(6, 7), batch=(2, 5, 5)), FL, v=("batch",), grad=True),
     C("triu", "aten.triu.default", lambda x: torch.triu(x, 1) * 2, mk(contig=(6, 7), t=((7, 6), "t")), (f32, b8), v=("t",), grad=True),
-    C("flip", "aten.flip.default", lambda x: (torch.flip(x, (0, 2)), torch.flip(x, (-2,)) + 1), _views, FL, v=("t",), grad=True),
+    C("flip", "aten.flip.default", lambda x: (torch.flip(x, (0, 2)), torch.flip(x, (-2,)) + 1), _views, FL, v=("t",), grad=True, aten=("prims.rev.default",), aten_bw=("prims.rev.default",)),
     C("roll", "aten.roll.default", lambda x: (torch.roll(x, (2, -1), (0, 1)), torch.roll(x, 5)), _views, FL, v=("t",), grad=True),
     C("repeat", "aten.repeat.default", lambda x: x.repeat(2, 1, 3), _views, FL, v=("t",), grad=True),
     C("tile", "aten.tile.default", lambda x: torch.tile(x, (2, 2)) + 1, mk(contig=(3, 4)), FL, grad=True),
     C("repeat_interleave", "aten.repeat_interleave.self_int", lambda x: torch.repeat_interleave(x, 2, dim=1), _views, FL, grad=True),
-    C("sort", "aten.sort.default", lambda x: (torch.sort(x, dim=-1), torch.sort(x, dim=0, descending=True)), lambda dt: {"contig": (P(9, 33, dt=dt),), "t": (P(33, 9, dt=dt).t(),)}, (f32, i64), v=("t",), grad=True),
-    C("sort-stable", "aten.sort.stable", lambda x: torch.sort(x, dim=-1, stable=True), un(-3, 3, ints=True), (i32,)),
-    C("argsort", "aten.argsort.default", lambda x: torch.argsort(x, dim=1), lambda dt: {"contig": (P(5, 12, dt=dt),)}, FL),
-    C("topk", "aten.topk.default", lambda x: (torch.topk(x, 5), torch.topk(x, 3, dim=0, largest=False)), lambda dt: {"contig": (P(9, 33, dt=dt),), "t": (P(33, 9, dt=dt).t(),)}, (f32, bf16), v=("t",), grad=True),
-    C("one_hot", "aten.one_hot.default", lambda i: F.one_hot(i, 7), lambda dt: {"contig": (I(7, 4, 5),)}, (i64,)),
+    C("sort", "aten.sort.default", lambda x: (torch.sort(x, dim=-1), torch.sort(x, dim=0, descending=True)), lambda dt: {"contig": (P(9, 33, dt=dt),), "t": (P(33, 9, dt=dt).t(),)}, (f32, i64), v=("t",), grad=True, aten=("aten.sort.default",), aten_bw=("aten.scatter.src",)),
+    C("sort-stable", "aten.sort.stable", lambda x: torch.sort(x, dim=-1, stable=True), un(-3, 3, ints=True), (i32,), aten=("aten.sort.stable",)),
+    C("argsort", "aten.argsort.default", lambda x: torch.argsort(x, dim=1), lambda dt: {"contig": (P(5, 12, dt=dt),)}, FL, aten=("aten.sort.default",)),
+    C("topk", "aten.topk.default", lambda x: (torch.topk(x, 5), torch.topk(x, 3, dim=0, largest=False)), lambda dt: {"contig": (P(9, 33, dt=dt),), "t": (P(33, 9, dt=dt).t(),)}, (f32, bf16), v=("t",), grad=True, aten=("aten.topk.default",), aten_bw=("aten.scatter.src",)),
+    C("one_hot", "aten.one_hot.default", lambda i: F.one_hot(i, 7), lambda dt: {"contig": (I(7, 4, 5),)}, (i64,), aten=("aten._assert_async.msg",)),
     C("dropout-eval", "aten.dropout.default", lambda x: F.dropout(x, 0.5, training=False) * 2, un(), FL, grad=True),
 
     # ---- matmul / conv / pooling -------------------------------------------------------------------
-    C("mm", "aten.mm.default", torch.mm, mm_((8, 16), (16, 12), tr=(0, 1)), (f32, f16, bf16), v=("t",), grad=True, atol=1e-4, rtol=1e-4),
-    C("bmm", "aten.bmm.default", torch.bmm, mm_((2, 8, 16), (2, 16, 12), tr=(1,)), FL, v=("t",), grad=True, atol=1e-4, rtol=1e-4),
-    C("addmm", "aten.addmm.default", lambda c, a, b: torch.addmm(c, a, b, beta=0.5, alpha=2), mm_((12,), (8, 16), (16, 12), tr=(1,)), FL, v=("t",), grad=True, atol=1e-4, rtol=1e-4),
-    C("baddbmm", "aten.baddbmm.default", lambda c, a, b: torch.baddbmm(c, a, b, beta=0.5, alpha=2), mm_((2, 8, 12), (2, 8, 16), (2, 16, 12)), FL, grad=True, atol=1e-4, rtol=1e-4),
-    C("matmul-3d2d", "aten.matmul.default", torch.matmul, mm_((3, 5, 8), (8, 4), tr=(0,)), FL, v=("t",), grad=True, atol=1e-4, rtol=1e-4),
-    C("matmul-1d-bcast", "aten.matmul.default", lambda v, m, w, a, b: (v @ m, m @ w, a @ b), mm_((8,), (8, 6), (6,), (2, 1, 5, 8), (3, 8, 4)), FL, grad=True, atol=1e-4, rtol=1e-4),
-    C("linear", "aten.linear.default", F.linear, mm_((6, 16), (12, 16), (12,), tr=(1,)), (f32, bf16), v=("t",), grad=True, atol=1e-4, rtol=1e-4),
-    C("einsum", "aten.einsum.default", lambda a, b: (torch.einsum("bij,bjk->bik", a, b), torch.einsum("bij->bj", a), torch.einsum("bij,bjk->", a, b)), mm_((2, 5, 8), (2, 8, 3)), FL, grad=True, atol=1e-4, rtol=1e-4),
+    C("mm", "aten.mm.default", torch.mm, mm_((8, 16), (16, 12), tr=(0, 1)), (f32, f16, bf16), v=("t",), grad=True, atol=1e-4, rtol=1e-4, aten=("aten.mm.default",), aten_bw=("aten.mm.default",)),
+    C("bmm", "aten.bmm.default", torch.bmm, mm_((2, 8, 16), (2, 16, 12), tr=(1,)), FL, v=("t",), grad=True, atol=1e-4, rtol=1e-4, aten=("aten.bmm.default",), aten_bw=("aten.bmm.default",)),
+    C("addmm", "aten.addmm.default", lambda c, a, b: torch.addmm(c, a, b, beta=0.5, alpha=2), mm_((12,), (8, 16), (16, 12), tr=(1,)), FL, v=("t",), grad=True, atol=1e-4, rtol=1e-4, aten=("aten.addmm.default",), aten_bw=("aten.mm.default",)),
+    C("baddbmm", "aten.baddbmm.default", lambda c, a, b: torch.baddbmm(c, a, b, beta=0.5, alpha=2), mm_((2, 8, 12), (2, 8, 16), (2, 16, 12)), FL, grad=True, atol=1e-4, rtol=1e-4, aten=("aten.bmm.default",), aten_bw=("aten.bmm.default",)),
+    C("matmul-3d2d", "aten.matmul.default", torch.matmul, mm_((3, 5, 8), (8, 4), tr=(0,)), FL, v=("t",), grad=True, atol=1e-4, rtol=1e-4, aten=("aten.mm.default",), aten_bw=("aten.mm.default",)),
+    C("matmul-1d-bcast", "aten.matmul.default", lambda v, m, w, a, b: (v @ m, m @ w, a @ b), mm_((8,), (8, 6), (6,), (2, 1, 5, 8), (3, 8, 4)), FL, grad=True, atol=1e-4, rtol=1e-4, aten=("aten.bmm.default", "aten.mm.default"), aten_bw=("aten.bmm.default", "aten.mm.default")),
+    C("linear", "aten.linear.default", F.linear, mm_((6, 16), (12, 16), (12,), tr=(1,)), (f32, bf16), v=("t",), grad=True, atol=1e-4, rtol=1e-4, aten=("aten.addmm.default",), aten_bw=("aten.mm.default",)),
+    C("einsum", "aten.einsum.default", lambda a, b: (torch.einsum("bij,bjk->bik", a, b), torch.einsum("bij->bj", a), torch.einsum("bij,bjk->", a, b)), mm_((2, 5, 8), (2, 8, 3)), FL, grad=True, atol=1e-4, rtol=1e-4, aten=("aten.bmm.default",), aten_bw=("aten.bmm.default",)),
     C("mv", "aten.mv.default", torch.mv, mm_((8, 16), (16,)), FL, grad=True, atol=1e-4, rtol=1e-4),
     C("dot", "aten.dot.default", torch.dot, mm_((16,), (16,)), FL, grad=True, atol=1e-4, rtol=1e-4),
     C("outer", "aten.outer.default", torch.outer, mm_((7,), (5,)), FL, grad=True),
-    C("conv1d", "aten.convolution.default", lambda x, w, b: F.conv1d(x, w, b, stride=2, padding=1), _conv1d, (f32, bf16), grad=True, atol=1e-4, rtol=1e-4),
-    C("conv2d", "aten.convolution.default", lambda x, w, b: F.conv2d(x, w, b, padding=1), _conv2d, FL, grad=True, atol=1e-4, rtol=1e-4),
+    C("conv1d", "aten.convolution.default", lambda x, w, b: F.conv1d(x, w, b, stride=2, padding=1), _conv1d, (f32, bf16), grad=True, atol=1e-4, rtol=1e-4, aten=("aten.convolution.default",), aten_bw=("aten.convolution_backward.default",)),
+    C("conv2d", "aten.convolution.default", lambda x, w, b: F.conv2d(x, w, b, padding=1), _conv2d, FL, grad=True, atol=1e-4, rtol=1e-4, aten=("aten.convolution.default",), aten_bw=("aten.convolution_backward.default",)),
     C("conv2d-groups", "aten.convolution.default", lambda x, w: F.conv2d(x, w, stride=(2, 1), dilation=(1, 2), groups=2),
-      lambda dt: {"contig": (R(2, 4, 9, 10, dt=dt), R(6, 2, 3, 2, dt=dt, lo=-0.5, hi=0.5))}, FL, grad=True, atol=1e-4, rtol=1e-4),
-    C("max_pool2d", "aten.max_pool2d_with_indices.default", lambda x: (F.max_pool2d(x, 2), F.max_pool2d(x, 3, stride=2, padding=1)), _pool, FL, v=("t",), grad=True),
-    C("avg_pool2d", "aten.avg_pool2d.default", lambda x: (F.avg_pool2d(x, 2), F.avg_pool2d(x, 3, stride=2, padding=1, count_include_pad=False)), _pool, FL, grad=True),
-    C("adaptive_avg_pool2d", "aten._adaptive_avg_pool2d.default", lambda x: F.adaptive_avg_pool2d(x, (3, 2)), _pool, FL, grad=True),
+      lambda dt: {"contig": (R(2, 4, 9, 10, dt=dt), R(6, 2, 3, 2, dt=dt, lo=-0.5, hi=0.5))}, FL, grad=True, atol=1e-4, rtol=1e-4, aten=("aten.convolution.default",), aten_bw=("aten.convolution_backward.default",)),
+    C("max_pool2d", "aten.max_pool2d_with_indices.default", lambda x: (F.max_pool2d(x, 2), F.max_pool2d(x, 3, stride=2, padding=1)), _pool, FL, v=("t",), grad=True, aten=("aten.max_pool2d_with_indices.default",), aten_bw=("aten.max_pool2d_with_indices_backward.default",)),
+    C("avg_pool2d", "aten.avg_pool2d.default", lambda x: (F.avg_pool2d(x, 2), F.avg_pool2d(x, 3, stride=2, padding=1, count_include_pad=False)), _pool, FL, grad=True, aten=("aten.avg_pool2d.default",), aten_bw=("aten.avg_pool2d_backward.default",)),
+    C("adaptive_avg_pool2d", "aten._adaptive_avg_pool2d.default", lambda x: F.adaptive_avg_pool2d(x, (3, 2)), _pool, FL, grad=True, aten=("aten._adaptive_avg_pool2d.default",), aten_bw=("aten._adaptive_avg_pool2d_backward.default",)),
     C("upsample_nearest", "aten.upsample_nearest2d.vec", lambda x: F.interpolate(x, scale_factor=2, mode="nearest"), _pool, FL, grad=True),
     C("upsample_bilinear", "aten.upsample_bilinear2d.vec", lambda x: F.interpolate(x, size=(7, 13), mode="bilinear", align_corners=False), _pool, FL, grad=True, atol=1e-5, rtol=1e-5),
 

@@ -5,7 +5,9 @@ the harness itself). Device: $COMMFUSE_TEST_DEVICE (default cuda when available,
 With the commfuse backend, its `fallback_on_error` option is switched off here so that a
 graph it cannot compile fails the test instead of silently running eagerly, unless
 COMMFUSE_FALLBACK_ON_ERROR is set in the environment (then that setting stands).
-COMMFUSE_TEST_GRAD=0 skips the backward checks (forward only).
+COMMFUSE_TEST_GRAD=0 skips the backward checks (forward only). With commfuse, each case also
+checks from the dumps' summaries that every graph compiled and that what ran through aten (per-op
+fallbacks) is what the case declares (`aten=`, `aten_bw=`; none: every op lowered).
 
 Each parametrized id reads `<case>-<variant>-<dtype>`, e.g. `add-bcast-float32`.
 """
@@ -23,6 +25,7 @@ from torch.utils._pytree import tree_flatten
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import op_cases  # noqa: E402
 from op_cases import CASES, K, params  # noqa: E402
+from tests.common import Dumps  # noqa: E402
 
 BACKEND = os.environ.get("COMMFUSE_TEST_BACKEND", "commfuse")
 CHECK_GRAD = os.environ.get("COMMFUSE_TEST_GRAD", "1") != "0"
@@ -130,6 +133,32 @@ def _grad_outputs(outs, seed):
             for o in outs]
 
 
+@contextlib.contextmanager
+def _dumps(dump_dir):
+    if BACKEND != "commfuse":
+        yield
+        return
+    from commfuse import config
+    with config.patch(dump_dir=str(dump_dir)):
+        yield
+
+
+def _check_lowered(case, variant, dumps):
+    """Every graph compiled, and the ops run through aten are the ones the case declares."""
+    summaries = [(os.path.basename(g).split("_")[1], dumps.summary(g)) for g in dumps.graphs()]
+    assert summaries, "commfuse compiled no graph"
+    for kind, s in summaries:
+        assert s["compiled"], f"the {kind} graph ran through aten whole: {s['fallback_reason']}"
+    kinds = {"forward", "inference"} & {kind for kind, _ in summaries}, {"backward"} & {kind for kind, _ in summaries}
+    for backward, graphs in enumerate(kinds):
+        if not graphs:
+            continue
+        reasons = {op: why for kind, s in summaries if kind in graphs for op, why in s["fallback_reasons"].items()}
+        want = case.through_aten(variant, backward=bool(backward))
+        assert set(reasons) == want, f"{'/'.join(sorted(graphs))} ops run through aten: {reasons}; " \
+            f"the case declares {sorted(want)}"
+
+
 def _run(fn, args, positions, seed):
     """Forward, and with grad positions, input gradients for a fixed random grad_output."""
     args = _leaves(args, positions)
@@ -146,7 +175,7 @@ def _run(fn, args, positions, seed):
 # ----------------------------------------------------------------------------- tests
 
 @pytest.mark.parametrize("case,variant,dtype", PARAMS, ids=IDS)
-def test_op(case, variant, dtype):
+def test_op(case, variant, dtype, tmp_path):
     seed = zlib.crc32(_id(case, variant, dtype).encode())
     op_cases.seed(seed)
     args, kwargs = _split_kwargs(case.variants(dtype)[variant])
@@ -160,7 +189,8 @@ def test_op(case, variant, dtype):
 
     expected, expected_grads = _run(f, args, positions, seed)
     compiled = torch.compile(f, backend=BACKEND, dynamic=False, fullgraph=case.fullgraph)
-    actual, actual_grads = _run(compiled, args, positions, seed)
+    with _dumps(tmp_path):
+        actual, actual_grads = _run(compiled, args, positions, seed)
 
     _compare(case, actual, expected, "output")
     if positions:
@@ -169,6 +199,8 @@ def test_op(case, variant, dtype):
         if isinstance(a, torch.Tensor):
             torch.testing.assert_close(a, b, atol=0, rtol=0, equal_nan=True,
                                        msg=lambda m: f"input {k} was modified: {m}")
+    if BACKEND == "commfuse":
+        _check_lowered(case, variant, Dumps(tmp_path))
 
 
 def _resolve(name):
