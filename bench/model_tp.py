@@ -3,7 +3,7 @@
     torchrun --standalone --nproc-per-node 2 bench/model_tp.py [--out bench/results/model_tp_2xh200.md]
     torchrun --standalone --nproc-per-node 2 bench/model_tp.py --cpu --tiny     # checks the script on CPU (fp32)
 
-The model: Llama-3-8B-shaped decoder layers (H 4096, 32 query / 8 KV heads of 128, SwiGLU F 14336,
+The model (bench/llama.py, which tests/test_tp_llama.py checks): Llama-3-8B-shaped decoder layers (H 4096, 32 query / 8 KV heads of 128, SwiGLU F 14336,
 RMSNorm, rotary embedding; attention through SDPA with HF's repeat_kv), 4 of them, bf16,
 tensor-parallel over the ranks with DTensor's parallelize_module (torchtitan's plan:
 column-parallel q/k/v and gate/up, row-parallel o and down, whose outputs are all-reduced).
@@ -53,9 +53,8 @@ import commfuse  # noqa: E402,F401  (before torch._dynamo imports triton: Triton
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.nn as nn  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
+from bench.llama import Config, tp_llama  # noqa: E402
 from commfuse.runtime import timing  # noqa: E402
 
 VARIANTS = ("eager", "inductor", "inductor reduce-overhead", "commfuse", "commfuse cuda_graphs")
@@ -65,109 +64,12 @@ TINY = dict(hidden=64, heads=4, kv_heads=2, ffn=128, layers=2, batch=2, cache=16
 
 
 # ------------------------------------------------------------------------------------------ model
-class RMSNorm(nn.Module):
-    def __init__(self, dim, eps=1e-5):
-        super().__init__()
-        self.eps, self.weight = eps, nn.Parameter(torch.ones(dim))
-
-    def forward(self, x):
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
-
-
-def rotate_half(x):
-    a, b = x.chunk(2, dim=-1)
-    return torch.cat((-b, a), dim=-1)
-
-
-def repeat_kv(x, n):
-    """HF transformers' repeat_kv (what a model written for eager does; commfuse passes K/V unrepeated)."""
-    b, h, s, d = x.shape
-    return x[:, :, None, :, :].expand(b, h, n, s, d).reshape(b, h * n, s, d)
-
-
-class Attention(nn.Module):
-    """Projections hold this rank's heads after parallelize_module; the KV cache holds this rank's
-    K/V heads for `batch` sequences of `cache` positions."""
-
-    def __init__(self, a, world):
-        super().__init__()
-        self.hd, self.group = a.hidden // a.heads, a.heads // a.kv_heads
-        self.wq = nn.Linear(a.hidden, a.heads * self.hd, bias=False)
-        self.wk = nn.Linear(a.hidden, a.kv_heads * self.hd, bias=False)
-        self.wv = nn.Linear(a.hidden, a.kv_heads * self.hd, bias=False)
-        self.wo = nn.Linear(a.heads * self.hd, a.hidden, bias=False)
-        shape = (a.batch, a.kv_heads // world, a.cache, self.hd)
-        self.register_buffer("cache_k", torch.zeros(shape), persistent=False)
-        self.register_buffer("cache_v", torch.zeros(shape), persistent=False)
-
-    def forward(self, x, cos, sin, pos):
-        b, s, _ = x.shape
-        q, k, v = (w(x).view(b, s, -1, self.hd).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
-        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-        if pos is None:  # training: causal over the sequence
-            mask, causal = None, True
-        else:  # decode: into the cache in place, attend to positions <= pos
-            self.cache_k.index_copy_(2, pos, k)
-            self.cache_v.index_copy_(2, pos, v)
-            k, v = self.cache_k, self.cache_v
-            mask, causal = torch.arange(k.shape[2], device=x.device)[None, :] <= pos[:, None], False
-        y = F.scaled_dot_product_attention(q, repeat_kv(k, self.group), repeat_kv(v, self.group),
-                                           attn_mask=mask, is_causal=causal)
-        return self.wo(y.transpose(1, 2).reshape(b, s, -1))
-
-
-class Layer(nn.Module):
-    def __init__(self, a, world):
-        super().__init__()
-        self.attention_norm, self.ffn_norm = RMSNorm(a.hidden), RMSNorm(a.hidden)
-        self.attention = Attention(a, world)
-        self.w1 = nn.Linear(a.hidden, a.ffn, bias=False)
-        self.w3 = nn.Linear(a.hidden, a.ffn, bias=False)
-        self.w2 = nn.Linear(a.ffn, a.hidden, bias=False)
-
-    def forward(self, x, cos, sin, pos):
-        h = x + self.attention(self.attention_norm(x), cos, sin, pos)
-        y = self.ffn_norm(h)
-        return h + self.w2(F.silu(self.w1(y)) * self.w3(y))
-
-
-class Decoder(nn.Module):
-    """Decoder layers on hidden states: positions 0..S-1 (training) or `pos` (decode, S == len(pos))."""
-
-    def __init__(self, a, world):
-        super().__init__()
-        self.layers = nn.ModuleList(Layer(a, world) for _ in range(a.layers))
-        hd = a.hidden // a.heads
-        inv = 1.0 / (500000.0 ** (torch.arange(0, hd, 2).float() / hd))
-        angles = torch.outer(torch.arange(max(a.cache, a.seq)).float(), inv).repeat(1, 2)
-        self.register_buffer("cos", angles.cos(), persistent=False)
-        self.register_buffer("sin", angles.sin(), persistent=False)
-
-    def forward(self, x, pos=None):
-        at = pos if pos is not None else torch.arange(x.shape[1], device=x.device)
-        cos, sin = self.cos[at], self.sin[at]
-        for layer in self.layers:
-            x = layer(x, cos, sin, pos)
-        return x
-
-
 def build(a, world, dev):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-    torch.manual_seed(0)  # the same full weights on every rank; each keeps its shard
-    with torch.device(dev):
-        model = Decoder(a, world)
-    for p in model.parameters():
-        if p.dim() == 2:
-            nn.init.normal_(p, std=p.shape[1] ** -0.5)
-    model = model.to(a.dtype)
-    mesh = init_device_mesh(dev.type, (world,))
-    plan = {"attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(), "w1": ColwiseParallel(), "w3": ColwiseParallel(), "w2": RowwiseParallel()}
-    for layer in model.layers:
-        parallelize_module(layer, mesh, plan)
-    return model
+    """bench/llama.py's decoder layers on hidden states (no embedding or head), in a.dtype."""
+    assert a.seq <= a.cache, "the rotary table covers the cache's positions"
+    cfg = Config(dim=a.hidden, n_heads=a.heads, n_kv_heads=a.kv_heads, ffn=a.ffn, n_layers=a.layers,
+                 max_batch=a.batch, max_seq=a.cache)
+    return tp_llama(cfg, world, dev, a.dtype)
 
 
 def compiled(model, name):

@@ -1,148 +1,29 @@
 """A Llama-shaped decoder (RMSNorm, rotary embedding, grouped-query SDPA with HF's repeat_kv, SwiGLU),
 tensor-parallel over 2 gloo ranks with DTensor's parallelize_module, compiled by commfuse and checked
 against the same TP model run eagerly: training fw+bw (loss and every gradient) and decode over a
-static KV cache updated in place. The row-parallel all-reduces must become commfuse comm kernels."""
+static KV cache updated in place. The row-parallel all-reduces must become commfuse comm kernels.
+The model is bench/llama.py's, the one bench/model_tp.py times."""
 import glob
 import json
-import math
 import re
 
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch.testing import FileCheck
 
-from tests.common import DEVICE
+from bench.llama import Config, RMSNorm, tp_llama as build_tp_llama
+from tests.common import DEVICE, check_peer_sum
 from tests.dist_utils import device, run_ranks
 
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim, eps=1e-6):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x):
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+RANKS = 2
+CFG = Config(dim=32, n_heads=4, n_kv_heads=2, ffn=64, n_layers=2, max_batch=2, max_seq=16, vocab=64)
 
 
-def rotate_half(x):
-    a, b = x.chunk(2, dim=-1)
-    return torch.cat((-b, a), dim=-1)
-
-
-def repeat_kv(x, n):
-    """HF transformers' repeat_kv: (b, kv_heads, s, d) -> (b, kv_heads * n, s, d)."""
-    b, h, s, d = x.shape
-    return x[:, :, None, :, :].expand(b, h, n, s, d).reshape(b, h * n, s, d)
-
-
-class Attention(nn.Module):
-    """Heads are this rank's: the column-parallel wq/wk/wv give each rank n_heads / world query heads
-    and n_kv_heads / world K/V heads, and the KV cache holds only this rank's K/V heads (decode
-    batches are max_batch sequences, as with HF's StaticCache)."""
-
-    def __init__(self, cfg, world):
-        super().__init__()
-        hd = cfg["dim"] // cfg["n_heads"]
-        self.hd, self.group = hd, cfg["n_heads"] // cfg["n_kv_heads"]
-        self.wq = nn.Linear(cfg["dim"], cfg["n_heads"] * hd, bias=False)
-        self.wk = nn.Linear(cfg["dim"], cfg["n_kv_heads"] * hd, bias=False)
-        self.wv = nn.Linear(cfg["dim"], cfg["n_kv_heads"] * hd, bias=False)
-        self.wo = nn.Linear(cfg["n_heads"] * hd, cfg["dim"], bias=False)
-        cache = (cfg["max_batch"], cfg["n_kv_heads"] // world, cfg["max_seq"], hd)
-        self.register_buffer("cache_k", torch.zeros(cache), persistent=False)
-        self.register_buffer("cache_v", torch.zeros(cache), persistent=False)
-
-    def forward(self, x, cos, sin, pos=None):
-        b, s, _ = x.shape
-        # -1: the local head count (each rank holds a column slice of wq/wk/wv)
-        q, k, v = (w(x).view(b, s, -1, self.hd).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
-        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-        if pos is None:  # training: causal attention over the sequence
-            mask, causal = None, True
-        else:  # decode: write this step's K/V into the static cache, attend to positions <= pos
-            self.cache_k.index_copy_(2, pos, k)
-            self.cache_v.index_copy_(2, pos, v)
-            k, v = self.cache_k, self.cache_v
-            mask = torch.arange(k.shape[2], device=x.device)[None, :] <= pos[:, None]
-            causal = False
-        y = F.scaled_dot_product_attention(q, repeat_kv(k, self.group), repeat_kv(v, self.group),
-                                           attn_mask=mask, is_causal=causal)
-        return self.wo(y.transpose(1, 2).reshape(b, s, -1))
-
-
-class FeedForward(nn.Module):
-    def __init__(self, dim, hidden):
-        super().__init__()
-        self.w1, self.w3 = nn.Linear(dim, hidden, bias=False), nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
-
-    def forward(self, x):
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
-class Layer(nn.Module):
-    def __init__(self, cfg, world):
-        super().__init__()
-        self.attention_norm, self.ffn_norm = RMSNorm(cfg["dim"]), RMSNorm(cfg["dim"])
-        self.attention = Attention(cfg, world)
-        self.feed_forward = FeedForward(cfg["dim"], cfg["ffn"])
-
-    def forward(self, x, cos, sin, pos=None):
-        h = x + self.attention(self.attention_norm(x), cos, sin, pos)
-        return h + self.feed_forward(self.ffn_norm(h))
-
-
-class Llama(nn.Module):
-    def __init__(self, cfg, world):
-        super().__init__()
-        self.tok_embeddings = nn.Embedding(cfg["vocab"], cfg["dim"])
-        self.layers = nn.ModuleList(Layer(cfg, world) for _ in range(cfg["n_layers"]))
-        self.norm = RMSNorm(cfg["dim"])
-        self.output = nn.Linear(cfg["dim"], cfg["vocab"], bias=False)
-        hd = cfg["dim"] // cfg["n_heads"]
-        inv = 1.0 / (10000 ** (torch.arange(0, hd, 2).float() / hd))
-        freqs = torch.outer(torch.arange(cfg["max_seq"]).float(), inv)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
-
-    def forward(self, tokens, pos=None):
-        """Training (pos None): tokens (b, s) from position 0. Decode: tokens at positions `pos` (s,)."""
-        x = self.tok_embeddings(tokens)
-        at = pos if pos is not None else torch.arange(tokens.shape[1], device=tokens.device)
-        cos, sin = self.cos[at], self.sin[at]  # (s, hd): broadcast over batch and heads
-        for layer in self.layers:
-            x = layer(x, cos, sin, pos)
-        return self.output(self.norm(x))
-
-
-CFG = dict(dim=32, n_heads=4, n_kv_heads=2, ffn=64, vocab=64, n_layers=2, max_batch=2, max_seq=16)
-
-
-def tp_llama(seed=0):
-    """The model with random weights from `seed` (equal on every rank), parallelized the torchtitan
-    way: column-parallel q/k/v and gate/up, row-parallel o and down (their outputs all-reduced)."""
+def tp_llama():
+    """The model on this rank's device, its weights equal on every rank, parallelized over them."""
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-    world = dist.get_world_size()
-    torch.manual_seed(seed)
-    model = Llama(CFG, world)
-    for p in model.parameters():  # small weights: logits stay O(1), fp32 tolerances stay tight
-        if p.dim() == 2:
-            nn.init.normal_(p, std=1 / math.sqrt(p.shape[1]))
-    model = model.to(device())
-    mesh = init_device_mesh(device().type, (world,))
-    plan = {"attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(),
-            "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel()}
-    for layer in model.layers:
-        parallelize_module(layer, mesh, plan)
-    return model
+    return build_tp_llama(CFG, dist.get_world_size(), device())
 
 
 def _local(t):
@@ -179,7 +60,7 @@ def _train(rank, world, dump_dir):
     def step(model, tokens, targets):
         return F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
     torch.manual_seed(1)  # the same batch on every rank, as tensor parallelism wants
-    tokens, targets = (torch.randint(0, CFG["vocab"], (2, 8), device=device()) for _ in range(2))
+    tokens, targets = (torch.randint(0, CFG.vocab, (2, 8), device=device()) for _ in range(2))
     with config.patch(dump_dir=dump_dir):
         loss = torch.compile(step, backend="commfuse", dynamic=False)(compiled, tokens, targets)
         loss.backward()
@@ -201,7 +82,7 @@ def _decode(rank, world, dump_dir, prefill=3, steps=3):
     from commfuse import config
     eager, compiled = tp_llama(), tp_llama()
     torch.manual_seed(2)
-    tokens = torch.randint(0, CFG["vocab"], (CFG["max_batch"], prefill + steps), device=device())
+    tokens = torch.randint(0, CFG.vocab, (CFG.max_batch, prefill + steps), device=device())
     fn = torch.compile(compiled, backend="commfuse", dynamic=False)
     bad = {}
     chunks = [(0, prefill)] + [(p, p + 1) for p in range(prefill, prefill + steps)]
@@ -221,13 +102,13 @@ def _decode(rank, world, dump_dir, prefill=3, steps=3):
 @pytest.fixture(scope="module")
 def train_run(tmp_path_factory):
     d = tmp_path_factory.mktemp("tp_train")
-    return run_ranks(_train, args=(str(d),)), d
+    return run_ranks(_train, RANKS, args=(str(d),)), d
 
 
 @pytest.fixture(scope="module")
 def decode_run(tmp_path_factory):
     d = tmp_path_factory.mktemp("tp_decode")
-    return run_ranks(_decode, args=(str(d),)), d
+    return run_ranks(_decode, RANKS, args=(str(d),)), d
 
 
 def _assert_comm_kernels(summary, code, count, norm_fused):
@@ -238,11 +119,13 @@ def _assert_comm_kernels(summary, code, count, norm_fused):
     comm = [k for k in summary["kernels"] if k.get("collective") == "all_reduce"]
     for buf in summary["comm_buffers"]:
         assert not buf["copy_in"], buf
-        assert re.search(rf"aten\.mm\.out\([^\n]*out={buf['name']}\)", code), buf["name"]
+        # the wrapper takes the buffer from the pool and the mm writes it through out=
+        FileCheck().check(f"{buf['name']} = comm['{buf['name']}']").check_next("aten.mm.out(").check_same(
+            f"out={buf['name']})").run(code)
         (kernel,) = [k for k in comm if buf["name"] in k["reads"]]
         assert buf["feeds"] in kernel["nodes"], (buf, kernel)
         assert kernel["reduction"] or not norm_fused, kernel
-    assert "_peer1 + (" in code  # the kernels read the other rank's copy
+        check_peer_sum(code, buf["name"], RANKS, kernel=f"def {kernel['name']}(")  # every rank's copy
 
 
 def test_tp_training_matches_eager(train_run):
@@ -257,8 +140,8 @@ def test_tp_training_all_reduces_are_comm_kernels(train_run):
     assert "forward" in fw_name and "backward" in bw_name
     # forward: the row-parallel outputs (wo, w2), each followed by a residual add and an RMSNorm;
     # backward: the input gradients of the column-parallel q, k, v, w1, w3
-    _assert_comm_kernels(fw, fw_code, 2 * CFG["n_layers"], norm_fused=True)
-    _assert_comm_kernels(bw, bw_code, 5 * CFG["n_layers"], norm_fused=False)
+    _assert_comm_kernels(fw, fw_code, 2 * CFG.n_layers, norm_fused=True)
+    _assert_comm_kernels(bw, bw_code, 5 * CFG.n_layers, norm_fused=False)
     if DEVICE == "cpu":  # in fp32 on CUDA, SDPA with grouped K/V is aten's math kernel, lowered by us
         assert any("scaled_dot_product" in c for c in fw["extern_calls"])
 
@@ -274,12 +157,12 @@ def test_tp_decode_updates_the_cache_in_place(decode_run):
     graphs = _graphs(d)
     assert len(graphs) == 2  # the prefill and the one-token step (every step after the first reuses it)
     for _, summary, code in graphs:
-        _assert_comm_kernels(summary, code, 2 * CFG["n_layers"], norm_fused=True)
+        _assert_comm_kernels(summary, code, 2 * CFG.n_layers, norm_fused=True)
         # each layer's K and V are written into the graph's input (the module buffer) in place:
         # no copy of the cache, nothing written back
         written = re.findall(r"aten\.index_put_\.default\((arg\d+_1), ", code)
-        assert len(set(written)) == 2 * CFG["n_layers"], written
-        assert ".copy_(" not in code
+        assert len(set(written)) == 2 * CFG.n_layers, written
+        FileCheck().check_not(".copy_(").run(code)
 
 
 def _reshaped_all_reduce(rank, world, dump_dir):
@@ -288,7 +171,7 @@ def _reshaped_all_reduce(rank, world, dump_dir):
     from commfuse import config
     g = dist.group.WORLD
     torch.manual_seed(0)
-    w, norm = torch.randn(32, 64, device=device()) / 8, RMSNorm(64).to(device())
+    w, norm = torch.randn(32, 64, device=device()) / 8, RMSNorm(64, eps=1e-6).to(device())
 
     def reshaped(x, res):  # a row-parallel linear on (batch, seq, features): mm, then a view back
         h = funcol.all_reduce((x.view(-1, 32) @ w).view(2, 4, 64), "sum", g) + res
@@ -309,7 +192,7 @@ def _reshaped_all_reduce(rank, world, dump_dir):
 
 
 def test_mm_viewed_back_writes_the_comm_buffer(tmp_path):
-    run_ranks(_reshaped_all_reduce, args=(str(tmp_path),))
+    run_ranks(_reshaped_all_reduce, RANKS, args=(str(tmp_path),))
     ((_, s, code),) = _graphs(tmp_path / "reshaped")
     _assert_comm_kernels(s, code, 1, norm_fused=True)
     ((_, s, code),) = _graphs(tmp_path / "transposed")
