@@ -41,7 +41,6 @@ import glob
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -62,6 +61,7 @@ import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch._inductor import metrics as inductor_metrics  # noqa: E402
 
+from bench.common import add_run_args, commfuse_options, run_meta, write_results  # noqa: E402
 from commfuse.runtime import timing  # noqa: E402
 
 COMPILED = ("inductor", "commfuse")
@@ -414,10 +414,7 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true", help="the test suite's tiny configs (2 layers, width 32)")
     ap.add_argument("--cpu", action="store_true", help="on CPU (commfuse in Triton's interpreter), with "
                     "--tiny: checks the script, measures nothing")
-    ap.add_argument("--out", help="also write the markdown to OUT and the data to OUT with .json")
-    ap.add_argument("--commit", help="commit to record (default: git rev-parse, where .git exists)")
-    ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
-                    help="a commfuse option for this run, e.g. --set max_fusion_size=32 (repeatable)")
+    add_run_args(ap, "max_fusion_size=32")
     ap.add_argument("--verbose", action="store_true", help="print tracebacks of failures")
     args = ap.parse_args()
 
@@ -426,13 +423,7 @@ def main() -> int:
     args.backends = [b for b in args.backends.split(",") if b]
     if set(names) - set(MODELS) or set(args.modes) - set(MODES) or set(args.backends) - set(COMPILED):
         ap.error(f"models from {list(MODELS)}, modes from {list(MODES)}, backends from {list(COMPILED)}")
-    from commfuse import config
-    args.options = {}
-    for item in args.set:
-        key, _, value = item.partition("=")
-        if key not in config.snapshot():
-            ap.error(f"unknown commfuse option {key!r}")
-        args.options[key] = config._coerce(value, config.get(key))
+    args.options = commfuse_options(ap, args.set)
     if args.cpu:
         if not args.tiny:
             ap.error("--cpu runs commfuse's kernels in Triton's interpreter: only with --tiny")
@@ -459,26 +450,10 @@ def main() -> int:
                 skipped[name] = str(e)
                 print(f"[{name}] skipped: {e}", file=sys.stderr)
 
-    try:
-        import triton
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = "none"
-    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT,
-                                           capture_output=True, text=True).stdout.strip() or "unknown"
-    meta = {"device": dev, "device_name": torch.cuda.get_device_name() if dev == "cuda"
-            else f"CPU ({platform.processor() or 'cpu'}, smoke run)", "torch": torch.__version__,
-            "triton": triton_version, "dtype": str(dtype).replace("torch.", ""), "commit": commit,
-            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "commfuse_options": args.options, "skipped": skipped}
-    table = markdown(rows, args, meta)
-    print(table)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(table)
-        base = args.out[: -len(".md")] if args.out.endswith(".md") else args.out
-        with open(base + ".json", "w") as f:
-            json.dump({"meta": meta, "args": vars(args), "rows": rows}, f, indent=1)
-        print(f"wrote {args.out} and {base}.json", file=sys.stderr)
+    meta = {"device": dev, **run_meta(torch.cuda.get_device_name() if dev == "cuda"
+                                      else f"CPU ({platform.processor() or 'cpu'}, smoke run)", args.commit),
+            "dtype": str(dtype).replace("torch.", ""), "commfuse_options": args.options, "skipped": skipped}
+    write_results(args.out, markdown(rows, args, meta), {"meta": meta, "args": vars(args), "rows": rows})
     bad = [(r["model"], r["mode"]) for r in rows if r["errors"] or suspect(r)]
     if bad:
         print(f"{len(bad)} model/mode pair(s) failed or have a suspect error: {bad}", file=sys.stderr)

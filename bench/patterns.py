@@ -14,11 +14,9 @@ read once, each output written once; the formula is printed under the table).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
-import subprocess
 import sys
 import time
 import traceback
@@ -26,17 +24,16 @@ from dataclasses import dataclass
 from typing import Callable
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.append(REPO_ROOT)  # bench.common; and commfuse from the checkout where it is not installed
 try:  # before torch._dynamo imports triton: on CPU, commfuse selects Triton's interpreter at import
     import commfuse  # noqa: F401
 except ImportError:
-    sys.path.insert(0, REPO_ROOT)
-    try:
-        import commfuse  # noqa: F401
-    except ImportError:
-        pass
+    pass
 
 import torch
 import torch.nn.functional as F
+
+from bench.common import add_run_args, commfuse_options, run_meta, write_results
 BACKENDS = ("eager", "inductor", "commfuse")
 
 
@@ -244,22 +241,13 @@ def main() -> int:
     ap.add_argument("--rep", type=float, default=100, help="ms of timed calls (do_bench)")
     ap.add_argument("--atol", type=float, default=1e-2)
     ap.add_argument("--rtol", type=float, default=2e-2)
-    ap.add_argument("--out", help="also write the markdown table to OUT and the data to OUT with .json")
-    ap.add_argument("--commit", help="commit to record (default: git rev-parse, where .git exists)")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on CPU, one call each: checks the script")
     ap.add_argument("--verbose", action="store_true", help="print tracebacks of failures")
-    ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
-                    help="a commfuse option for this run, e.g. --set use_block_ptr=1 (repeatable)")
+    add_run_args(ap, "use_block_ptr=1")
     args = ap.parse_args()
 
     args.backends = [b.strip() for b in args.backends.split(",") if b.strip()]
-    args.options = {}
-    for item in args.set:
-        from commfuse import config
-        name, _, value = item.partition("=")
-        if name not in config.snapshot():
-            ap.error(f"unknown commfuse option {name!r}")
-        args.options[name] = config._coerce(value, config.get(name))
+    args.options = commfuse_options(ap, args.set)
     unknown = set(args.backends) - set(BACKENDS)
     if unknown:
         ap.error(f"unknown backends {sorted(unknown)}; choose from {BACKENDS}")
@@ -278,24 +266,11 @@ def main() -> int:
               "on CPU with tiny sizes.", file=sys.stderr)
         return 2
 
-    try:
-        import triton
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = "none"
-    commit = args.commit
-    try:
-        commit = commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
-                                text=True).stdout.strip() or "unknown"
-    except OSError:
-        commit = commit or "unknown"
-    meta = {
-        "device_name": torch.cuda.get_device_name() if args.device == "cuda" else f"CPU ({platform.processor() or 'cpu'}, smoke run)",
-        "torch": torch.__version__, "triton": triton_version, "commit": commit,
-        "timer": "one call, not a measurement" if args.device == "cpu"
-        else ("triton.testing.do_bench" if triton_version != "none" else "CUDA events"),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"), "commfuse_options": args.options,
-    }
+    meta = run_meta(torch.cuda.get_device_name() if args.device == "cuda"
+                    else f"CPU ({platform.processor() or 'cpu'}, smoke run)", args.commit)
+    meta["timer"] = "one call, not a measurement" if args.device == "cpu" \
+        else ("triton.testing.do_bench" if meta["triton"] != "none" else "CUDA events")
+    meta["commfuse_options"] = args.options
 
     rows = []
     for p in pats:
@@ -303,17 +278,9 @@ def main() -> int:
         print(f"running {p.name} {M}x{N} ...", file=sys.stderr, flush=True)
         rows.append(run_pattern(p, M, N, args))
 
-    table = markdown(rows, args, meta)
-    print(table)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(table)
-        base = args.out[: -len(".md")] if args.out.endswith(".md") else args.out
-        g = {"commfuse_vs_inductor": geomean(r["commfuse_vs_inductor"] for r in rows),
-             "commfuse_vs_eager": geomean(r["commfuse_vs_eager"] for r in rows)}
-        with open(base + ".json", "w") as f:
-            json.dump({"meta": meta, "args": vars(args), "rows": rows, "geomean": g}, f, indent=1)
-        print(f"wrote {args.out} and {base}.json", file=sys.stderr)
+    g = {"commfuse_vs_inductor": geomean(r["commfuse_vs_inductor"] for r in rows),
+         "commfuse_vs_eager": geomean(r["commfuse_vs_eager"] for r in rows)}
+    write_results(args.out, markdown(rows, args, meta), {"meta": meta, "args": vars(args), "rows": rows, "geomean": g})
     failed = [(r["pattern"], b) for r in rows for b, c in r["check"].items() if c != "ok"]
     if failed:
         print(f"{len(failed)} pattern/backend pair(s) failed the check or errored: {failed}", file=sys.stderr)
