@@ -27,6 +27,7 @@ import pickle
 import platform
 import re
 import sys
+import types
 import uuid
 
 import torch
@@ -262,7 +263,9 @@ def files_digest() -> str:
 def replaced_functions() -> list[str]:
     """Functions in commfuse's namespaces (modules, their classes, their dict registries such as
     the lowering table) whose code lies outside commfuse and the libraries it uses: a patch made at
-    run time (a test's monkeypatch), which the file digest cannot see."""
+    run time (a test's monkeypatch, a lowering registered by a script), which the file digest
+    cannot see. Each is keyed by the whole file it was written in (a change there is a new key), or
+    by its own code where it has no file (made by exec: a dataclass's methods, a notebook cell)."""
     trusted = _trusted_dirs()
     out = []
     for modname, mod in sorted(sys.modules.items()):
@@ -271,15 +274,65 @@ def replaced_functions() -> list[str]:
         for attr, value in list(vars(mod).items()):
             found = [(attr, value)]
             if isinstance(value, type) and value.__module__ == modname:
-                found += [(f"{attr}.{k}", v) for k, v in vars(value).items()]
+                found += [((attr, ".{}", k), v) for k, v in vars(value).items()]
             elif isinstance(value, dict):
-                found += [(f"{attr}[{k}]", v) for k, v in list(value.items())]
+                found += [((attr, "[{}]", k), v) for k, v in list(value.items())]
             for where, obj in found:
-                code = getattr(getattr(obj, "__func__", obj), "__code__", None)
-                if code is not None and not code.co_filename.startswith("<") \
-                        and not os.path.abspath(code.co_filename).startswith(trusted):
-                    out.append(f"{modname}.{where}: {code.co_filename}:{code.co_firstlineno}")
+                code = _code_of(obj)
+                if code is None:
+                    continue
+                path = code.co_filename
+                if path.startswith("<"):
+                    out.append(f"{modname}.{_where(where)}: {_code_digest(code)}")
+                elif not _is_trusted(path, trusted):
+                    out.append(f"{modname}.{_where(where)}: {path}:{code.co_firstlineno}:{_file_digest(path)}")
     return out
+
+
+_FUNCTIONS = (types.FunctionType, types.MethodType, staticmethod, classmethod, functools.partial)
+
+
+def _code_of(obj):
+    while type(obj) in _FUNCTIONS:  # exact types: no attribute lookups on anything else
+        if type(obj) is types.FunctionType:
+            return obj.__code__
+        obj = obj.func if type(obj) is functools.partial else obj.__func__
+    return None
+
+
+def _where(where) -> str:
+    return where if isinstance(where, str) else where[0] + where[1].format(where[2])
+
+
+@functools.lru_cache(None)
+def _is_trusted(path: str, trusted: tuple) -> bool:
+    return os.path.abspath(path).startswith(trusted)
+
+
+@functools.lru_cache(None)
+def _code_digest(code) -> str:
+    return hashlib.sha256(_code_text(code).encode()).hexdigest()
+
+
+def _code_text(code) -> str:
+    """A code object as text that does not depend on the process (marshal's output may)."""
+    consts = [_code_text(c) if isinstance(c, types.CodeType) else
+              repr(sorted(map(repr, c))) if isinstance(c, frozenset) else repr(c) for c in code.co_consts]
+    return repr((code.co_name, code.co_code, consts, code.co_names, code.co_varnames, code.co_freevars))
+
+
+def _file_digest(path: str) -> str:
+    try:
+        st = os.stat(path)
+        return _read_digest(path, st.st_mtime_ns, st.st_size)
+    except OSError as e:
+        raise Uncacheable(f"{path}, which replaces a commfuse function, cannot be read: {e}") from e
+
+
+@functools.lru_cache(None)
+def _read_digest(path: str, mtime_ns: int, size: int) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
 
 
 @functools.lru_cache(None)
