@@ -1,8 +1,13 @@
 """Test set-up: Triton's interpreter when CUDA is absent (chosen before triton is imported),
-compile errors raised rather than hidden behind the aten fallback, GPU tests skipped on CPU."""
+compile errors raised rather than hidden behind the aten fallback, a graph cache of this run's own,
+GPU tests skipped on CPU."""
 import os
+import tempfile
 
 os.environ.setdefault("COMMFUSE_FALLBACK_ON_ERROR", "0")
+# compiled graphs cached for this run only: a test that patches the compiler in a way the cache key
+# cannot see must not meet an entry another run stored
+os.environ.setdefault("COMMFUSE_CACHE_DIR", tempfile.mkdtemp(prefix="commfuse_tests_"))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
