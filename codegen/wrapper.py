@@ -264,7 +264,7 @@ class WrapperCodegen:
                 "tiled": meta["tiled"], "block_ptrs": meta["block_ptrs"]}
         if comm:
             info.update(collective="all_reduce", group=comm.group, fused_nodes=len(grp.nodes),
-                        algorithm=plans[0].algorithm.name.replace("_apart", ""))
+                        algorithm="two_shot" if plans[0].algorithm.gathers_shares else "one_shot")  # how it reads
             self.note_comm_kernel(name, info["algorithm"], blocks["programs"], src)
         self.kernel_info.append(info)
 

@@ -219,6 +219,7 @@ class Scheduler:
         self.graph = graph
         self.code_renderer = None  # installed by the codegen backend: (scheduler, group) -> source
         self.groups, self.removed = [], set()
+        self.shapes: dict[int, KernelShape] = {}  # group id -> its kernel's shape, once the order is final
         self.nodes = [SchedulerNode(b, i) for i, b in enumerate(graph.buffers)]
         self.output_names = _output_names(graph)
         self.remove_dead_nodes()
@@ -309,7 +310,7 @@ class Scheduler:
 
     def kernel_shape(self, g: Group) -> KernelShape:
         """Tiling, persistence and blocks of a group's kernel, from policy."""
-        if id(g) in getattr(self, "shapes", {}):
+        if id(g) in self.shapes:
             return self.shapes[id(g)]
         tile = self.choose_tile(g)
         X, R = tile or (g.X, g.R)
