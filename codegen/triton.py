@@ -433,7 +433,7 @@ class TritonKernel:
         meta = {"params": params, "size_symbols": syms, "reduction": self.is_red, "kind": self.kind,
                 "persistent": self.persistent, "tiled": self.tiled,
                 "block_ptrs": len(self.block_ptr_accesses), "comm": self.comm,
-                "two_shot": sorted(self.two_shot)}
+                "two_shot": sorted(self.two_shot), "asserts": self.uses_assert}
         return code.getvalue(), meta
 
     def _block_header(self, code: IndentedBuffer, offset: str) -> None:

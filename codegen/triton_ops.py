@@ -7,6 +7,9 @@ import dataclasses
 import sympy
 import torch
 
+from commfuse import config
+from commfuse.runtime.loader import interpreting
+
 from .common import compute_dtype, literal, triton_dtype
 
 
@@ -20,11 +23,13 @@ class Var:
 
 
 def round_bf16(x: str, src: torch.dtype) -> str:
-    """Float `x` rounded to bfloat16, to nearest even, held as fp32. Triton's interpreter
-    truncates in `.to(tl.bfloat16)` (and mangles fp64 there) where a GPU rounds, so the rounding
-    is done on the bits: after it, the cast to bf16 is exact on both."""
+    """Float `x` rounded to bfloat16, to nearest even, held as fp32. A GPU's cast rounds; Triton's
+    interpreter truncates in `.to(tl.bfloat16)` (and mangles fp64 there), so under it the rounding
+    is done on the bits, after which the cast is exact."""
     if src != torch.float32:  # fp64 and ints through fp32, as torch converts them
         x = f"{x}.to(tl.float32)"
+    if not interpreting():
+        return f"{x}.to(tl.bfloat16).to(tl.float32)"
     bits = f"{x}.to(tl.int32, bitcast=True)"
     rounded = f"(({bits} + (0x7FFF + (({bits} >> 16) & 1))) & -65536).to(tl.float32, bitcast=True)"
     return f"tl.where({x} != {x}, {x}, {rounded})"  # NaN: its bits must not carry into the sign
@@ -33,7 +38,7 @@ def round_bf16(x: str, src: torch.dtype) -> str:
 def store_text(x: str, src: torch.dtype, dtype: torch.dtype) -> str:
     """Value `x` of logical dtype `src` as stored into a buffer of `dtype`."""
     if dtype == torch.bfloat16:
-        return f"{round_bf16(x, compute_dtype(src))}.to(tl.bfloat16)"
+        return f"{round_bf16(x, compute_dtype(src))}.to(tl.bfloat16)" if interpreting() else f"{x}.to(tl.bfloat16)"
     if dtype != src or compute_dtype(dtype) != dtype:
         return f"{x}.to({triton_dtype(dtype)})"
     return x
@@ -70,12 +75,18 @@ class TritonOps:
         cd = compute_dtype(dtype)
         return self.k.newvar(f"({self.k.index_str(sympy.sympify(expr))}).to({triton_dtype(cd)})", dtype)
 
-    def to_dtype(self, x, dtype):
+    def to_dtype(self, x, dtype, explicit=False):
+        """`explicit`: a cast the program wrote (`.to(bf16)`), rounded as eager rounds it. The
+        casts type promotion adds after each op of a low-precision float are not rounded unless
+        config.emulate_precision_casts: the fused kernel keeps fp32 between its ops (as Inductor
+        does), more accurate than eager and without a rounding per op."""
         if x.dtype == dtype:
             return x
         if dtype == torch.bool:
             return self.k.newvar(f"({x} != 0)", dtype)
         cd = compute_dtype(dtype)
+        if cd != dtype and compute_dtype(x.dtype) == cd and not (explicit or config.emulate_precision_casts):
+            return Var(x.name, dtype)
         text = f"{x}.to({triton_dtype(dtype)})"
         if dtype == torch.bfloat16:
             text = round_bf16(x.name, compute_dtype(x.dtype))

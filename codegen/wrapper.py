@@ -248,6 +248,8 @@ class WrapperCodegen:
         consts = [f"XBLOCK={blocks['XBLOCK']}"] + ([f"RBLOCK={blocks['RBLOCK']}"] if meta["reduction"] else [])
         grid = f"({blocks['programs']},)" if comm else f"(cdiv({self.expr(X)}, {blocks['XBLOCK']}),)" if not meta["tiled"] else \
             f"(cdiv({self.expr(X)}, {blocks['XBLOCK']}), cdiv({self.expr(R)}, {blocks['RBLOCK']}))"
+        if meta["asserts"]:  # debug mode keeps the bounds asserts; no overflow check on every int op
+            consts.append("sanitize_overflow=False")
         launch = f"{name}[{grid}]({', '.join(args + consts)}, num_warps={blocks['num_warps']})"
         if sizevars.is_static(X) and int(X) == 0:
             self.body.writeline(f"# {name} skipped: empty")

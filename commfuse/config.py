@@ -70,6 +70,9 @@ online_softmax = True             # softmax's max and sum of exp in one pass ove
 # Code generation.
 triton_interpret: bool | None = None  # None: Triton's interpreter exactly when CUDA is absent (set at import)
 max_block = 1024                       # largest pointwise block
+emulate_precision_casts = False        # round bf16/fp16 values after every op, as eager does
+                                       # (off: fp32 between the ops of a kernel; stores and the
+                                       # program's own casts round either way)
 use_block_ptr = False                  # N-D block pointers for affine div/mod indices
 
 

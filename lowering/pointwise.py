@@ -237,7 +237,7 @@ def to_dtype(op, x, dtype=None, **kwargs):
     if dtype.is_complex or x.get_dtype().is_complex:
         raise ir.Unsupported("complex")
     load = x.make_loader()
-    return TensorBox(Pointwise(x.get_device(), dtype, lambda i: ops.to_dtype(load(i), dtype),
+    return TensorBox(Pointwise(x.get_device(), dtype, lambda i: ops.to_dtype(load(i), dtype, explicit=True),
                                list(x.get_size())))
 
 

@@ -145,7 +145,8 @@ def test_post_fusion_dump_shows_code_per_node_and_group(tmp_path):
 
 def test_bfloat16_rounds_to_nearest_even(tmp_path):
     """Triton's interpreter truncates in `.to(tl.bfloat16)` (a GPU rounds): casts, stores of fp32
-    values and of reductions into bf16 must still match torch's rounding bit for bit."""
+    values and of reductions into bf16 must still match torch's rounding bit for bit (with every op
+    rounded as eager rounds it)."""
     ties = 1 + torch.arange(8) * 2.0 ** -7 + 2.0 ** -8   # halfway between two bf16 values
     x = torch.cat([ties, -ties, torch.randn(500) * 100]).to(DEVICE)
     x64 = x.double() + 1e-12
@@ -156,7 +157,7 @@ def test_bfloat16_rounds_to_nearest_even(tmp_path):
         (lambda x: x.to(torch.bfloat16), x64),            # fp64 goes through fp32, as in torch
     ]
     for i, (fn, inp) in enumerate(cases):
-        out, _ = compile_and_run(fn, inp, tmp_path=tmp_path / str(i))
+        out, _ = compile_and_run(fn, inp, tmp_path=tmp_path / str(i), emulate_precision_casts=True)
         assert torch.equal(out, fn(inp)), (i, (out.float() - fn(inp).float()).abs().max())
 
 
@@ -170,3 +171,18 @@ def test_cat_of_gathered_values():
     torch.manual_seed(0)
     args = (torch.randn(8, 8, device=DEVICE), torch.randn(16, 8, device=DEVICE), torch.arange(8, device=DEVICE))
     torch.testing.assert_close(torch.compile(f, backend="commfuse")(*args), f(*args))
+
+
+def test_bf16_values_stay_fp32_between_ops_unless_asked(tmp_path):
+    """Type promotion's cast after each bf16 op is not rounded inside a kernel (only the store
+    and the program's own casts round), unless emulate_precision_casts asks for eager's rounding."""
+    x = torch.randn(64, 32, device=DEVICE).to(torch.bfloat16)
+    fn = lambda x: ((x * 0.5 + 1.0) * x).to(torch.float32).to(torch.bfloat16) - x  # noqa: E731
+    rounding = "0x7FFF" if DEVICE == "cpu" else ".to(tl.bfloat16)"
+    out, dumps = compile_and_run(fn, x, tmp_path=tmp_path / "fp32")
+    torch.testing.assert_close(out, fn(x), atol=2e-2, rtol=2e-2)
+    # the explicit .to(bfloat16) and the store: two roundings
+    count(dumps.only()[1], rounding, 2)
+    out, dumps = compile_and_run(fn, x, tmp_path=tmp_path / "eager", emulate_precision_casts=True)
+    torch.testing.assert_close(out, fn(x), atol=0, rtol=0)  # every op rounded as eager rounds it
+    count(dumps.only()[1], rounding, 6)  # mul, add, mul, the .to(bfloat16), sub, the store
