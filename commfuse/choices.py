@@ -65,17 +65,19 @@ class Choices:
 
     def should_realize(self, loops, users: int, output: bool = False) -> bool:
         """Store a pointwise value instead of inlining it into its users: when several users would
-        each recompute it at too high a cost, or when it has accumulated too many reads, or when it
-        is a graph output with other users: stored anyway, it is read rather than recomputed, so
-        what it is computed from can die at its producer, which may then write over it (the logits
-        under the log-softmax a forward saves for backward)."""
+        each recompute it at too high a cost (many users, a long body, or many buffers read: a
+        residual stream `h = h + f(h)` inlined layer after layer would have every consumer re-read
+        the whole chain), or when it has accumulated too many reads, or when it is a graph output
+        with other users: stored anyway, it is read rather than recomputed, so what it is computed
+        from can die at its producer, which may then write over it (the logits under the
+        log-softmax a forward saves for backward)."""
         if output and users > 1:
             return True
         trace = trace_body(loops)
-        if users > 1 and (users > config.realize_reads_threshold
+        reads = {r.name for r in trace.reads}
+        if users > 1 and (users > config.realize_users_threshold or len(reads) > config.realize_reads_threshold
                           or trace.op_count > config.realize_opcount_threshold):
             return True
-        reads = {r.name for r in trace.reads}
         return len(reads) > config.realize_acc_reads_threshold or self.read_bytes_exceeded(reads)
 
     def realize_view_base(self, view, base) -> bool:

@@ -43,7 +43,8 @@ sdpa_gqa = True               # K/V repeated for grouped-query attention reach S
 
 # Fusion.
 max_fusion_size = 64          # cap on the number of IR nodes in one fused kernel
-realize_reads_threshold = 4   # a value with more users than this is stored, not recomputed by each
+realize_users_threshold = 4   # a value with more users than this is stored, not recomputed by each
+realize_reads_threshold = 4   # ... or with several users and more buffer reads than this
 realize_opcount_threshold = 30  # ... or whose body has more ops than this
 realize_acc_reads_threshold = 8         # realize a pointwise value that inlines more buffer reads
 realize_acc_reads_size_threshold: int | None = None  # ... or reads more bytes than this; no fusion

@@ -186,3 +186,23 @@ def test_bf16_values_stay_fp32_between_ops_unless_asked(tmp_path):
     out, dumps = compile_and_run(fn, x, tmp_path=tmp_path / "eager", emulate_precision_casts=True)
     torch.testing.assert_close(out, fn(x), atol=0, rtol=0)  # every op rounded as eager rounds it
     count(dumps.only()[1], rounding, 6)  # mul, add, mul, the .to(bfloat16), sub, the store
+
+
+def test_residual_stream_is_stored_not_reread(tmp_path):
+    """h = h + f(norm(h)), layer after layer: h has two users (the next norm and the next add). Were
+    it inlined, each layer's kernels would re-read every earlier layer's output; stored once a
+    body reads more than realize_reads_threshold buffers, no kernel reads more than one past it."""
+    ws = [torch.randn(32, 32, device=DEVICE) / 6 for _ in range(8)]
+
+    def fn(h, *ws):
+        for w in ws:
+            h = h + F.layer_norm(h, (32,)) @ w
+        return h
+    h = torch.randn(16, 32, device=DEVICE)
+    widest = {}
+    for name, threshold in (("inlined", 1000), ("stored", 4)):
+        out, dumps = compile_and_run(fn, h, *ws, tmp_path=tmp_path / name, realize_reads_threshold=threshold,
+                                     realize_acc_reads_threshold=1000)
+        torch.testing.assert_close(out, fn(h, *ws), atol=1e-4, rtol=1e-4)
+        widest[name] = max(len(k["reads"]) for k in dumps.only()[0]["kernels"])
+    assert widest["stored"] <= 5 < widest["inlined"], widest
