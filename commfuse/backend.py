@@ -18,7 +18,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from commfuse.codegen.wrapper import WrapperCodegen
 
-from . import choices, config, dump, graph_cache, ir
+from . import choices, config, dump, graph_cache, ir, sizevars
 from .attention import use_sdpa_gqa
 from .decompositions import decomposition_table
 from .graph import GraphLowering
@@ -93,7 +93,7 @@ class CompiledGraph:
 def compile_graph(gm: torch.fx.GraphModule, example_inputs, kind: str = "inference"):
     graph_id = graph_id_for(gm, kind)
     try:
-        return _compile(gm, example_inputs, graph_id, kind, donated_inputs(gm, kind))
+        return _compile(gm, example_inputs, graph_id, kind, donated_inputs(gm, kind), saved_outputs(gm, kind))
     except Exception as e:
         if not config.fallback_on_error:
             raise
@@ -120,6 +120,18 @@ def donated_inputs(gm: torch.fx.GraphModule, kind: str) -> set:
     return {placeholders[i].name for i in ctx.fw_metadata.bw_donated_idxs or ()}
 
 
+def saved_outputs(gm: torch.fx.GraphModule, kind: str) -> tuple:
+    """The forward's outputs that only its backward reads (saved activations), where AOTAutograd
+    takes the output strides we report and restrides the backward's inputs to them: their layout
+    is ours to choose."""
+    ctx = torch._guards.TracingContext.try_get()
+    if kind != "forward" or ctx is None or ctx.fw_metadata is None or ctx.output_strides is None \
+            or ctx.fw_metadata.tokens:
+        return ()
+    outputs = gm.graph.find_nodes(op="output")[0].args[0]
+    return tuple(range(len(outputs))[ctx.fw_metadata.tensors_saved_for_backwards_slice])
+
+
 def _aten_fallback(gm):
     def run(args):
         out = torch.fx.Interpreter(gm).boxed_run(args)
@@ -128,15 +140,15 @@ def _aten_fallback(gm):
     return run
 
 
-def _compile(gm, example_inputs, graph_id, kind="inference", donated=frozenset()):
+def _compile(gm, example_inputs, graph_id, kind="inference", donated=frozenset(), saved=()):
     t0 = time.time()
     reinplace_input_updates(gm)
-    key, description, gen, skipped = _cached(gm, example_inputs, graph_id, kind, donated)
+    key, description, gen, skipped = _cached(gm, example_inputs, graph_id, kind, donated, saved)
     hit = gen is not None
     for level, message in gen.messages if hit else ():  # what compiling it said, said again
         log.log(level, "%s", message)
     if not hit:
-        gen = _generate(gm, example_inputs, graph_id, donated)
+        gen = _generate(gm, example_inputs, graph_id, donated, saved)
         if key is not None:
             skipped = graph_cache.store(key, description, gm, gen)
             key = None if skipped else key
@@ -149,6 +161,9 @@ def _compile(gm, example_inputs, graph_id, kind="inference", donated=frozenset()
     if skipped:
         summary["cache_skipped"] = skipped
     summaries.append(summary)
+    ctx = torch._guards.TracingContext.try_get()
+    if ctx is not None and ctx.output_strides is not None and summary["output_strides"]:
+        ctx.output_strides.extend(summary["output_strides"])
     if config.dump_dir:  # printing the graph costs as much as a cache hit
         dump.write(graph_id, {"fx_graph.txt": gm.print_readable(print_output=False),
                               "ir_pre_fusion.txt": gen.pre_fusion + "\n",
@@ -161,12 +176,12 @@ def _compile(gm, example_inputs, graph_id, kind="inference", donated=frozenset()
     return CompiledGraph(module, graph_id, path, summary)
 
 
-def _cached(gm, example_inputs, graph_id, kind, donated):
+def _cached(gm, example_inputs, graph_id, kind, donated, saved):
     """(key, its description, the cached graph or None on a miss, why the graph has no key)."""
     if not config.graph_cache:
         return None, None, None, None
     try:
-        description = graph_cache.describe(gm, example_inputs, kind, donated)
+        description = graph_cache.describe(gm, example_inputs, kind, donated, saved)
     except graph_cache.Uncacheable as e:
         log.debug("commfuse: graph %s not cached: %s", graph_id, e)
         return None, None, None, str(e)
@@ -180,10 +195,10 @@ def _cached(gm, example_inputs, graph_id, kind, donated):
     return key, description, gen, None
 
 
-def _generate(gm, example_inputs, graph_id, donated) -> graph_cache.Generated:
+def _generate(gm, example_inputs, graph_id, donated, saved) -> graph_cache.Generated:
     """Lower, schedule and generate the module's source: what a cache hit skips."""
     with graph_cache.recording_messages() as messages, choices.install():
-        graph = GraphLowering(gm, example_inputs, graph_id, donated).run()
+        graph = GraphLowering(gm, example_inputs, graph_id, donated, saved).run()
         with V.set_graph(graph):
             pre_fusion = "\n".join(str(b) for b in graph.buffers)
             sched = Scheduler(graph)
@@ -205,6 +220,10 @@ def _generate(gm, example_inputs, graph_id, donated) -> graph_cache.Generated:
         "peak_memory_by_order": sched.peak_memory_by_order,
         "cross_kernel_bytes": cross_kernel_bytes(sched),
         "rematerialized": sched.remat_log,
+        # for AOTAutograd, where a saved activation's layout is ours (saved_outputs)
+        "output_strides": [[int(s) for s in o.layout.stride] if isinstance(o, ir.LaidOut) and
+                           all(sizevars.is_static(s) for s in o.layout.stride) else None
+                           for o in graph.graph_outputs] if graph.free_outputs else None,
     }
     computed = {b.get_device().type for b in graph.buffers if isinstance(b, ir.ComputedBuffer)}
     return graph_cache.Generated(graph_id, source, wrapper.constants, summary, set(graph.device_types),

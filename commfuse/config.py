@@ -63,6 +63,12 @@ rematerialize = True              # a kernel recomputes pointwise values of othe
 loop_ordering_after_fusion = True  # permute a pointwise group's loops so it fuses with a group
                                    # that walks a shared buffer in another order (read it once)
 
+# Layout.
+conv_channels_last: bool | None = None  # a graph with 2-D convolutions runs them channels_last and
+                                        # stores the values between them in their inputs' layout
+                                        # (cudnn transposes NCHW tensors around each conv); None:
+                                        # for CUDA graphs of static shapes (choices.conv_layout)
+
 # Reductions.
 persistent_reduction_max = 4096   # rows up to this length are reduced in one block
 split_reduction_min = 32768       # reductions longer than this with few rows are split across programs

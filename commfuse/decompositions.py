@@ -12,6 +12,7 @@ aten = torch.ops.aten
 _EXTRA = [
     aten.native_layer_norm, aten.native_group_norm,
     aten.native_batch_norm, aten._native_batch_norm_legit, aten._native_batch_norm_legit_no_training,
+    aten._native_batch_norm_legit_functional,
     aten._fused_rms_norm, aten.gelu, aten.silu, aten.mish, aten.elu, aten.celu, aten.selu,
     aten.softplus, aten.hardtanh, aten.hardswish, aten.hardsigmoid, aten.leaky_relu,
     aten.var, aten.var_mean, aten.std, aten.std_mean, aten.logsumexp, aten.linalg_vector_norm,

@@ -34,10 +34,12 @@ class LoweringError(RuntimeError):
 
 class GraphLowering(torch.fx.Interpreter):
     def __init__(self, gm: torch.fx.GraphModule, example_inputs, graph_id: str = "graph",
-                 donated: set = frozenset()):
+                 donated: set = frozenset(), saved: tuple = ()):
         super().__init__(gm)
         self.graph_id = graph_id
         self.donated = _whole_storages(gm, donated)  # inputs that become DonatedBuffers
+        self.channels_last = V.choices.conv_layout(gm)
+        self.free_outputs = _free_outputs(gm, saved) if self.channels_last else set()  # FX nodes
         self.buffers: list[ir.Buffer] = []
         self.name_to_buffer: dict[str, ir.Buffer] = {}
         self.graph_inputs: dict[str, Any] = {}       # placeholder name -> InputBuffer / symbol / value
@@ -103,6 +105,8 @@ class GraphLowering(torch.fx.Interpreter):
         self.placeholder_names.append(target)
         node = self.current_node
         val = node.meta.get("val", example)
+        if isinstance(val, torch.Tensor) and _restrided(val, example):
+            val = example  # a saved activation that the forward stored in other strides
         if isinstance(val, torch.Tensor):
             layout = meta_layout(val)
             cls = ir.DonatedBuffer if target in self.donated else ir.InputBuffer
@@ -193,7 +197,7 @@ class GraphLowering(torch.fx.Interpreter):
             output = any(u.op == "output" for u in node.users)
             if V.choices.should_realize(result.data, len(node.users), output):
                 if output:
-                    realize_output(result, node.meta.get("val"))
+                    realize_output(result, None if node in self.free_outputs else node.meta.get("val"))
                 else:
                     result.realize()
 
@@ -216,11 +220,11 @@ class GraphLowering(torch.fx.Interpreter):
     def output(self, target, args, kwargs):
         vals = self.current_node.args[0]
         outs = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
-        metas = [v.meta.get("val") if isinstance(v, torch.fx.Node) else None
-                 for v in (vals if isinstance(vals, (list, tuple)) else [vals])]
-        for value, meta in zip(outs, metas):
-            if isinstance(value, TensorBox):
-                value = realize_output(value, meta)
+        nodes = vals if isinstance(vals, (list, tuple)) else [vals]
+        for node, value in zip(nodes, outs):
+            if isinstance(value, TensorBox):  # with eager's strides, but for a free one
+                meta = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+                value = realize_output(value, None if node in self.free_outputs else meta)
             self.graph_outputs.append(value)
         return self.graph_outputs
 
@@ -245,6 +249,21 @@ def size_hints(gm, example_inputs) -> dict:
                 if isinstance(expr, sympy.Symbol):
                     hints[expr] = e
     return hints
+
+
+def _free_outputs(gm, saved) -> set:
+    """The FX nodes that are graph outputs only at `saved` positions (activations the backward
+    reads, which AOTAutograd restrides to the strides we report): stored in whatever layout."""
+    outs = gm.graph.find_nodes(op="output")[0].args[0]
+    visible = {n for i, n in enumerate(outs) if i not in saved}
+    return {outs[i] for i in saved if isinstance(outs[i], torch.fx.Node)} - visible
+
+
+def _restrided(val: torch.Tensor, example) -> bool:
+    """An example input (static) in other strides than its placeholder was traced with."""
+    if not isinstance(example, torch.Tensor):
+        return False
+    return all(isinstance(s, int) for s in (*val.stride(), *example.stride())) and val.stride() != example.stride()
 
 
 def _whole_storages(gm, names) -> set:
@@ -339,7 +358,7 @@ def realize_output(box: TensorBox, meta) -> ir.IRNode:
             box.data = buf
             return buf
     stored = box.realize()
-    if isinstance(meta, torch.Tensor) and not _strides_match(stored.layout, meta):
+    if isinstance(meta, torch.Tensor) and not stored.layout.has_strides([sizevars.from_torch(s) for s in meta.stride()]):
         # Other graphs index this output by its meta strides (a backward reads a saved activation
         # by them, a user sees them): a view of ours in another order is copied into them.
         layout = meta_layout(meta)
@@ -348,7 +367,3 @@ def realize_output(box: TensorBox, meta) -> ir.IRNode:
             return V.graph.register_buffer(ir.ComputedBuffer, layout=layout, data=data)
     return stored
 
-
-def _strides_match(layout: ir.Layout, meta: torch.Tensor) -> bool:
-    return all(size == 1 or sizevars.equal(a, sizevars.from_torch(b))
-               for a, b, size in zip(layout.stride, meta.stride(), layout.size))

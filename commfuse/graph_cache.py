@@ -72,7 +72,7 @@ def recording_messages():
 
 
 # ------------------------------------------------------------------------------------ the key
-def describe(gm: torch.fx.GraphModule, example_inputs, kind: str, donated) -> str:
+def describe(gm: torch.fx.GraphModule, example_inputs, kind: str, donated, saved=()) -> str:
     """Everything the generated code depends on, as text (its digest is the key). Raises
     Uncacheable where a part cannot be written out faithfully."""
     storages, inputs = {}, {}  # storage -> index, for aliasing among nodes, among inputs
@@ -80,6 +80,7 @@ def describe(gm: torch.fx.GraphModule, example_inputs, kind: str, donated) -> st
         "format": FORMAT,
         "kind": kind,
         "donated": sorted(donated),
+        "saved": list(saved),
         "code": [gm.code] + [f"{name}:\n{m.code}" for name, m in gm.named_modules()
                              if m is not gm and isinstance(m, torch.fx.GraphModule)],
         "nodes": [[n.name, n.op, _value(n.meta.get("val"), storages)] for n in gm.graph.nodes],

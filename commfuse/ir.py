@@ -73,9 +73,12 @@ class Layout:
             index[i] = v
         return index
 
+    def has_strides(self, stride) -> bool:
+        """These strides, where a dim has more than one element (a size-1 dim's stride is moot)."""
+        return all(n == 1 or sizevars.equal(a, b) for n, a, b in zip(self.size, self.stride, stride))
+
     def is_contiguous(self) -> bool:
-        return all(sizevars.equal(a, b) for n, a, b in
-                   zip(self.size, self.stride, sizevars.contiguous_strides(self.size)) if n != 1)
+        return self.has_strides(sizevars.contiguous_strides(self.size))
 
 
 class FlexibleLayout(Layout):
@@ -95,6 +98,17 @@ class CommLayout(FixedLayout):
 
 def contiguous_layout(device, dtype, size, cls=FlexibleLayout) -> Layout:
     return cls(device, dtype, list(size), sizevars.contiguous_strides(size))
+
+
+CHANNELS_LAST = [0, 2, 3, 1]  # NCHW dims, outermost in memory first
+
+
+def ordered_layout(device, dtype, size, order) -> Layout:
+    """Dense, with the dims of `order` outermost first (range(len(size)): contiguous)."""
+    stride, acc = [sympy.Integer(0)] * len(size), sympy.Integer(1)
+    for i in reversed(order):
+        stride[i], acc = acc, acc * size[i]
+    return FlexibleLayout(device, dtype, list(size), stride)
 
 
 def meta_layout(val: torch.Tensor, cls=FixedLayout) -> Layout:
@@ -383,14 +397,16 @@ class TensorBox(IRNode):
         return f"TensorBox({type(self.data).__name__})"
 
     # realization -------------------------------------------------------------
-    def realize(self) -> Buffer | ReinterpretView:
-        """Store this value in a buffer (or find the strided view it already is)."""
+    def realize(self, order=None) -> Buffer | ReinterpretView:
+        """Store this value in a buffer (or find the strided view it already is); loops are
+        stored with their dims in `order` (else as the policy says, by default contiguous)."""
         d = self.data
         if isinstance(d, (Buffer, ReinterpretView)):
             return d
         if isinstance(d, Loops):
-            buf = V.graph.register_buffer(ComputedBuffer, layout=contiguous_layout(
-                d.device, d.dtype, d.get_size()), data=d)
+            order = order or V.choices.stored_order(d) or range(len(d.get_size()))
+            buf = V.graph.register_buffer(ComputedBuffer, layout=ordered_layout(
+                d.device, d.dtype, d.get_size(), order), data=d)
             self.data = buf
             return buf
         if isinstance(d, View):
@@ -401,8 +417,16 @@ class TensorBox(IRNode):
             if strided is not None:
                 return strided
             self.data = Pointwise(d.get_device(), d.get_dtype(), d.make_loader(), list(d.get_size()))
-            return self.realize()
+            return self.realize(order)
         raise AssertionError(type(d))
+
+    def realize_in_order(self, order) -> Buffer | ReinterpretView:
+        """Stored dense with its dims in `order`: loops stored so, a value stored otherwise copied."""
+        stored = self.realize(order)
+        if stored.layout.has_strides(ordered_layout(None, None, stored.get_size(), order).stride):
+            return stored
+        copy = Pointwise(stored.get_device(), stored.get_dtype(), stored.make_loader(), list(stored.get_size()))
+        return TensorBox(copy).realize(order)
 
 
 

@@ -5,10 +5,13 @@ one) so that later passes can place them, e.g. straight into a comm buffer.
 """
 from __future__ import annotations
 
+import sympy
 import torch
 import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from commfuse import ir, sizevars
+from commfuse.choices import CONVOLUTIONS
 from commfuse.ir import TensorBox, meta_layout
 from commfuse.virtualized import V
 
@@ -17,11 +20,12 @@ aten = torch.ops.aten
 
 
 def out_overload(op):
-    """The `.out` overload of a functional op with one output, if it has exactly that shape."""
+    """The `.out` overload of a functional op with one output, if it has exactly that shape and
+    a kernel of its own: a generated one (convolution's) runs the op, then copies its result."""
     if not isinstance(op, torch._ops.OpOverload):
         return None
     out = getattr(op.overloadpacket, "out", None)
-    if out is None or op._overloadname not in ("default", "Tensor"):
+    if out is None or op._overloadname not in ("default", "Tensor") or torch.Tag.generated in out.tags:
         return None
     names = [a.name for a in out._schema.arguments if a.kwarg_only and a.alias_info is not None
              and a.alias_info.is_write]
@@ -60,7 +64,12 @@ def fallback(op, args, kwargs, meta):
     """Run `op` through aten; returns what the FX node's value is made of: TensorBox(es) over its
     tensor outputs, in the structure of `meta` (the op's own meta result: tuples, lists, None,
     ints). Layouts come from `meta`; the wrapper checks them against what aten returned."""
+    if V.graph.channels_last and op in CONVOLUTIONS:  # 4-D operands (input, weight, grad) as cudnn wants
+        args = [a.realize_in_order(ir.CHANNELS_LAST) if isinstance(a, TensorBox) and len(a.get_size()) == 4
+                else a for a in args]
     args, kwargs = pytree.tree_map(_realize_arg, (args, kwargs))
+    if V.graph.channels_last:
+        meta = _meta_for_layouts(op, args, kwargs, meta)
     mutates = _mutated_args(op, args, kwargs)
     graph = V.graph
     fields = dict(op=op, args=tuple(args), kwargs=dict(kwargs), mutates=mutates,
@@ -91,6 +100,31 @@ def fallback(op, args, kwargs, meta):
         else:
             outs.append(plain[i])
     return pytree.tree_unflatten(outs, spec)
+
+
+def _meta_for_layouts(op, args, kwargs, meta):
+    """The op's meta result for its arguments as they are laid out here, where the graph was
+    traced with others (channels_last values, traced contiguous): outputs follow their inputs'
+    layout (a conv's, a max-pool's and their backwards'). Static layouts only; else `meta`."""
+    def fake(a):
+        if isinstance(a, (ir.Buffer, ir.ReinterpretView)):
+            lay = a.layout
+            size, stride, offset = ([int(x) for x in xs] for xs in (lay.size, lay.stride, [lay.offset]))
+            return torch.empty(int(lay.storage_numel()), dtype=lay.dtype, device=lay.device).as_strided(
+                size, stride, offset[0])
+        return int(a) if isinstance(a, sympy.Integer) else a
+    leaves = pytree.tree_leaves((args, kwargs))
+    layouts = [x.layout for x in leaves if isinstance(x, (ir.Buffer, ir.ReinterpretView))]
+    if not all(sizevars.is_static(e) for lay in layouts for e in (*lay.size, *lay.stride, lay.offset)) \
+            or any(isinstance(x, sympy.Expr) and not x.is_Integer for x in leaves):
+        return meta
+    try:
+        with FakeTensorMode():
+            return op(*pytree.tree_map(fake, args), **pytree.tree_map(fake, kwargs))
+    except Exception:
+        if _returns_alias(op):  # a view taken as is would be indexed by the wrong strides
+            raise
+        return meta  # the wrapper copies what aten returns into the traced layout
 
 
 def _plain_value(m):

@@ -221,3 +221,43 @@ def var(x, dims, correction=1, *, output_dtype=None):
 
 def _sq(v):
     return ops.mul(v, v)
+
+
+def _pair(v) -> list:
+    return [v, v] if isinstance(v, int) else list(v) * (2 // len(v))
+
+
+def _inside(i, n):
+    i64 = torch.int64
+    return ops.logical_and(ops.ge(ops.index_expr(i, i64), ops.constant(0, i64)),
+                           ops.lt(ops.index_expr(i, i64), ops.index_expr(n, i64)))
+
+
+@register(aten.max_pool2d_with_indices.default)
+def max_pool2d_with_indices(x, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
+    """Each window's max and where it is (h * W + w), found as aten finds them: the first maximum,
+    unless a NaN comes (then the last NaN); padding never wins. Two loops over the same loads,
+    which fuse into one kernel (or the indices die, in inference)."""
+    (kh, kw), (sh, sw), (ph, pw) = (_pair(v) for v in (kernel_size, stride or kernel_size, padding))
+    if ceil_mode or _pair(dilation) != [1, 1] or len(x.get_size()) != 4 or not x.get_dtype().is_floating_point:
+        raise ir.Unsupported("ceil_mode, dilation, an unbatched or integer input")
+    H, W = x.get_size()[2:]
+    load, dtype, i64 = x.make_loader(), x.get_dtype(), torch.int64
+    size = [sizevars.from_torch(s) for s in V.graph.current_node.meta["val"][0].shape]
+
+    def window(idx, want_index):
+        n, c, oh, ow = idx
+        h0, w0 = oh * sh - ph, ow * sw - pw
+        zero = ops.constant(0, i64)
+        where = ops.add(ops.mul(ops.maximum(ops.index_expr(h0, i64), zero), ops.index_expr(W, i64)),
+                        ops.maximum(ops.index_expr(w0, i64), zero))  # the first tap inside
+        best = ops.constant(float("-inf"), dtype)
+        for h, w in ((h0 + i, w0 + j) for i in range(kh) for j in range(kw)):
+            mask = ops.logical_and(_inside(h, H), _inside(w, W)) if ph or pw else None
+            v = load([n, c, h, w]) if mask is None else \
+                ops.masked(mask, lambda: load([n, c, h, w]), float("-inf"))
+            take = ops.logical_or(ops.gt(v, best), ops.isnan(v))
+            best, where = ops.where(take, v, best), ops.where(take, ops.index_expr(h * W + w, i64), where)
+        return where if want_index else best
+    return tuple(TensorBox(Pointwise(x.get_device(), dt, lambda idx, k=k: window(idx, k), list(size)))
+                 for k, dt in ((False, dtype), (True, i64)))

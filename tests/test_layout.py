@@ -1,0 +1,170 @@
+"""Layout optimisation of convolution graphs (`conv_channels_last`): convolutions run on
+channels_last inputs and weights, their outputs and the BatchNorm / ReLU / residual / pooling
+buffers between them stay channels_last (no transposing copy between convolutions), graph outputs
+keep eager's strides, and the backward reads the forward's saved activations in their own layout.
+Also: convolution's generated `out=` overload (a copy after the op) is not used, and max-pool is
+lowered to our kernels, indices included."""
+import re
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from commfuse.runtime import support
+
+from tests.common import DEVICE, compile_and_run
+
+
+class Block(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.c1, self.b1 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.c2, self.b2 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+
+    def forward(self, x):
+        return F.relu(self.b2(self.c2(F.relu(self.b1(self.c1(x))))) + x)
+
+
+class Net(nn.Module):
+    """conv-bn-relu-maxpool, a residual block, then a head (or the feature map itself)."""
+
+    def __init__(self, head=True):
+        super().__init__()
+        self.stem, self.bn = nn.Conv2d(3, 8, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(8)
+        self.block = Block(8)
+        self.fc = nn.Linear(8, 10) if head else None
+
+    def forward(self, x):
+        x = self.block(F.max_pool2d(F.relu(self.bn(self.stem(x))), 3, 2, 1))
+        return self.fc(x.mean((2, 3))) if self.fc is not None else x
+
+
+def _net(train, head=True):
+    torch.manual_seed(0)
+    return Net(head).to(DEVICE).train(train)
+
+
+def _input(channels_last=False):
+    x = torch.randn(2, 3, 16, 16, device=DEVICE)
+    return x.to(memory_format=torch.channels_last) if channels_last else x
+
+
+@pytest.fixture
+def relayouts(monkeypatch):
+    """Every aten result the wrapper had to copy into the layout it expected: [(got, wanted)]."""
+    copies, original = [], support.as_meta_layout
+
+    def spy(t, size, stride):
+        if any(a != b and n > 1 for a, b, n in zip(t.stride(), stride, size)):
+            copies.append((t.stride(), tuple(stride)))
+        return original(t, size, stride)
+    monkeypatch.setattr(support, "as_meta_layout", spy)
+    return copies
+
+
+def _channels_last(size, stride) -> bool:
+    n, c, h, w = size
+    want = (c * h * w, 1, w * c, c)
+    return all(a == b or d == 1 for a, b, d in zip(stride, want, size))
+
+
+def _shapes(text):
+    return tuple(int(v) for v in text.split(",") if v.strip())
+
+
+def _four_d(code):
+    """(what, size, stride) of every 4-D buffer the wrapper allocates or takes from aten."""
+    out = []
+    for m in re.finditer(r"(\w+) = (empty_strided|as_meta_layout)\((.*)\((\d+, \d+, \d+, \d+)\), \((\d+, \d+, \d+, \d+)\)", code):
+        out.append((m.group(1), _shapes(m.group(4)), _shapes(m.group(5))))
+    return out
+
+
+def _convolutions(code):
+    return re.findall(r"aten\.convolution(?:_backward)?\.default\((\w+), (\w+), (\w+)", code)
+
+
+def test_inference_runs_convolutions_channels_last(tmp_path, relayouts):
+    net, x = _net(False), _input()
+    with torch.no_grad():
+        expected = net(x)
+        out, dumps = compile_and_run(net, x, tmp_path=tmp_path, conv_channels_last=True)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    summary, code = dumps.only()
+    assert "max_pool2d" not in str(summary["fallback_ops"]), summary["fallback_ops"]  # our kernel
+    assert "convolution.out" not in code  # a generated out=: the op, then a copy
+    buffers = _four_d(code)
+    assert buffers and all(_channels_last(size, stride) for _, size, stride in buffers), buffers
+    assert not relayouts, relayouts  # aten's conv outputs came back channels_last
+    # the convolutions read our buffers: the input and weights once copied, the rest written so
+    assert len(_convolutions(code)) == 3
+    # the image and 3 weights copied once; 3 conv outputs; bn-relu-pool in one kernel, the block's bn-relu
+    assert len(buffers) == 4 + 3 + 2, buffers
+
+
+def test_training_matches_eager_and_backward_keeps_the_layout(tmp_path, relayouts):
+    net, x = _net(True), _input().requires_grad_()
+    ref, rx = _net(True), x.detach().clone().requires_grad_()
+    out, dumps = compile_and_run(net, x, tmp_path=tmp_path, conv_channels_last=True)
+    expected = ref(rx)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    out.square().sum().backward()
+    expected.square().sum().backward()
+    torch.testing.assert_close(x.grad, rx.grad, atol=1e-4, rtol=1e-4)
+    assert x.grad.stride() == rx.grad.stride()
+    for (name, p), q in zip(net.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-4, rtol=1e-4, msg=name)
+        assert p.grad.stride() == q.grad.stride(), name  # a user-visible output: eager's strides
+    for a, b in zip(net.buffers(), ref.buffers()):  # running statistics
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert not relayouts, relayouts
+    forward, backward = dumps.graphs()
+    fcode, bcode = dumps.code(forward), dumps.code(backward)
+    assert all(_channels_last(size, stride) for _, size, stride in _four_d(fcode)), _four_d(fcode)
+    # the forward's saved activations left channels_last; AOTAutograd restrided the backward's inputs
+    saved = dumps.summary(forward)["output_strides"]
+    assert sum(1 for s in saved if s and len(s) == 4 and s[1] == 1 and s[3] == 8) >= 6, saved
+    # the backward's 4-D buffers are channels_last but for the gradients it returns in eager's
+    # (contiguous) strides, each copied from conv's channels_last one: weights' and the input's
+    returned = {(8, 3, 3, 3), (8, 8, 3, 3), (2, 3, 16, 16)}
+    nchw = [(n, size) for n, size, stride in _four_d(bcode) if not _channels_last(size, stride)]
+    assert nchw and all(size in returned for _, size in nchw), nchw
+    assert len(_convolutions(bcode)) == 3
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_outputs_keep_eager_strides(tmp_path, channels_last):
+    net, x = _net(False, head=False), _input(channels_last)
+    with torch.no_grad():
+        expected = net(x)
+        out, _ = compile_and_run(net, x, tmp_path=tmp_path, conv_channels_last=True)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    assert out.stride() == expected.stride()
+
+
+def test_off_by_default_on_cpu(tmp_path):
+    net, x = _net(False), torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        _, dumps = compile_and_run(net.cpu(), x, tmp_path=tmp_path)
+    _, code = dumps.only()
+    assert all(stride[1] != 1 for _, size, stride in _four_d(code)), _four_d(code)
+    assert "aten.convolution.default(" in code and "convolution.out" not in code
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("args", [(3, 2, 1), (2, 2, 0), ((3, 2), (1, 2), (1, 0))])
+def test_max_pool_values_and_indices(tmp_path, dtype, args):
+    """Ties (the first maximum wins), NaN (the last NaN wins), -inf beside padding, and a
+    channels_last input."""
+    x = torch.randint(-3, 3, (2, 3, 9, 10), device=DEVICE).to(dtype)
+    x[0, 0, 1, 1], x[0, 0, 1, 2], x[1, 2, 3, 3] = float("nan"), float("nan"), float("nan")
+    x[1, 1] = float("-inf")
+    for inp in (x, x.to(memory_format=torch.channels_last)):
+        fn = lambda t: torch.ops.aten.max_pool2d_with_indices.default(t, *args)  # noqa: E731
+        (values, indices), dumps = compile_and_run(fn, inp, tmp_path=tmp_path / str(inp.is_contiguous()))
+        ev, ei = fn(inp)
+        torch.testing.assert_close(values, ev, equal_nan=True)
+        assert torch.equal(indices, ei)
+        summary, _ = dumps.only()
+        assert not summary["fallback_ops"], summary["fallback_ops"]
