@@ -69,6 +69,11 @@ conv_channels_last: bool | None = None  # a graph with 2-D convolutions runs the
                                         # (cudnn transposes NCHW tensors around each conv); None:
                                         # for CUDA graphs of static shapes (choices.conv_layout)
 
+pad_rows: bool | None = None       # large buffers whose rows are not 16-byte aligned get a padded
+                                   # row stride (cuBLAS and vector loads want aligned rows); None:
+                                   # on CUDA
+pad_rows_min_bytes = 1 << 20       # ... buffers of at least this many bytes
+
 # Reductions.
 persistent_reduction_max = 4096   # rows up to this length are reduced in one block
 split_reduction_min = 32768       # reductions longer than this with few rows are split across programs

@@ -111,6 +111,16 @@ def ordered_layout(device, dtype, size, order) -> Layout:
     return FlexibleLayout(device, dtype, list(size), stride)
 
 
+def row_padded(layout: Layout, multiple: int) -> Layout:
+    """`layout` (row-major) with each row's stride rounded up to a multiple of `multiple` elements:
+    the same values, rows starting aligned."""
+    stride, acc = [sympy.Integer(0)] * len(layout.size), sympy.Integer(1)
+    for i in reversed(range(len(layout.size))):
+        stride[i] = acc
+        acc *= -(-layout.size[i] // multiple) * multiple if i == len(layout.size) - 1 else layout.size[i]
+    return dataclasses.replace(layout, stride=stride)
+
+
 def meta_layout(val: torch.Tensor, cls=FixedLayout) -> Layout:
     """Layout of a tensor (an FX node's meta value) as the kernels see it: offsets count from its
     data pointer."""
@@ -405,8 +415,8 @@ class TensorBox(IRNode):
             return d
         if isinstance(d, Loops):
             order = order or V.choices.stored_order(d) or range(len(d.get_size()))
-            buf = V.graph.register_buffer(ComputedBuffer, layout=ordered_layout(
-                d.device, d.dtype, d.get_size(), order), data=d)
+            layout = V.choices.pad_rows(ordered_layout(d.device, d.dtype, d.get_size(), order))
+            buf = V.graph.register_buffer(ComputedBuffer, layout=layout, data=d)
             self.data = buf
             return buf
         if isinstance(d, View):

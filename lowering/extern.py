@@ -11,7 +11,7 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from commfuse import ir, sizevars
-from commfuse.choices import CONVOLUTIONS
+from commfuse.choices import CONVOLUTIONS, MATMULS
 from commfuse.ir import TensorBox, meta_layout
 from commfuse.virtualized import V
 
@@ -76,7 +76,10 @@ def fallback(op, args, kwargs, meta):
                   aliases=_returns_alias(op))
     if isinstance(meta, torch.Tensor):
         out = out_overload(op)
-        kernel = graph.register_buffer(ir.ExternKernel, layout=meta_layout(meta),
+        layout = meta_layout(meta)
+        if out is not None and op.overloadpacket in MATMULS:  # BLAS writes rows at the out's stride
+            layout = V.choices.pad_rows(layout)
+        kernel = graph.register_buffer(ir.ExternKernel, layout=layout,
                                        **{**fields, "op": out or op}, out_variant=out is not None)
         return TensorBox(kernel)
     with_paths, spec = pytree.tree_flatten_with_path(meta)

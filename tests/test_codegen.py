@@ -206,3 +206,35 @@ def test_residual_stream_is_stored_not_reread(tmp_path):
         torch.testing.assert_close(out, fn(h, *ws), atol=1e-4, rtol=1e-4)
         widest[name] = max(len(k["reads"]) for k in dumps.only()[0]["kernels"])
     assert widest["stored"] <= 5 < widest["inlined"], widest
+
+
+def test_unaligned_rows_are_padded_for_matmuls(tmp_path):
+    """Logits 1001 wide (GPT-2's 50257 in small): the matmul writes rows at a stride rounded up to
+    16 bytes, the log-softmax reads them there, and the output the user gets has eager's strides."""
+    h, w = torch.randn(32, 64, device=DEVICE), torch.randn(1001, 64, device=DEVICE)
+    fn = lambda h, w: torch.log_softmax(h @ w.t(), -1) * 2  # noqa: E731
+    out, dumps = compile_and_run(fn, h, w, tmp_path=tmp_path, pad_rows=True, pad_rows_min_bytes=0)
+    torch.testing.assert_close(out, fn(h, w), atol=1e-4, rtol=1e-4)
+    assert out.stride() == (1001, 1)
+    code = dumps.only()[1]
+    mm_out = re.search(r"aten\.mm\.out\(.*out=(buf\d+)\)", code).group(1)
+    FileCheck().check(f"{mm_out} = empty_strided((32, 1001), (1004, 1)").check("aten.mm.out(").run(code)
+    out, dumps = compile_and_run(fn, h, w, tmp_path=tmp_path / "off", pad_rows=False)
+    FileCheck().check("empty_strided((32, 1001), (1001, 1)").check("aten.mm.out(").run(dumps.only()[1])
+
+
+def test_padded_rows_through_backward(tmp_path):
+    """The same with gradients: the log-softmax backward's output (a generated buffer, padded)
+    feeds both matmuls of the backward."""
+    h = torch.randn(32, 64, device=DEVICE, requires_grad=True)
+    w = torch.randn(1001, 64, device=DEVICE, requires_grad=True)
+    fn = lambda h, w: torch.log_softmax(h @ w.t(), -1)[:, :7].sum()  # noqa: E731
+    fn(h, w).backward()
+    want = h.grad, w.grad
+    h.grad = w.grad = None
+    out, dumps = compile_and_run(fn, h, w, tmp_path=tmp_path, pad_rows=True, pad_rows_min_bytes=0)
+    out.backward()
+    for got, exp in zip((h.grad, w.grad), want):
+        torch.testing.assert_close(got, exp, atol=1e-4, rtol=1e-4)
+    backward = dumps.code(dumps.graphs()[1])
+    assert "(32, 1001), (1004, 1)" in backward, backward
