@@ -277,7 +277,10 @@ def replaced_functions() -> list[str]:
             if isinstance(value, type) and value.__module__ == modname:
                 found += [((attr, ".{}", k), v) for k, v in vars(value).items()]
             elif isinstance(value, dict):
-                found += [((attr, "[{}]", k), v) for k, v in list(value.items())]
+                for k, v in list(value.items()):
+                    found.append(((attr, "[{}]", k), v))
+                    if dataclasses.is_dataclass(v):  # a registry entry's functions (a comm algorithm's kernel)
+                        found += [((attr, "[{}]." + f.name, k), getattr(v, f.name)) for f in dataclasses.fields(v)]
             for where, obj in found:
                 code = _code_of(obj)
                 if code is None:

@@ -196,6 +196,17 @@ def test_a_replaced_lowering_is_a_new_entry(tmp_path, monkeypatch):
     torch.testing.assert_close(out, f(x))
 
 
+def test_a_registered_comm_algorithm_is_in_the_key(monkeypatch):
+    """An all-reduce algorithm registered by the user's own file holds code the file digest cannot
+    see: its functions are keyed by the file they were written in."""
+    from commfuse import collectives, graph_cache
+    before = graph_cache.replaced_functions()
+    mine = collectives.CommAlgorithm("mine", symmetric=False, call=lambda plan, src, out: f"{out}.copy_({src})")
+    monkeypatch.setitem(collectives.ALGORITHMS, "mine", mine)
+    added = sorted(set(graph_cache.replaced_functions()) - set(before))
+    assert added and all("ALGORITHMS[mine].call: " + __file__ in a for a in added), added  # each module naming it
+
+
 def test_a_policy_object_is_not_cached(tmp_path):
     """A Choices instance in the config is code the key cannot see: compiled every time."""
     class Mine(Choices):
