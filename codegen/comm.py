@@ -20,7 +20,7 @@ import torch
 
 from commfuse.sizevars import next_pow2
 from commfuse.runtime.loader import interpreting
-from commfuse.runtime.symm import signal_stride
+from commfuse.runtime.symm import group_of, signal_stride
 
 from .common import IndentedBuffer
 from .triton_ops import store_text
@@ -200,3 +200,13 @@ def arg_value(key: str, pool: str) -> str:
     if what == "sig_own":
         return f"comm[{pool!r}].signals[comm[{pool!r}].rank]"
     return f"comm[{pool!r}].signals[{what[3:]}]"
+
+
+def arg_spec(key: str, dtype_of, group: str):
+    """What `arg_value` passes, as `_launches` lists it: a peer buffer's dtype, a signal pad's
+    (int32), this rank in the group (Triton specializes on its value)."""
+    if "@peer" in key:
+        return dtype_of(key.split("@peer")[0])
+    if key == "@rank":
+        return torch.distributed.get_rank(group_of(group))
+    return torch.int32

@@ -37,6 +37,7 @@ class WrapperCodegen:
         self.kernels = IndentedBuffer()
         self.body = IndentedBuffer(1)
         self.kernel_info: list[dict] = []   # for the summary
+        self.launches: list[str] = []       # every kernel launch, as `_launches` lists it
         self.comm_protocol: list[list] = []  # each comm kernel's algorithm, grid and barriers, in order
         self.extern_calls: list[str] = []
         self.allocations: list[dict] = []
@@ -85,6 +86,15 @@ class WrapperCodegen:
         name = f"obj{len(self.constants)}"
         self.constants[name] = x
         return f"constants[{name!r}]"
+
+    def launch(self, name: str, grid: str, args: list, specs: list, consts: str) -> str:
+        """A kernel launch's line; the launch is listed in `_launches` with `specs` for its `args`:
+        a tensor's dtype, an integer's value (its hint if dynamic)."""
+        self.launches.append(f"({name}, ({', '.join(map(str, specs))},), dict({consts})),")
+        return f"{name}[{grid}]({', '.join(args)}, {consts})"
+
+    def dtype(self, name: str) -> str:
+        return str(self.graph.get_dtype(name))
 
     # ------------------------------------------------------------------ generation
     def generate(self) -> str:
@@ -135,6 +145,13 @@ class WrapperCodegen:
         code.writelines(HEADER.format(graph_id=g.graph_id).splitlines())
         code.writeline()
         code.splice(self.kernels)
+        code.writeline()
+        code.writeline("# each launch of `call`, to compile its kernel ahead of the first call (runtime/precompile.py):")
+        code.writeline("# tensors as their dtypes, integers as their values (a dynamic size as its hint)")
+        code.writeline("_launches = [")
+        with code.indent():
+            code.writelines(self.launches)
+        code.writeline("]")
         code.writeline()
         if self.comm_placements:
             code.splice(self.comm_setup())
@@ -243,21 +260,22 @@ class WrapperCodegen:
         pool = comm and self.comm_placements[next(a.split("@")[0] for a in k.args if "@peer" in a)]["pool"]
         blocks = shape.blocks
         args = [comm_codegen.arg_value(a, pool) if "@" in a else self.ref(a) for a in k.args]
-        args += [self.expr(s) for s in meta["size_symbols"]]
-        args += [self.expr(X)] + ([self.expr(R)] if meta["reduction"] else [])
-        consts = [f"XBLOCK={blocks['XBLOCK']}"] + ([f"RBLOCK={blocks['RBLOCK']}"] if meta["reduction"] else [])
+        specs = [comm_codegen.arg_spec(a, self.dtype, comm.group) if "@" in a else self.dtype(a) for a in k.args]
+        sizes = meta["size_symbols"] + [X] + ([R] if meta["reduction"] else [])
+        args += [self.expr(s) for s in sizes]
+        specs += [sizevars.hint(s) for s in sizes]
+        consts = f"XBLOCK={blocks['XBLOCK']}" + (f", RBLOCK={blocks['RBLOCK']}" if meta["reduction"] else "")
         grid = f"({blocks['programs']},)" if comm else f"(cdiv({self.expr(X)}, {blocks['XBLOCK']}),)" if not meta["tiled"] else \
             f"(cdiv({self.expr(X)}, {blocks['XBLOCK']}), cdiv({self.expr(R)}, {blocks['RBLOCK']}))"
         if meta["asserts"]:  # debug mode keeps the bounds asserts; no overflow check on every int op
-            consts.append("sanitize_overflow=False")
-        launch = f"{name}[{grid}]({', '.join(args + consts)}, num_warps={blocks['num_warps']})"
+            consts += ", sanitize_overflow=False"
         if sizevars.is_static(X) and int(X) == 0:
             self.body.writeline(f"# {name} skipped: empty")
-        elif sizevars.is_static(X):
-            self.body.writeline(launch)
         else:
-            self.body.writeline(f"if {self.expr(X)} > 0:")
-            with self.body.indent():
+            launch = self.launch(name, grid, args, specs, f"{consts}, num_warps={blocks['num_warps']}")
+            if not sizevars.is_static(X):
+                self.body.writeline(f"if {self.expr(X)} > 0:")
+            with self.body.indent(0 if sizevars.is_static(X) else 1):
                 self.body.writeline(launch)
         writes = [n.name for n in grp.nodes if n.name not in self.sched.internal]
         reads = sorted({a.split("@")[0] for a in k.args if not a.startswith("@")} - set(writes))
@@ -328,15 +346,20 @@ class WrapperCodegen:
             dev = f"{buf.name}.device"
             scratch = [f"workspace(_workspaces, {name + '_sums'!r}, {m * n}, torch.float32, {dev})",
                        f"workspace(_workspaces, {name + '_count'!r}, {meta['column_blocks']}, torch.int32, {dev})"]
+            scratch_dtypes = [torch.float32, torch.int32]
         else:
             scratch = [buf.name, buf.name]  # not read
-        args = [self.ref(a) for a in meta["loader_args"]] + [self.expr(s) for s in meta["size_symbols"]]
-        args += [self.value(b), buf.name, *scratch, str(m), str(meta["k"]), str(n),
-                 *(self.expr(s) for s in b.layout.stride), *(self.expr(s) for s in out_stride)]
+            scratch_dtypes = [buf.get_dtype()] * 2
+        sizes, ints = meta["size_symbols"], [m, meta["k"], n, *b.layout.stride, *out_stride]
+        args = [self.ref(a) for a in meta["loader_args"]] + [self.expr(s) for s in sizes]
+        args += [self.value(b), buf.name, *scratch, *map(self.expr, ints)]
+        specs = [self.dtype(a) for a in meta["loader_args"]] + [sizevars.hint(s) for s in sizes]
+        specs += [b.get_dtype(), buf.get_dtype(), *scratch_dtypes]
         consts = (f"XBLOCK={cfg['BLOCK_M']}, RBLOCK={cfg['BLOCK_K']}, BLOCK_N={cfg['BLOCK_N']}, "
                   f"SPLIT_K={cfg['SPLIT_K']}, EVEN={meta['even']}, num_warps={cfg['num_warps']}, "
                   f"num_stages={cfg['num_stages']}")
-        self.body.writeline(f"{name}[({meta['column_blocks']}, {cfg['SPLIT_K']})]({', '.join(args)}, {consts})")
+        self.body.writeline(self.launch(name, f"({meta['column_blocks']}, {cfg['SPLIT_K']})", args,
+                                        specs + [sizevars.hint(i) for i in ints], consts))
         reads = [getattr(r, "base", r).name for r in buf.inputs()]  # a view's base
         self.kernel_info.append({"name": name, "reads": reads, "writes": [buf.name],
                                  "nodes": [buf.name], "template": "mm", "prologue": buf.prologue,
@@ -395,11 +418,12 @@ class WrapperCodegen:
         numel = int(sizevars.product(buf.input.get_size()))
         cfg = V.choices.comm_launch(numel)
         p = self.comm_placements[src]["pool"]
-        peers = ", ".join(f"comm['peers_{src}'][{r}]" for r in range(plan.world))
-        sigs = ", ".join(f"comm[{p!r}].signals[{r}]" for r in range(plan.world))
-        self.body.writeline(
-            f"{name}[({cfg['NPROG']},)]({peers}, {buf.name}, {sigs}, comm[{p!r}].signals[comm[{p!r}].rank], "
-            f"comm[{p!r}].rank, {numel}, BLOCK={cfg['BLOCK']}, NPROG={cfg['NPROG']}, num_warps={cfg['num_warps']})")
+        keys = [f"{src}@peer{r}" for r in range(plan.world)] + [buf.name] + \
+            [f"@sig{r}" for r in range(plan.world)] + ["@sig_own", "@rank"]
+        args = [comm_codegen.arg_value(a, p) if "@" in a else a for a in keys] + [str(numel)]
+        specs = [comm_codegen.arg_spec(a, self.dtype, plan.group) if "@" in a else self.dtype(a) for a in keys]
+        self.body.writeline(self.launch(name, f"({cfg['NPROG']},)", args, specs + [numel],
+                                        f"BLOCK={cfg['BLOCK']}, NPROG={cfg['NPROG']}, num_warps={cfg['num_warps']}"))
         self.kernel_info.append({"name": name, "reads": [src], "writes": [buf.name], "nodes": [buf.name],
                                  "reduction": False, "persistent": False, "tiled": False,
                                  "collective": plan.collective, "reduce_op": plan.reduce_op,

@@ -24,6 +24,7 @@ from .decompositions import decomposition_table
 from .graph import GraphLowering
 from .reinplace import reinplace_input_updates
 from .remat import cross_kernel_bytes
+from .runtime import precompile
 from .runtime.cudagraphs import CudaGraphed, input_roles
 from .runtime.loader import check_triton_mode, load_module
 from .scheduler import Scheduler
@@ -82,11 +83,14 @@ class CompiledGraph:
     """The boxed callable AOTAutograd calls: `compiled(args_list)`."""
     _boxed_call = True
 
-    def __init__(self, module, graph_id, path, summary):
+    def __init__(self, module, graph_id, path, summary, pending=None):
         self.module, self.graph_id, self.path, self.summary = module, graph_id, path, summary
         self.call = module.call
+        self.pending = pending  # its kernels, compiling ahead of time: the first call waits for them
 
     def __call__(self, args):
+        if self.pending is not None:
+            self.pending = self.pending.wait()
         return self.call(args)
 
 
@@ -154,6 +158,7 @@ def _compile(gm, example_inputs, graph_id, kind="inference", donated=frozenset()
             key = None if skipped else key
     check_triton_mode(gen.computed_device_types)
     module, path = load_module(gen.source, gen.constants)
+    pending = precompile.start(module)  # lowering the next graph overlaps with these compiles
     if config.cuda_graphs and gen.device_types == {"cuda"}:
         module.call = CudaGraphed(module.call, graph_id, input_roles(gm, kind))
     summary = {"graph_id": graph_id, **gen.summary, "compile_seconds": round(time.time() - t0, 3),
@@ -173,7 +178,7 @@ def _compile(gm, example_inputs, graph_id, kind="inference", donated=frozenset()
         log.warning("commfuse: %s %s: %d kernels, %d extern calls (not lowered: %s) -> %s", graph_id,
                     "loaded from the graph cache" if hit else "compiled", len(summary["kernels"]),
                     len(summary["extern_calls"]), summary["fallback_reasons"] or "none", path)
-    return CompiledGraph(module, graph_id, path, summary)
+    return CompiledGraph(module, graph_id, path, summary, pending)
 
 
 def _cached(gm, example_inputs, graph_id, kind, donated, saved):

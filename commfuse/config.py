@@ -36,6 +36,9 @@ graph_cache = True            # keep compiled graphs on disk (cache_dir/graphs):
 # Execution.
 cuda_graphs = False           # capture each compiled graph in a CUDA graph after warm-up, replay it
                               # (also `mode="reduce-overhead"`)
+compile_workers: int | None = None  # processes that compile a graph's Triton kernels before its first
+                                   # call, for all graphs (CUDA only); 0: each compiles at its first
+                                   # launch; None: this host's CPUs / its ranks (LOCAL_WORLD_SIZE)
 
 # Attention.
 sdpa_gqa = True               # K/V repeated for grouped-query attention reach SDPA unrepeated,

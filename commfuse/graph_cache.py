@@ -37,7 +37,7 @@ from . import config
 
 log = logging.getLogger("commfuse")
 FORMAT = 1
-NOT_KEYED = ("debug", "dump_dir", "graph_cache", "cache_dir")  # options that leave the code as it is
+NOT_KEYED = ("debug", "dump_dir", "graph_cache", "cache_dir", "compile_workers")  # options that leave the code as it is
 
 
 class Uncacheable(Exception):

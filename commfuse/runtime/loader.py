@@ -65,12 +65,16 @@ def load_module(source: str, constants: dict):
         with open(tmp, "w") as f:
             f.write(source)
         os.replace(tmp, path)
-    name = f"commfuse_generated_{key}"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
     if interpreting():
         _interpreter_asserts()
         compat.patch_interpreter_index()
-    spec.loader.exec_module(module)
+    module = import_file(path, f"commfuse_generated_{key}")
     module.constants.update(constants)
     return module, path
+
+
+def import_file(path: str, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

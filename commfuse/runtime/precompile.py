@@ -1,0 +1,192 @@
+"""Compile a generated module's Triton kernels ahead of its first call, in parallel.
+
+Triton compiles a kernel at its first launch, so a graph's first call compiles its kernels one
+after the other. The wrapper lists every launch in the module's `_launches`; here each launch is
+bound by its kernel's own JIT (`warmup`: the binder, specialization and option parsing a real
+launch runs), with `_do_compile` stood in for to capture what it would pass to `triton.compile`.
+Worker processes compile those into Triton's on-disk cache, where the first real launch, computing
+the same key, finds them. The workers are plain subprocesses with CUDA hidden (the target comes
+from the parent): no CUDA context each, and the user's `__main__` is not re-run as it would be by
+multiprocessing's spawn. Any failure is logged once at debug level; its kernels then compile at
+their launch, as without this.
+"""
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import inspect
+import logging
+import os
+import pickle
+import queue
+import select
+import subprocess
+import sys
+import threading
+
+from .. import config
+from .loader import import_file, interpreting
+
+log = logging.getLogger(__name__)
+TIMEOUT_S = 300  # most seconds for one kernel's compile, and for a first call to wait for its graph's
+_pool = None
+_logged: set = set()
+
+
+def workers() -> int:
+    """`config.compile_workers`; None: this host's CPUs shared among its ranks (LOCAL_WORLD_SIZE)."""
+    if config.compile_workers is not None:
+        return int(config.compile_workers)  # from the environment, "0" and "1" arrive as booleans
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cpus // max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1)))
+
+
+def start(module) -> Pending | None:
+    """Submit every kernel `module` launches; None where none is (CPU, compile_workers=0, failure)."""
+    global _pool
+    n = workers()
+    if n <= 0 or interpreting() or not getattr(module, "_launches", None):
+        return None
+    try:
+        from triton.runtime import driver
+        target = driver.active.get_current_target()  # as the JIT's binder gets it
+        jobs = [job for launch in module._launches if (job := capture(*launch))]
+        if _pool is None or _pool.n != n or _pool.pid != os.getpid():  # one pool for every graph
+            if _pool is not None:
+                _pool.close()
+            _pool = Pool(n)
+        return Pending([_pool.submit((module.__file__, module.__name__, target, job)) for job in jobs])
+    except Exception as e:
+        _failed(f"{type(e).__name__}: {e}")
+        return None
+
+
+def capture(kernel, args, kwargs) -> tuple | None:
+    """What `kernel[grid](*args, **kwargs)` would compile with: (kernel name, signature, constexprs,
+    attrs, options), named by `_do_compile`'s own parameters; None if this process has it compiled."""
+    seen = {}
+    params = inspect.signature(type(kernel)._do_compile)
+
+    def stand_in(*a, **kw):
+        seen.update(params.bind(kernel, *a, **kw).arguments)  # returning None: nothing compiled, nothing cached
+
+    kernel._do_compile = stand_in
+    try:
+        kernel.warmup(*args, grid=(1,), **kwargs)
+    finally:
+        del kernel._do_compile
+    if not seen:
+        return None
+    return (kernel.__name__, seen["signature"], seen["constexprs"], seen["attrs"], dict(seen["options"].__dict__))
+
+
+class Pending:
+    """A graph's submitted kernels; its first call waits for them."""
+
+    def __init__(self, futures: list):
+        self.futures = futures
+
+    def wait(self) -> None:
+        done, late = concurrent.futures.wait(self.futures, timeout=TIMEOUT_S)
+        for why in {f.result() for f in done} - {None}:
+            _failed(why)
+        if late:
+            _failed(f"{len(late)} kernel(s) not compiled after {TIMEOUT_S} s")
+
+
+class Pool:
+    """`n` compile workers, each fed by a daemon thread, so that interpreter exit never waits for a
+    compile; the workers are killed at exit. A worker that crashes or times out is replaced."""
+
+    def __init__(self, n: int):
+        self.n, self.pid, self.closed = n, os.getpid(), False
+        self.jobs, self.procs, self.lock = queue.SimpleQueue(), set(), threading.Lock()
+        for _ in range(n):
+            threading.Thread(target=self._feed, daemon=True, name="commfuse-compile").start()
+        atexit.register(self.close)
+
+    def submit(self, payload) -> concurrent.futures.Future:
+        future = concurrent.futures.Future()
+        self.jobs.put((payload, future))
+        return future
+
+    def _feed(self) -> None:
+        proc = None
+        while (job := self.jobs.get()) is not None:
+            payload, future = job
+            try:
+                if self.closed:
+                    raise RuntimeError("closed")
+                proc = proc if proc is not None and proc.poll() is None else self._spawn()
+                pickle.dump(payload, proc.stdin)
+                proc.stdin.flush()
+                if not select.select([proc.stdout], [], [], TIMEOUT_S)[0]:
+                    raise TimeoutError(f"no reply in {TIMEOUT_S} s")
+                future.set_result(pickle.load(proc.stdout))  # None, or why it failed
+            except Exception as e:
+                self._end(proc)
+                proc = None
+                future.set_result(f"compile worker: {type(e).__name__}: {e}")
+
+    def _spawn(self) -> subprocess.Popen:
+        env = dict(os.environ, TRITON_INTERPRET="0", CUDA_VISIBLE_DEVICES="",
+                   PYTHONPATH=os.pathsep.join(p for p in sys.path if p))  # this process's commfuse
+        proc = subprocess.Popen([sys.executable, "-c", "from commfuse.runtime.precompile import serve; serve()"],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+        with self.lock:
+            self.procs.add(proc)
+        return proc
+
+    def _end(self, proc) -> None:
+        if proc is not None:
+            with self.lock:
+                self.procs.discard(proc)
+            proc.kill()
+            proc.wait()
+
+    def close(self) -> None:
+        if os.getpid() != self.pid:  # a forked child: the workers are its parent's
+            return
+        self.closed = True
+        for _ in range(self.n):
+            self.jobs.put(None)
+        with self.lock:
+            procs = list(self.procs)
+        for proc in procs:
+            self._end(proc)
+
+
+def serve() -> None:
+    """A worker: compiles each job read from stdin into Triton's cache, answers None or why not."""
+    replies = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)  # whatever else prints goes to stderr, not into the replies
+    from triton.compiler import ASTSource, compile
+    try:  # where the CUDA backend builds a C launcher per kernel signature (3.6; 3.9 has one generic
+        from triton.backends.nvidia import driver  # launcher), build it too: it is cached beside the kernel
+        launcher = driver.CudaLauncher if hasattr(driver, "make_launcher") else None
+    except ImportError:
+        launcher = None
+    modules = {}
+    while True:
+        try:
+            path, module_name, target, (name, signature, constexprs, attrs, options) = pickle.load(sys.stdin.buffer)
+        except EOFError:
+            return
+        try:
+            if path not in modules:
+                modules[path] = import_file(path, module_name)
+            kernel = compile(ASTSource(getattr(modules[path], name), signature, constexprs, attrs), target=target,
+                             options=options)
+            if launcher is not None and target.backend == "cuda":
+                launcher(kernel.src, kernel.metadata)
+            reply = None
+        except Exception as e:
+            reply = f"{name}: {type(e).__name__}: {e}"
+        pickle.dump(reply, replies)
+        replies.flush()
+
+
+def _failed(why: str) -> None:
+    if why not in _logged:
+        _logged.add(why)
+        log.debug("commfuse: compiling kernels ahead of time failed (%s); they compile at their launch", why)
