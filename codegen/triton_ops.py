@@ -23,13 +23,11 @@ class Var:
 
 
 def round_bf16(x: str, src: torch.dtype) -> str:
-    """Float `x` rounded to bfloat16, to nearest even, held as fp32. A GPU's cast rounds; Triton's
-    interpreter truncates in `.to(tl.bfloat16)` (and mangles fp64 there), so under it the rounding
-    is done on the bits, after which the cast is exact."""
+    """Float `x` rounded to bfloat16, to nearest even, held as fp32. Done on the bits: Triton's
+    interpreter truncates in `.to(tl.bfloat16)` (and mangles fp64 there), and on an H100 a
+    `.to(tl.bfloat16).to(tl.float32)` round trip did not round (x*3+1 off by an ulp from eager)."""
     if src != torch.float32:  # fp64 and ints through fp32, as torch converts them
         x = f"{x}.to(tl.float32)"
-    if not interpreting():
-        return f"{x}.to(tl.bfloat16).to(tl.float32)"
     bits = f"{x}.to(tl.int32, bitcast=True)"
     rounded = f"(({bits} + (0x7FFF + (({bits} >> 16) & 1))) & -65536).to(tl.float32, bitcast=True)"
     return f"tl.where({x} != {x}, {x}, {rounded})"  # NaN: its bits must not carry into the sign
@@ -38,6 +36,7 @@ def round_bf16(x: str, src: torch.dtype) -> str:
 def store_text(x: str, src: torch.dtype, dtype: torch.dtype) -> str:
     """Value `x` of logical dtype `src` as stored into a buffer of `dtype`."""
     if dtype == torch.bfloat16:
+        # a GPU's store cast rounds to nearest even; under the interpreter it would truncate
         return f"{round_bf16(x, compute_dtype(src))}.to(tl.bfloat16)" if interpreting() else f"{x}.to(tl.bfloat16)"
     if dtype != src or compute_dtype(dtype) != dtype:
         return f"{x}.to({triton_dtype(dtype)})"

@@ -178,14 +178,13 @@ def test_bf16_values_stay_fp32_between_ops_unless_asked(tmp_path):
     and the program's own casts round), unless emulate_precision_casts asks for eager's rounding."""
     x = torch.randn(64, 32, device=DEVICE).to(torch.bfloat16)
     fn = lambda x: ((x * 0.5 + 1.0) * x).to(torch.float32).to(torch.bfloat16) - x  # noqa: E731
-    rounding = "0x7FFF" if DEVICE == "cpu" else ".to(tl.bfloat16)"
+    store = DEVICE == "cpu"  # a GPU's store cast rounds by itself; the interpreter's needs the bits rounded
     out, dumps = compile_and_run(fn, x, tmp_path=tmp_path / "fp32")
     torch.testing.assert_close(out, fn(x), atol=2e-2, rtol=2e-2)
-    # the explicit .to(bfloat16) and the store: two roundings
-    count(dumps.only()[1], rounding, 2)
+    count(dumps.only()[1], "0x7FFF", 1 + store)  # the explicit .to(bfloat16) (and the store)
     out, dumps = compile_and_run(fn, x, tmp_path=tmp_path / "eager", emulate_precision_casts=True)
     torch.testing.assert_close(out, fn(x), atol=0, rtol=0)  # every op rounded as eager rounds it
-    count(dumps.only()[1], rounding, 6)  # mul, add, mul, the .to(bfloat16), sub, the store
+    count(dumps.only()[1], "0x7FFF", 5 + store)  # mul, add, mul, the .to(bfloat16), sub (and the store)
 
 
 def test_residual_stream_is_stored_not_reread(tmp_path):
