@@ -6,7 +6,8 @@ import sys as _sys
 def _checkout_subpackages() -> None:
     """An installed commfuse holds `lowering` and `codegen` inside it (pyproject's package-dir). A
     source checkout on PYTHONPATH keeps them beside it: map `commfuse.lowering` and
-    `commfuse.codegen` to those folders, and to nothing else."""
+    `commfuse.codegen` to those folders, and to nothing else: ahead of other finders, since an
+    editable install's would map them to the installed tree's folders."""
     import importlib.abc
     import importlib.util
     here = _os.path.dirname(__file__)
@@ -25,7 +26,7 @@ def _checkout_subpackages() -> None:
                 fullname, _os.path.join(folder, "__init__.py"), submodule_search_locations=[folder])
 
     if not any(type(f).__name__ == "CheckoutFinder" for f in _sys.meta_path):
-        _sys.meta_path.append(CheckoutFinder())
+        _sys.meta_path.insert(0, CheckoutFinder())
 
 
 _checkout_subpackages()

@@ -79,7 +79,8 @@ pad_rows_min_bytes = 1 << 20       # ... buffers of at least this many bytes
 
 # Reductions.
 persistent_reduction_max = 4096   # rows up to this length are reduced in one block
-split_reduction_min = 32768       # reductions longer than this with few rows are split across programs
+split_reduction_programs: int | None = None  # a reduction launching fewer programs is split (None: 2 per SM)
+split_reduction_min = 8192        # ... into parts of at least this many elements per program
 online_softmax = True             # softmax's max and sum of exp in one pass over a looped row
 
 # Code generation.

@@ -204,11 +204,7 @@ class Group:
 
     def walks_transposed(self) -> bool:
         """Does some access move along rows (stride 1 in x) but jump along the reduction axis?"""
-        for _, _, _, index in self.kernel_accesses():
-            aff = index is not None and sizevars.affine_coefficients(index, [XSYM, RSYM])
-            if aff and aff[0][0] == 1 and aff[0][1] != 0 and aff[0][1] != 1:
-                return True
-        return False
+        return any(sizevars.walks_columns(index, XSYM, RSYM) for _, _, _, index in self.kernel_accesses())
 
     def __repr__(self):
         return f"Group({'+'.join(self.names)}, X={self.X}, R={self.R})"

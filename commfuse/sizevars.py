@@ -246,6 +246,12 @@ def _affine_terms(expr: Expr, vars: Sequence[sympy.Symbol]):
     return [coeffs[v] for v in vars], offset
 
 
+def walks_columns(index: Expr | None, x: sympy.Symbol, r: sympy.Symbol) -> bool:
+    """Does an access move by 1 along the rows `x` but jump along the reduction `r` (a column)?"""
+    aff = index is not None and affine_coefficients(index, [x, r])
+    return bool(aff) and aff[0][0] == 1 and aff[0][1] not in (0, 1)
+
+
 def ravel(index: Sequence[Expr], sizes: Sequence[Expr]) -> Expr:
     return sum((i * s for i, s in zip(index, contiguous_strides(sizes))), sympy.Integer(0))
 

@@ -130,14 +130,24 @@ def floor_divide(a, b):
 
 @register(aten.pow.Tensor_Tensor, aten.pow.Tensor_Scalar, aten.pow.Scalar)
 def pow_(a, b):
-    if not is_tensor(b) and b == 2:
-        return make_pointwise(lambda x: ops.mul(x, x), [a])
-    if not is_tensor(b) and b == 0.5:
+    compute, result = promote([a, b])
+    if not is_tensor(b) and b == 0.5:  # eager takes sqrt too (sqrt(-0.) is -0., sqrt(-inf) nan)
         return make_pointwise(lambda x: ops.sqrt(x), [a], INT_TO_FLOAT)
-    compute, _ = promote([a, b])
+    if not is_tensor(b) and V.choices.pow_by_multiplication(b, compute.is_floating_point):
+        return make_pointwise(lambda x: _pow_int(x, int(b), compute), [a], out_dtype=result, compute_dtype=compute)
     if not compute.is_floating_point:
-        raise ir.Unsupported("integer pow")
+        raise ir.Unsupported("integer pow")  # aten's errors for negative exponents, as eager
     return make_pointwise(lambda x, y: ops.pow(x, y), [a, b])
+
+
+def _pow_int(x, n: int, dtype):
+    """x ** n by squaring; a reciprocal for n < 0 (1 / x**2 for n = -2, as eager)."""
+    if n < 0:
+        return ops.reciprocal(_pow_int(x, -n, dtype))
+    if n <= 1:
+        return x if n else ops.constant(1, dtype)  # x ** 0 is 1 for nan and inf too
+    half = _pow_int(x, n // 2, dtype)
+    return ops.mul(ops.mul(half, half), x) if n % 2 else ops.mul(half, half)
 
 
 @register(aten.where.self, aten.where.ScalarSelf, aten.where.ScalarOther, aten.where.Scalar)

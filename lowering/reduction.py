@@ -2,7 +2,7 @@
 
 Reductions are realized at once (consumers read their buffer); the scheduler fuses
 their producers and consumers back into the same kernel. Long reductions over few
-rows are split in two so that many programs share the work.
+rows, or over few columns, are split in two so that enough programs share the work.
 """
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ import sympy
 import torch
 
 from commfuse import ir, sizevars
+from commfuse.dependencies import index_vars, trace_body
 from commfuse.ir import Pointwise, Reduction, TensorBox
+from commfuse.sizevars import index_symbol
 from commfuse.virtualized import V, ops
 
 from . import register
@@ -59,13 +61,12 @@ def reduce(x: TensorBox, dims, keepdim, reduction_type, dtype) -> TensorBox:
                            else ridx, dims, kept, keepdim, len(size))
         return load(full)
 
-    xnumel = sizevars.product(out_size)
-    split = _split_factor(xnumel, rnumel, reduction_type)
-    if split > 1:
-        return _split_reduce(x, load, size, dims, kept, keepdim, out_size, red_sizes,
-                             reduction_type, dtype, split)
     rr = [rnumel] if len(dims) > 1 else red_sizes
     node = Reduction(x.get_device(), dtype, inner, out_size, rr, reduction_type, src)
+    split, columns = _split_factor(node, rnumel)
+    if split > 1:
+        return _split_reduce(x, load, size, dims, kept, keepdim, out_size, red_sizes,
+                             reduction_type, dtype, split, columns)
     box = TensorBox(node)
     box.realize()
     return box
@@ -81,33 +82,55 @@ def _full_index(idx, ridx, dims, kept, keepdim, ndim):
     return full
 
 
-def _split_factor(xnumel, rnumel, reduction_type) -> int:
-    if reduction_type in ("argmax", "argmin", "softmax_sum") or not (sizevars.is_static(xnumel) and sizevars.is_static(rnumel)):
-        return 1
-    return V.choices.reduction_split(int(xnumel), int(rnumel))
+def _split_factor(node, rnumel) -> tuple[int, bool]:
+    """(parts, whether it reads columns) of a reduction split across programs (1: not split)."""
+    xnumel = sizevars.product(node.ranges)
+    if node.reduction_type in ("argmax", "argmin", "softmax_sum") or \
+            not (sizevars.is_static(xnumel) and sizevars.is_static(rnumel)):
+        return 1, False
+    columns = _reads_columns(node)
+    split = V.choices.reduction_split(int(xnumel), int(rnumel), columns, node.device)
+    return min(split, int(rnumel) // 2), columns  # parts of 2 or more: a part of 1 is no reduction
 
 
-def _split_reduce(x, load, size, dims, kept, keepdim, out_size, red_sizes, reduction_type, dtype, split):
+def _reads_columns(node) -> bool:
+    """Does the reduction read some input transposed: stride 1 along its innermost output dim, a
+    jump along the reduction (a sum over dim 0: the scheduler will tile it, `looped_tiles`)?"""
+    xs = [v for v in index_vars("i", node.ranges) if v != 0]
+    return bool(xs) and any(sizevars.walks_columns(a.index, xs[-1], index_symbol("r", 0))
+                            for a in trace_body(node).reads if not a.indirect)
+
+
+def _split_reduce(x, load, size, dims, kept, keepdim, out_size, red_sizes, reduction_type, dtype, split,
+                  columns):
+    """Each row's reduction in `split` parts, then the parts reduced. Rows of a `columns` reduction
+    are dealt out (part s takes rows s, s + split, ...) and the parts laid out first, so the first
+    kernel still walks its input along the columns; otherwise each part is a contiguous chunk."""
     rnumel = int(sizevars.product(red_sizes))
     chunk = -(-rnumel // split)
-    ident = {"sum": 0, "prod": 1, "any": False, "all": True,
-             "max": float("-inf") if x.get_dtype().is_floating_point else torch.iinfo(x.get_dtype()).min,
-             "min": float("inf") if x.get_dtype().is_floating_point else torch.iinfo(x.get_dtype()).max,
-             }[reduction_type]
+    src = x.get_dtype()
+    low, high = (float("-inf"), float("inf")) if src.is_floating_point else (False, True) if src == torch.bool \
+        else (torch.iinfo(src).min, torch.iinfo(src).max)
+    ident = {**IDENTITY, "max": low, "min": high}[reduction_type]
     partial_dtype = dtype if reduction_type not in ("sum", "prod") or not dtype.is_floating_point \
         else (torch.float32 if dtype.itemsize < 4 else dtype)
 
+    def part(idx, s):  # index of the partials: the parts first for columns
+        return [s] + list(idx) if columns else list(idx) + [s]
+
     def inner(idx, ridx):
-        outer, s = idx[:-1], idx[-1]
-        flat = s * chunk + ridx[0]
+        s, outer = (idx[0], idx[1:]) if columns else (idx[-1], idx[:-1])
+        flat = ridx[0] * split + s if columns else s * chunk + ridx[0]
         full = _full_index(outer, sizevars.unravel(flat, red_sizes), dims, kept, keepdim, len(size))
+        if chunk * split == rnumel:
+            return load(full)
         cond = ops.lt(ops.index_expr(flat, torch.int64), ops.index_expr(sympy.Integer(rnumel), torch.int64))
         return ops.masked(cond, lambda: load(full), ident)
-    stage1 = TensorBox(Reduction(x.get_device(), partial_dtype, inner, list(out_size) + [sympy.Integer(split)],
-                                 [sympy.Integer(chunk)], reduction_type, x.get_dtype()))
+    stage1 = TensorBox(Reduction(x.get_device(), partial_dtype, inner, part(out_size, sympy.Integer(split)),
+                                 [sympy.Integer(chunk)], reduction_type, src))
     stage1.realize()
     load1 = stage1.make_loader()
-    stage2 = TensorBox(Reduction(x.get_device(), dtype, lambda idx, ridx: load1(list(idx) + [ridx[0]]),
+    stage2 = TensorBox(Reduction(x.get_device(), dtype, lambda idx, ridx: load1(part(idx, ridx[0])),
                                  list(out_size), [sympy.Integer(split)], reduction_type, partial_dtype))
     stage2.realize()
     return stage2

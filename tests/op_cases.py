@@ -489,6 +489,10 @@ CASES: list[OpCase] = [
     C("pow-int", "aten.pow.Tensor_Tensor", torch.pow, bi(-3, 4, 0, 5), (i64,), aten=("aten.pow.Tensor_Tensor",)),
     C("pow-sq", "aten.pow.Tensor_Scalar", lambda x: x ** 2, un(), (f32, i32), grad=True),
     C("pow-frac", "aten.pow.Tensor_Scalar", lambda x: x ** 0.5 + x ** -1.5 + x ** 3, un(0.2, 3), FL, v=("t",), grad=True),
+    # small integral exponents: multiplications (a reciprocal for negative ones), as eager on nan/inf/-0
+    C("pow-small-int", "aten.pow.Tensor_Scalar", lambda x: (x ** 3.0, x ** -2, x ** 4, x ** -1, x ** 0, x ** 1),
+      sp(), (f32, bf16), v=("contig", "t"), grad=True),
+    C("pow-int-exact", "aten.pow.Tensor_Scalar", lambda x: (x ** 3, x ** 0, x ** 5, x ** 2.0), un(-9, 10), (i64, i32)),
     C("pow-scalar-base", "aten.pow.Scalar", lambda x: 2.0 ** x, un(), FL, grad=True),
     C("atan2", "aten.atan2.default", torch.atan2, bi(), FL, v=("bcast",), grad=True),
     C("maximum", "aten.maximum.default", torch.maximum, bi(), (f32, i32), v=("bcast",), grad=True),

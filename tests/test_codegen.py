@@ -4,6 +4,7 @@ import json
 import os
 import re
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch.testing import FileCheck
@@ -237,3 +238,27 @@ def test_padded_rows_through_backward(tmp_path):
         torch.testing.assert_close(got, exp, atol=1e-4, rtol=1e-4)
     backward = dumps.code(dumps.graphs()[1])
     assert "(32, 1001), (1004, 1)" in backward, backward
+
+
+def test_pow_by_small_integer_is_multiplications(tmp_path):
+    """GPT-2's GELU cubes its input (`torch.pow(x, 3.0)`): multiplications, not exp2/log2 with
+    special cases (pow_float); x ** -2 reuses the square. A fractional exponent takes pow_float."""
+    x = torch.randn(4, 33, device=DEVICE)
+    fn = lambda x: 0.5 * x * (1.0 + torch.tanh(0.79788 * (x + 0.044715 * torch.pow(x, 3.0)))) + x ** -2  # noqa: E731
+    out, dumps = compile_and_run(fn, x, tmp_path=tmp_path)
+    torch.testing.assert_close(out, fn(x), atol=1e-5, rtol=1e-5)
+    code = dumps.only()[1]
+    count(code, "pow_float", 0)
+    FileCheck().check("tmp0 = tl.load(").check("tmp3 = tmp0 * tmp0").check_next("tmp4 = tmp3 * tmp0") \
+        .check("1.0 / tmp3").run(code)
+    out, dumps = compile_and_run(lambda x: x ** 2.5, x.abs(), tmp_path=tmp_path / "frac")
+    count(dumps.only()[1], "triton_helpers.pow_float(", 1)
+
+
+def test_integer_pow_with_negative_exponent_errors_as_eager(tmp_path):
+    x = torch.arange(-3, 4, device=DEVICE)
+    for n in (-1, -2):
+        with pytest.raises(RuntimeError, match="Integers to negative integer powers are not allowed"):
+            x ** n
+        with pytest.raises(RuntimeError, match="Integers to negative integer powers are not allowed"):
+            compile_and_run(lambda x: x ** n, x, tmp_path=tmp_path / str(-n))

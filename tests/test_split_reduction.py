@@ -1,0 +1,101 @@
+"""Reductions that would launch too few programs are split: a first kernel reduces parts of each
+row (of columns, for a reduction over a non-contiguous dim) in many programs, a second combines the
+partials. Values against eager; the generated code shows the split and the partials' layout."""
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.common import DEVICE, compile_and_run, kernel_defs
+
+# sums of ~1000 fp32 values in another order than the float64 reference
+TOL = {torch.float32: {"atol": 1e-4, "rtol": 1e-4}, torch.bfloat16: {}}
+REDUCTIONS = {"sum": torch.sum, "mean": torch.mean, "amax": torch.amax, "amin": torch.amin}
+
+
+def _launches(code):
+    """(kernel, programs' xnumel, rnumel) of each reduction launch, in order."""
+    return [(m[0], int(m[1]), int(m[2])) for m in
+            re.findall(r"(cf_red\w*)\[\(cdiv\((\d+), \d+\),\)\]\(.*, (\d+), (?:\d+, )?XBLOCK", code)]
+
+
+def _partials(code):
+    """Shape and dtype of the buffers the first kernel writes its partials to."""
+    return re.findall(r"empty_strided\(\(([\d, ]+)\), \([\d, ]+\), device=[^,]+, dtype=torch\.(\w+)\)", code)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("kind", list(REDUCTIONS))
+def test_column_reduction_splits(tmp_path, kind, dtype):
+    """A reduction over dim 0 of (999, 100), a pointwise before and after: 2 programs of 64
+    columns would run it; 4 parts (each program keeps 64 x 250 >= 8192 elements) of dealt-out
+    rows, masked since 999 is not a multiple of 4."""
+    torch.manual_seed(0)
+    x = torch.randn(999, 100, device=DEVICE).to(dtype)
+    b = torch.randn(100, device=DEVICE).to(dtype)
+    red = REDUCTIONS[kind]
+    fn = lambda x, b: torch.sigmoid(red(torch.relu(x * 2 + 1), 0) + b)  # noqa: E731
+    out, dumps = compile_and_run(fn, x, b, tmp_path=tmp_path)
+    torch.testing.assert_close(out, fn(x.double(), b.double()).to(dtype), **TOL[dtype])
+    _, code = dumps.only()
+    assert [n for _, *n in _launches(code)] == [[400, 250], [100, 4]], code
+    partial = torch.float32 if kind in ("sum", "mean") else dtype
+    assert _partials(code)[0] == ("4, 100", str(partial).split(".")[1]), code
+    # part s reads rows s, s + 4, ...: one contiguous row of 64 columns per load
+    assert "tl.load(ptr_arg0_1 + (400*rindex + xindex)" in code, code
+    assert len(kernel_defs(code)) == 2, code
+
+
+@pytest.mark.parametrize("fn", [lambda x: (x > 2.5).any(0), lambda x: (x * 100).int().amin(0)],
+                         ids=["any-bool", "amin-int32"])
+def test_bool_and_integer_reductions_split(tmp_path, fn):
+    """Masked parts take the reduction's identity: False for any, the largest int32 for amin."""
+    torch.manual_seed(0)
+    x = torch.randn(999, 100, device=DEVICE)
+    out, dumps = compile_and_run(fn, x, tmp_path=tmp_path)
+    assert torch.equal(out, fn(x))
+    assert [n for _, *n in _launches(dumps.only()[1])] == [[400, 250], [100, 4]]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_row_reduction_splits(tmp_path, dtype):
+    """3 rows of 20001: 3 programs; with parts of at least 2048 elements, 8 contiguous chunks per
+    row (the last one masked), the epilogue fused into the combining kernel."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 20001, device=DEVICE).to(dtype)
+    fn = lambda x: torch.tanh(torch.sum(x.abs() + 0.5, -1) * 1e-4) * 2  # noqa: E731
+    out, dumps = compile_and_run(fn, x, tmp_path=tmp_path, split_reduction_min=2048)
+    torch.testing.assert_close(out, fn(x.double()).to(dtype), **TOL[dtype])
+    _, code = dumps.only()
+    assert [n for _, *n in _launches(code)] == [[24, 2501], [3, 8]], code
+    assert _partials(code)[0] == ("3, 8", "float32"), code
+    assert "20001*((xindex) // (8)) + 2501*((xindex) % (8))" in code, code  # part s: a chunk of its row
+    assert len(kernel_defs(code)) == 2, code
+
+
+def test_enough_programs_keeps_one_kernel(tmp_path):
+    """With a target of 2 programs, the same column reduction fills it unsplit."""
+    torch.manual_seed(0)
+    x = torch.randn(999, 100, device=DEVICE)
+    out, dumps = compile_and_run(lambda x: x.sum(0), x, tmp_path=tmp_path, split_reduction_programs=2)
+    torch.testing.assert_close(out, x.sum(0), **TOL[torch.float32])
+    assert [n for _, *n in _launches(dumps.only()[1])] == [[100, 999]]
+
+
+def test_bias_gradient_splits_in_backward(tmp_path):
+    """A linear layer's bias gradient, the sum over the 512 rows of the output's gradient, is
+    split in the backward graph (64 columns: one program unsplit)."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 64, 48, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(64, 48, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    b = torch.randn(64, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    fn = lambda x, w, b: F.gelu(F.linear(x, w, b), approximate="tanh")  # noqa: E731
+    out, dumps = compile_and_run(fn, x, w, b, tmp_path=tmp_path)
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (x, w, b), grad)
+    want = torch.autograd.grad(fn(x, w, b), (x, w, b), grad)
+    for g, e in zip(got, want):
+        torch.testing.assert_close(g, e, atol=3e-2, rtol=3e-2)
+    backward = dumps.code(next(g for g in dumps.graphs() if "backward" in g))
+    assert (256, 128) in [tuple(n) for _, *n in _launches(backward)], backward  # 4 parts of 128 rows
