@@ -178,6 +178,18 @@ class Choices:
             return layout
         return ir.row_padded(layout, 16 // math.gcd(16, item))
 
+    def mm_pad_multiple(self, device, dtype, m, k, n) -> int | None:
+        """Elements (16 bytes' worth) to pad a matmul's K and N up to, or None: when either is not
+        a multiple and an operand or the output is large (`pad_rows`, `pad_rows_min_bytes`)."""
+        if not (config.pad_rows if config.pad_rows is not None else device.type == "cuda") \
+                or not all(sizevars.is_static(x) for x in (m, k, n)):
+            return None
+        m, k, n, item = int(m), int(k), int(n), dtype.itemsize
+        multiple = 16 // math.gcd(16, item)
+        if (k % multiple == 0 and n % multiple == 0) or max(m * k, k * n, m * n) * item < config.pad_rows_min_bytes:
+            return None
+        return multiple
+
     # ------------------------------------------------------------------------- kernel shape
     def reduction_split(self, xnumel: int, rnumel: int, columns: bool = False, device=None) -> int:
         """Into how many parts to split each output's reduction (a second kernel combines the

@@ -36,7 +36,7 @@ def out_overload(op):
     return out if base == rest else None
 
 
-def _realize_arg(a):
+def realize_arg(a):
     if isinstance(a, TensorBox):
         return a.realize()
     return a
@@ -67,7 +67,7 @@ def fallback(op, args, kwargs, meta):
     if V.graph.channels_last and op in CONVOLUTIONS:  # 4-D operands (input, weight, grad) as cudnn wants
         args = [a.realize_in_order(ir.CHANNELS_LAST) if isinstance(a, TensorBox) and len(a.get_size()) == 4
                 else a for a in args]
-    args, kwargs = pytree.tree_map(_realize_arg, (args, kwargs))
+    args, kwargs = pytree.tree_map(realize_arg, (args, kwargs))
     if V.graph.channels_last:
         meta = _meta_for_layouts(op, args, kwargs, meta)
     mutates = _mutated_args(op, args, kwargs)

@@ -209,8 +209,8 @@ def test_residual_stream_is_stored_not_reread(tmp_path):
 
 
 def test_unaligned_rows_are_padded_for_matmuls(tmp_path):
-    """Logits 1001 wide (GPT-2's 50257 in small): the matmul writes rows at a stride rounded up to
-    16 bytes, the log-softmax reads them there, and the output the user gets has eager's strides."""
+    """Logits 1001 wide (GPT-2's 50257 in small): the matmul writes rows 1004 wide (on a padded
+    weight), the log-softmax reads them there, and the output the user gets has eager's strides."""
     h, w = torch.randn(32, 64, device=DEVICE), torch.randn(1001, 64, device=DEVICE)
     fn = lambda h, w: torch.log_softmax(h @ w.t(), -1) * 2  # noqa: E731
     out, dumps = compile_and_run(fn, h, w, tmp_path=tmp_path, pad_rows=True, pad_rows_min_bytes=0)
@@ -218,7 +218,7 @@ def test_unaligned_rows_are_padded_for_matmuls(tmp_path):
     assert out.stride() == (1001, 1)
     code = dumps.only()[1]
     mm_out = re.search(r"aten\.mm\.out\(.*out=(buf\d+)\)", code).group(1)
-    FileCheck().check(f"{mm_out} = empty_strided((32, 1001), (1004, 1)").check("aten.mm.out(").run(code)
+    FileCheck().check(f"{mm_out} = empty_strided((32, 1004), (1004, 1)").check("aten.mm.out(").run(code)
     out, dumps = compile_and_run(fn, h, w, tmp_path=tmp_path / "off", pad_rows=False)
     FileCheck().check("empty_strided((32, 1001), (1001, 1)").check("aten.mm.out(").run(dumps.only()[1])
 
@@ -237,7 +237,7 @@ def test_padded_rows_through_backward(tmp_path):
     for got, exp in zip((h.grad, w.grad), want):
         torch.testing.assert_close(got, exp, atol=1e-4, rtol=1e-4)
     backward = dumps.code(dumps.graphs()[1])
-    assert "(32, 1001), (1004, 1)" in backward, backward
+    assert "(32, 1001), (1004, 1)" in backward, backward  # the log-softmax backward's output
 
 
 def test_pow_by_small_integer_is_multiplications(tmp_path):
@@ -262,3 +262,27 @@ def test_integer_pow_with_negative_exponent_errors_as_eager(tmp_path):
             x ** n
         with pytest.raises(RuntimeError, match="Integers to negative integer powers are not allowed"):
             compile_and_run(lambda x: x ** n, x, tmp_path=tmp_path / str(-n))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_unaligned_matmul_runs_on_padded_operands(tmp_path, bias):
+    """K and N not multiples of 16 bytes: the matmul runs on zero-padded copies (same product) into
+    an aligned output, sliced back; forward and backward match eager."""
+    x = torch.randn(24, 37, device=DEVICE, requires_grad=True)
+    w = torch.randn(1001, 37, device=DEVICE, requires_grad=True)
+    b = torch.randn(1001, device=DEVICE, requires_grad=True) if bias else None
+    fn = lambda x, w, b: F.linear(x, w, b).relu().sum(-1)  # noqa: E731
+    fn(x, w, b).sum().backward()
+    want = [t.grad for t in (x, w, b) if t is not None]
+    for t in (x, w, b):
+        if t is not None:
+            t.grad = None
+    out, dumps = compile_and_run(fn, x, w, b, tmp_path=tmp_path, pad_rows=True, pad_rows_min_bytes=0)
+    out.sum().backward()
+    torch.testing.assert_close(out, fn(x, w, b), atol=1e-4, rtol=1e-4)
+    for t, g in zip([t for t in (x, w, b) if t is not None], want):
+        torch.testing.assert_close(t.grad, g, atol=1e-4, rtol=1e-4)
+    forward = dumps.code(dumps.graphs()[0])
+    op = "aten.addmm.out(" if bias else "aten.mm.out("
+    out_buf = re.search(re.escape(op) + r".*out=(buf\d+)\)", forward).group(1)
+    FileCheck().check(f"{out_buf} = empty_strided((24, 1004), (1004, 1)").check(op).run(forward)
