@@ -127,10 +127,27 @@ def _compare(case, actual, expected, what):
                                    msg=lambda m: f"{where} ({case.op}): {m}")
 
 
-def _grad_outputs(outs, seed):
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def _no_further_than_eager(actual, expected, reference):
+    for k, (a, e, r) in enumerate(zip(*(tree_flatten(x)[0] for x in (actual, expected, reference)), strict=True)):
+        if not (isinstance(e, torch.Tensor) and e.is_floating_point()):
+            continue
+        assert torch.equal(a.isfinite(), e.isfinite()) and torch.equal(a.isnan(), e.isnan()) and \
+            torch.equal(a[a.isinf()], e[e.isinf()]), f"result {k}: not finite where eager is, or the other way"
+        finite = e.isfinite() & r.isfinite()
+        err_a, err_e = (torch.cat([(x.detach().double() - r.detach().double())[finite].abs().flatten(),
+                                   torch.zeros(1, dtype=torch.float64)]).max().item() for x in (a, e))
+        assert err_a <= 2 * err_e + TOL[e.dtype][0], \
+            f"result {k}: {err_a:.3g} from an fp32 run where eager is {err_e:.3g} from it"
+
+
+def _grad_outputs(outs, seed, dtype=None):
+    """Random grad_outputs, rounded to `dtype` (default: each output's own)."""
     g = torch.Generator().manual_seed(seed)
-    return [(torch.rand(o.shape, generator=g, dtype=torch.float64) * 2 - 1).to(o.dtype).to(o.device)
-            for o in outs]
+    return [(torch.rand(o.shape, generator=g, dtype=torch.float64) * 2 - 1).to(dtype or o.dtype).to(o.dtype)
+            .to(o.device) for o in outs]
 
 
 @contextlib.contextmanager
@@ -159,7 +176,7 @@ def _check_lowered(case, variant, dumps):
             f"the case declares {sorted(want)}"
 
 
-def _run(fn, args, positions, seed):
+def _run(fn, args, positions, seed, grad_dtype=None):
     """Forward, and with grad positions, input gradients for a fixed random grad_output."""
     args = _leaves(args, positions)
     out = fn(*args)
@@ -168,7 +185,7 @@ def _run(fn, args, positions, seed):
     outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor) and o.requires_grad]
     assert outs, "grad case whose outputs do not require grad"
     inputs = [args[i] for i in positions]
-    grads = torch.autograd.grad(outs, inputs, _grad_outputs(outs, seed), allow_unused=True)
+    grads = torch.autograd.grad(outs, inputs, _grad_outputs(outs, seed, grad_dtype), allow_unused=True)
     return out, list(grads)
 
 
@@ -192,9 +209,18 @@ def test_op(case, variant, dtype, tmp_path):
     with _dumps(tmp_path):
         actual, actual_grads = _run(compiled, args, positions, seed)
 
-    _compare(case, actual, expected, "output")
-    if positions:
-        _compare(case, actual_grads, expected_grads, "grad")
+    try:
+        _compare(case, actual, expected, "output")
+        if positions:
+            _compare(case, actual_grads, expected_grads, "grad")
+    except AssertionError:
+        if dtype not in LOW_PRECISION:
+            raise
+        # eager rounds after every op, a fused kernel keeps fp32 between them: off from eager is
+        # fine where no further than eager from the same function computed in fp32
+        up = [a.float() if isinstance(a, torch.Tensor) and a.dtype == dtype else a for a in args]
+        reference = _run(f, up, positions, seed, grad_dtype=dtype)
+        _no_further_than_eager((actual, actual_grads), (expected, expected_grads), reference)
     for k, (a, b) in enumerate(zip(args, before)):
         if isinstance(a, torch.Tensor):
             torch.testing.assert_close(a, b, atol=0, rtol=0, equal_nan=True,
