@@ -41,15 +41,19 @@ def aligned_mm(a, b, bias=None):
     if multiple is None:
         return None
     kp, np_ = (-(-int(x) // multiple) * multiple for x in (k, n))
-    a, b = constant_pad_nd(a, [0, kp - int(k)]), constant_pad_nd(b, [0, np_ - int(n), 0, kp - int(k)])
+    a, b = _zero_padded(a, [0, kp - int(k)]), _zero_padded(b, [0, np_ - int(n), 0, kp - int(k)])
     args = (realize_arg(a), realize_arg(b))
     if bias is not None:
-        args = (realize_arg(constant_pad_nd(bias, [0, np_ - int(n)])),) + args
+        args = (realize_arg(_zero_padded(bias, [0, np_ - int(n)])),) + args
     layout = ir.contiguous_layout(a.get_device(), a.get_dtype(), [m, sympy.Integer(np_)], ir.FixedLayout)
     out = TensorBox(V.graph.register_buffer(ir.ExternKernel, layout=layout, op=aten.addmm.out if bias is not None
                                             else aten.mm.out, args=args, kwargs={}, mutates=[], aliases=False,
                                             out_variant=True))
     return slice_(out, 1, 0, n)
+
+
+def _zero_padded(x, pad):
+    return constant_pad_nd(x, pad) if any(pad) else x  # no copy of an operand already aligned
 
 
 @register(aten.mm.default)

@@ -286,3 +286,13 @@ def test_unaligned_matmul_runs_on_padded_operands(tmp_path, bias):
     op = "aten.addmm.out(" if bias else "aten.mm.out("
     out_buf = re.search(re.escape(op) + r".*out=(buf\d+)\)", forward).group(1)
     FileCheck().check(f"{out_buf} = empty_strided((24, 1004), (1004, 1)").check(op).run(forward)
+
+
+def test_aligned_operand_is_not_copied_for_padding(tmp_path):
+    """Only the operand whose dims are unaligned is padded (a copy); K already aligned: x as it is."""
+    x, w = torch.randn(24, 32, device=DEVICE), torch.randn(1001, 32, device=DEVICE)
+    out, dumps = compile_and_run(lambda x, w: x @ w.t(), x, w, tmp_path=tmp_path, pad_rows=True, pad_rows_min_bytes=0)
+    torch.testing.assert_close(out, x @ w.t(), atol=1e-4, rtol=1e-4)
+    summary, code = dumps.only()
+    assert re.search(r"aten\.mm\.out\(arg\d+_1, buf\d+, out=buf\d+\)", code), code  # x straight from the input
+    assert len(summary["kernels"]) == 2, summary["kernels"]  # w padded, the output copied into eager's strides
