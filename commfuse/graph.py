@@ -148,6 +148,8 @@ class GraphLowering(torch.fx.Interpreter):
                 result = lowerings[target](*args, **kwargs)
             except ir.Unsupported as e:
                 reason = f"unsupported: {e}"
+            except ir.NoOpFallback:
+                raise
             except Exception as e:  # a lowering bug costs this op, not the graph
                 if not config.fallback_on_error:
                     raise

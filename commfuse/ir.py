@@ -20,6 +20,11 @@ from .sizevars import Expr, index_symbol
 from .virtualized import V, ops
 
 
+class NoOpFallback(Exception):
+    """Neither lowered nor runnable as its aten op here (its aten op would read our layout as if it
+    were eager's): the graph cannot compile, and runs op by op through aten."""
+
+
 class Unsupported(Exception):
     """A lowering cannot handle these arguments: fall back to the aten op."""
 

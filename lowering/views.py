@@ -193,18 +193,36 @@ def select(x, dim, index):
 
 @register(aten.as_strided.default, aten.as_strided_copy.default)
 def as_strided(x, size, stride, storage_offset=None):
-    """Expressible when x is a stored buffer: read its storage directly."""
+    """Read x's storage directly. The strides count in eager's storage of x, which ours may not be
+    (rows padded, channels_last): where x is its whole storage in eager, it is stored contiguous
+    first; otherwise our storage must be laid out as eager's."""
+    eager = V.graph.current_node.args[0].meta.get("val")
     base = x.realize()
     base_buf = base.base if isinstance(base, ir.ReinterpretView) else base
+    if _whole_storage(eager) and not (base is base_buf and base.layout.is_contiguous() and base.layout.offset == 0):
+        base = base_buf = V.graph.register_buffer(ir.ComputedBuffer, layout=ir.contiguous_layout(
+            x.get_device(), x.get_dtype(), x.get_size(), ir.FixedLayout), data=ir.Pointwise(
+            x.get_device(), x.get_dtype(), base.make_loader(), list(x.get_size())))
     if isinstance(base, ir.ReinterpretView) and storage_offset is None:
         storage_offset = base.layout.offset
     layout = ir.FixedLayout(x.get_device(), x.get_dtype(), to_size(size), to_size(stride),
                             sizevars.from_torch(storage_offset or 0))
     if isinstance(base_buf, ir.ComputedBuffer):
         base_buf.freeze_layout()
-    if not base_buf.layout.is_contiguous() or base_buf.layout.offset != 0:
+    lay = base_buf.layout
+    if not isinstance(base_buf, (ir.InputBuffer, ir.ConstantBuffer)) and isinstance(eager, torch.Tensor) and \
+            not sizevars.equal(lay.storage_numel() * lay.dtype.itemsize, sizevars.from_torch(eager.untyped_storage().nbytes())):
+        # a storage of ours sized unlike eager's (padded rows): aten's as_strided would misread it too
+        raise ir.NoOpFallback("as_strided over a storage laid out unlike eager's")
+    if not lay.is_contiguous() or lay.offset != 0:
         raise ir.Unsupported("as_strided over a non-contiguous storage")
     return TensorBox(ir.ReinterpretView(base_buf, layout))
+
+
+def _whole_storage(t) -> bool:
+    """Is `t` (an FX value) contiguous over the whole of its storage, in eager?"""
+    return isinstance(t, torch.Tensor) and t.is_contiguous() and t.storage_offset() == 0 and \
+        sizevars.equal(sizevars.from_torch(t.untyped_storage().nbytes()), sizevars.from_torch(t.numel() * t.element_size()))
 
 
 @register(aten.diagonal.default, aten.diagonal_copy.default)

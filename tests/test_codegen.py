@@ -296,3 +296,18 @@ def test_aligned_operand_is_not_copied_for_padding(tmp_path):
     summary, code = dumps.only()
     assert re.search(r"aten\.mm\.out\(arg\d+_1, buf\d+, out=buf\d+\)", code), code  # x straight from the input
     assert len(summary["kernels"]) == 2, summary["kernels"]  # w padded, the output copied into eager's strides
+
+
+def test_as_strided_over_padded_rows_reads_eager_storage(tmp_path):
+    """GPT-2's qkv split reaches lowering as `as_strided` with strides that count in eager's
+    storage of the matmul's output (102 wide); ours has padded rows (104): it is stored as eager
+    lays it out first, never read with eager's strides over our padding."""
+    x, w, b = torch.randn(2, 8, 34, device=DEVICE), torch.randn(34, 102, device=DEVICE), torch.randn(102, device=DEVICE)
+
+    def fn(x, w, b):
+        q, k, v = torch.addmm(b, x.view(-1, 34), w).view(2, 8, 102).split(34, dim=2)
+        return q * 2 + v.view(2, 8, 2, 17).transpose(1, 2).reshape(2, 8, 34)
+    out, dumps = compile_and_run(fn, x, w, b, tmp_path=tmp_path, pad_rows=True, pad_rows_min_bytes=0)
+    torch.testing.assert_close(out, fn(x, w, b), atol=1e-4, rtol=1e-4)
+    assert "as_strided" in open(dumps.graphs()[0] + "/fx_graph.txt").read()  # the case this is about
+    FileCheck().check("(16, 104), (104, 1)").check("aten.addmm.out(").run(dumps.only()[1])
