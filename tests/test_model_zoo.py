@@ -261,3 +261,25 @@ def test_greedy_decode_static_kv_cache(tmp_path):
     for i, (g, w) in enumerate(zip(got.logits, want.logits, strict=True)):
         _close(g, w, f"logits of token {i}")
     _assert_compiled(Dumps(tmp_path), ["inference", "inference"])
+
+
+def test_gpt2_with_padded_rows(tmp_path):
+    """GPT-2 with GPU layouts on CPU: a 1001-word vocabulary and width 34, unaligned, so the head,
+    qkv and MLP matmuls run on padded operands and the logits sit in padded rows (`pad_rows`, on
+    for CUDA); the qkv split reads them through as_strided. Loss and every gradient as eager's."""
+    torch.manual_seed(0)
+    model = _hf("GPT2LMHeadModel", "GPT2Config", vocab_size=1001, n_positions=16, n_embd=34, n_layer=2,
+                n_head=2, n_inner=300, bos_token_id=0, eos_token_id=0, loss_type="ForCausalLM").eval().to(DEVICE)
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, 1001, (2, 8), device=DEVICE)
+    with commfuse_config.patch(pad_rows=True, pad_rows_min_bytes=0):
+        out, dumps = _run(model, {"input_ids": ids, "labels": ids}, tmp_path)
+        out.loss.backward()
+    want = ref(input_ids=ids, labels=ids)
+    want.loss.backward()
+    _close(out.logits, want.logits, "logits")
+    _close(out.loss, want.loss, "loss")
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        _close(p.grad, q.grad, name, 1e-3 * max(g.grad.abs().max().item() for g in ref.parameters()))
+    forward = dumps.code(dumps.graphs()[0])
+    assert "(16, 1004), (1004, 1)" in forward, forward  # the head's output rows, padded
