@@ -195,6 +195,16 @@ def select(x, dim, index):
 def as_strided(x, size, stride, storage_offset=None):
     """Expressible when x is a stored buffer: read its storage directly."""
     base = x.realize()
+    # `stride` addresses eager's storage of x: ours must be laid out the same (not row-padded,
+    # not channels_last), else x is copied into eager's contiguous layout where eager's is that
+    eager = V.graph.current_node.args[0].meta["val"]
+    offset = sizevars.from_torch(eager.storage_offset())
+    if not (base.layout.has_strides(ir.meta_layout(eager).stride) and sizevars.equal(base.layout.offset, offset)):
+        if not eager.is_contiguous() or offset != 0:
+            raise ir.Unsupported("as_strided over storage laid out otherwise than eager's")
+        layout = ir.contiguous_layout(x.get_device(), x.get_dtype(), x.get_size(), ir.FixedLayout)
+        base = V.graph.register_buffer(ir.ComputedBuffer, layout=layout, data=Pointwise(
+            x.get_device(), x.get_dtype(), x.make_loader(), list(x.get_size())))
     base_buf = base.base if isinstance(base, ir.ReinterpretView) else base
     if isinstance(base, ir.ReinterpretView) and storage_offset is None:
         storage_offset = base.layout.offset
