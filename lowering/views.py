@@ -194,14 +194,18 @@ def select(x, dim, index):
 @register(aten.as_strided.default, aten.as_strided_copy.default)
 def as_strided(x, size, stride, storage_offset=None):
     """Read x's storage directly. The strides count in eager's storage of x, which ours may not be
-    (rows padded, channels_last): where x is its whole storage in eager, it is stored contiguous
-    first; otherwise our storage must be laid out as eager's."""
+    (rows padded, channels_last): a value of ours laid out otherwise is stored contiguous first
+    where it is its whole storage in eager; elsewhere the graph cannot compile (aten's as_strided
+    would misread our storage as well)."""
     eager = V.graph.current_node.args[0].meta.get("val")
     base = x.realize()
     base_buf = base.base if isinstance(base, ir.ReinterpretView) else base
-    if _whole_storage(eager) and not (base is base_buf and base.layout.is_contiguous() and base.layout.offset == 0):
+    ours = not isinstance(base_buf, (ir.InputBuffer, ir.ConstantBuffer))
+    if ours and isinstance(eager, torch.Tensor) and not _laid_out_as(base, base_buf, eager):
+        if not _whole_storage(eager):
+            raise ir.NoOpFallback("as_strided over a storage laid out unlike eager's")
         base = base_buf = V.graph.register_buffer(ir.ComputedBuffer, layout=ir.contiguous_layout(
-            x.get_device(), x.get_dtype(), x.get_size(), ir.FixedLayout), data=ir.Pointwise(
+            x.get_device(), x.get_dtype(), x.get_size(), ir.FixedLayout), data=Pointwise(
             x.get_device(), x.get_dtype(), base.make_loader(), list(x.get_size())))
     if isinstance(base, ir.ReinterpretView) and storage_offset is None:
         storage_offset = base.layout.offset
@@ -209,14 +213,18 @@ def as_strided(x, size, stride, storage_offset=None):
                             sizevars.from_torch(storage_offset or 0))
     if isinstance(base_buf, ir.ComputedBuffer):
         base_buf.freeze_layout()
-    lay = base_buf.layout
-    if not isinstance(base_buf, (ir.InputBuffer, ir.ConstantBuffer)) and isinstance(eager, torch.Tensor) and \
-            not sizevars.equal(lay.storage_numel() * lay.dtype.itemsize, sizevars.from_torch(eager.untyped_storage().nbytes())):
-        # a storage of ours sized unlike eager's (padded rows): aten's as_strided would misread it too
-        raise ir.NoOpFallback("as_strided over a storage laid out unlike eager's")
-    if not lay.is_contiguous() or lay.offset != 0:
+    if not base_buf.layout.is_contiguous() or base_buf.layout.offset != 0:
         raise ir.Unsupported("as_strided over a non-contiguous storage")
     return TensorBox(ir.ReinterpretView(base_buf, layout))
+
+
+def _laid_out_as(view, buf, eager) -> bool:
+    """Does our `view` of `buf` sit in its storage as `eager` sits in eager's (strides, offset and
+    the storage's size)?"""
+    lay = buf.layout
+    return view.layout.has_strides(ir.meta_layout(eager).stride) and \
+        sizevars.equal(view.layout.offset, sizevars.from_torch(eager.storage_offset())) and \
+        sizevars.equal(lay.storage_numel() * lay.dtype.itemsize, sizevars.from_torch(eager.untyped_storage().nbytes()))
 
 
 def _whole_storage(t) -> bool:

@@ -311,3 +311,17 @@ def test_as_strided_over_padded_rows_reads_eager_storage(tmp_path):
     torch.testing.assert_close(out, fn(x, w, b), atol=1e-4, rtol=1e-4)
     assert "as_strided" in open(dumps.graphs()[0] + "/fx_graph.txt").read()  # the case this is about
     FileCheck().check("(16, 104), (104, 1)").check("aten.addmm.out(").run(dumps.only()[1])
+
+
+def test_split_of_padded_matmul_output(tmp_path):
+    """A split of a matmul output with unaligned rows (Mamba's x_proj: dt, B, C): the split is
+    as_strided with eager's strides, which must not address our row-padded storage."""
+    x, w, w2 = (torch.randn(*s, device=DEVICE) for s in ((2, 8, 64), (10, 64), (64, 2)))
+
+    def fn(x, w, w2):
+        dt, b, c = F.linear(x, w).split([2, 4, 4], dim=-1)
+        return F.linear(dt, w2), b.transpose(1, 2) + 1, c.transpose(1, 2).contiguous()
+    out, dumps = compile_and_run(fn, x, w, w2, tmp_path=tmp_path, pad_rows=True, pad_rows_min_bytes=0)
+    for got, want in zip(out, fn(x, w, w2), strict=True):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert "aten.mm.out(" in dumps.only()[1]  # the padded path was taken
