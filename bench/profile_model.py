@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import copy
 import os
 import sys
 
@@ -64,7 +65,7 @@ def profile(name, mode, args, dev, dtype) -> dict:
     base = spec.model.to(dev, dtype).eval()
     out = {}
     for b in args.backends:
-        model = base if b == "eager" else zoo.copy.deepcopy(base)
+        model = base if b == "eager" else copy.deepcopy(base)
         fn = model if b == "eager" else zoo.compile_model(model, b, args.options if b == "commfuse" else None)
         step = zoo.make_step(fn, spec, spec.inputs(model), mode)
         for _ in range(3):

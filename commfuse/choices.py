@@ -39,6 +39,16 @@ def sm_count(device=None) -> int:
     return DEFAULT_SMS
 
 
+def _pads_rows(device) -> bool:
+    """`config.pad_rows`; None: on CUDA."""
+    return config.pad_rows if config.pad_rows is not None else device.type == "cuda"
+
+
+def _aligned_elements(itemsize: int) -> int:
+    """Elements of this size in 16 bytes (cuBLAS's and vector loads' alignment)."""
+    return 16 // math.gcd(16, itemsize)
+
+
 def group_size(group_name: str) -> int:
     return dist.get_world_size(group_of(group_name))
 
@@ -170,22 +180,21 @@ class Choices:
         0.45 for the aligned matmul), and a kernel cannot load such rows in 16-byte vectors.
         Rows of a few hundred elements and up only, so the padding wastes little."""
         size = layout.size
-        if not (config.pad_rows if config.pad_rows is not None else layout.device.type == "cuda") \
-                or len(size) < 2 or not all(sizevars.is_static(n) for n in size) or not layout.is_contiguous():
+        if not _pads_rows(layout.device) or len(size) < 2 or not layout.is_contiguous() \
+                or not all(sizevars.is_static(n) for n in size):
             return layout
         row, item = int(size[-1]), layout.dtype.itemsize
         if row < 256 or row * item % 16 == 0 or sizevars.hint(layout.numel()) * item < config.pad_rows_min_bytes:
             return layout
-        return ir.row_padded(layout, 16 // math.gcd(16, item))
+        return ir.row_padded(layout, _aligned_elements(item))
 
     def mm_pad_multiple(self, device, dtype, m, k, n) -> int | None:
         """Elements (16 bytes' worth) to pad a matmul's K and N up to, or None: when either is not
         a multiple and an operand or the output is large (`pad_rows`, `pad_rows_min_bytes`)."""
-        if not (config.pad_rows if config.pad_rows is not None else device.type == "cuda") \
-                or not all(sizevars.is_static(x) for x in (m, k, n)):
+        if not _pads_rows(device) or not all(sizevars.is_static(x) for x in (m, k, n)):
             return None
         m, k, n, item = int(m), int(k), int(n), dtype.itemsize
-        multiple = 16 // math.gcd(16, item)
+        multiple = _aligned_elements(item)
         if (k % multiple == 0 and n % multiple == 0) or max(m * k, k * n, m * n) * item < config.pad_rows_min_bytes:
             return None
         return multiple
