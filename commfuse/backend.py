@@ -152,7 +152,7 @@ def _compile(gm, example_inputs, graph_id, kind="inference", donated=frozenset()
     for level, message in gen.messages if hit else ():  # what compiling it said, said again
         log.log(level, "%s", message)
     if not hit:
-        gen = _generate(gm, example_inputs, graph_id, donated, saved)
+        gen = _generate(gm, example_inputs, graph_id, kind, donated, saved)
         if key is not None:
             skipped = graph_cache.store(key, description, gm, gen)
             key = None if skipped else key
@@ -200,10 +200,10 @@ def _cached(gm, example_inputs, graph_id, kind, donated, saved):
     return key, description, gen, None
 
 
-def _generate(gm, example_inputs, graph_id, donated, saved) -> graph_cache.Generated:
+def _generate(gm, example_inputs, graph_id, kind, donated, saved) -> graph_cache.Generated:
     """Lower, schedule and generate the module's source: what a cache hit skips."""
     with graph_cache.recording_messages() as messages, choices.install():
-        graph = GraphLowering(gm, example_inputs, graph_id, donated, saved).run()
+        graph = GraphLowering(gm, example_inputs, graph_id, donated, saved, kind).run()
         with V.set_graph(graph):
             pre_fusion = "\n".join(str(b) for b in graph.buffers)
             sched = Scheduler(graph)
@@ -225,10 +225,10 @@ def _generate(gm, example_inputs, graph_id, donated, saved) -> graph_cache.Gener
         "peak_memory_by_order": sched.peak_memory_by_order,
         "cross_kernel_bytes": cross_kernel_bytes(sched),
         "rematerialized": sched.remat_log,
-        # for AOTAutograd, where a saved activation's layout is ours (saved_outputs)
+        # every output's strides, which AOTAutograd gives the backward's inputs (saved_outputs)
         "output_strides": [[int(s) for s in o.layout.stride] if isinstance(o, ir.LaidOut) and
                            all(sizevars.is_static(s) for s in o.layout.stride) else None
-                           for o in graph.graph_outputs] if graph.free_outputs else None,
+                           for o in graph.graph_outputs] if saved else None,
     }
     computed = {b.get_device().type for b in graph.buffers if isinstance(b, ir.ComputedBuffer)}
     return graph_cache.Generated(graph_id, source, wrapper.constants, summary, set(graph.device_types),

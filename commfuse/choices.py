@@ -188,6 +188,14 @@ class Choices:
             return layout
         return ir.row_padded(layout, _aligned_elements(item))
 
+    def keep_padded_output(self, stored, meta: torch.Tensor) -> bool:
+        """Return an output whose rows we padded as that padded view (`keep_padded_outputs`)
+        rather than copy it into eager's contiguous strides."""
+        keep = config.keep_padded_outputs
+        if keep is None:
+            keep = _pads_rows(stored.get_device())
+        return keep and meta.is_contiguous() and ir.is_row_padded(stored.layout)
+
     def mm_pad_multiple(self, device, dtype, m, k, n) -> int | None:
         """Elements (16 bytes' worth) to pad a matmul's K and N up to, or None: when either is not
         a multiple and an operand or the output is large (`pad_rows`, `pad_rows_min_bytes`)."""

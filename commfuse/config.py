@@ -76,6 +76,9 @@ pad_rows: bool | None = None       # large buffers whose rows are not 16-byte al
                                    # row stride (cuBLAS and vector loads want aligned rows); None:
                                    # on CUDA
 pad_rows_min_bytes = 1 << 20       # ... buffers of at least this many bytes
+keep_padded_outputs: bool | None = None  # an output stored with padded rows (GPT-2's logits) is
+                                         # returned as that padded view, not copied into eager's
+                                         # strides; None: where rows are padded
 
 # Reductions.
 persistent_reduction_max = 4096   # rows up to this length are reduced in one block

@@ -4,9 +4,11 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch._inductor.inductor_prims  # noqa: F401  (registers prims.prepare_softmax_online)
 from torch._decomp import core_aten_decompositions, get_decompositions
 
 aten = torch.ops.aten
+_prepare_softmax = torch.ops.prims.prepare_softmax_online.default
 
 # Composites that core ATen keeps but we would rather see as their parts.
 _EXTRA = [
@@ -27,11 +29,34 @@ _EXTRA = [
 _KEEP = {aten.addmm.default, aten._scaled_dot_product_flash_attention_for_cpu.default}
 
 
+def _softmax_from_stats(log: bool):
+    """Softmax as its row statistics (max, sum of exp(x - max): torch's `prepare_softmax_online`
+    prim, one pass in lowering/softmax.py) and pointwise ops. AOTAutograd's partitioner knows the
+    prim: it saves the two small results and recomputes the pointwise softmax in the backward,
+    where for `_softmax`, which it may not recompute, it saves the whole probability matrix (a
+    language model's vocabulary-wide rows)."""
+    def decompose(x, dim, half_to_float):
+        if x.dim() == 0 or x.numel() == 0 or not x.dtype.is_floating_point:
+            return NotImplemented  # the op stays whole (lowered or run through aten)
+        compute = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+        result = torch.float32 if half_to_float else x.dtype
+        x = x.to(compute)
+        mx, total = _prepare_softmax(x, dim)
+        out = (x - mx) - torch.log(total) if log else torch.exp(x - mx) / total
+        return out.to(result)
+    return decompose
+
+
+_OURS = {aten._softmax.default: _softmax_from_stats(log=False),
+         aten._log_softmax.default: _softmax_from_stats(log=True)}
+
+
 @functools.lru_cache(None)
 def decomposition_table(keep: tuple = ()) -> dict:
     """`keep`: names of ops (overloads or packets) left whole, as in `config.fallback_ops`."""
     table = dict(core_aten_decompositions())
     table.update(get_decompositions(_EXTRA))
+    table.update(_OURS)
     for op in list(table):
         if op in _KEEP or str(op) in keep or str(op.overloadpacket) in keep:
             del table[op]

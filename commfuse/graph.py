@@ -34,12 +34,15 @@ class LoweringError(RuntimeError):
 
 class GraphLowering(torch.fx.Interpreter):
     def __init__(self, gm: torch.fx.GraphModule, example_inputs, graph_id: str = "graph",
-                 donated: set = frozenset(), saved: tuple = ()):
+                 donated: set = frozenset(), saved: tuple = (), kind: str = "forward"):
         super().__init__(gm)
         self.graph_id = graph_id
         self.donated = _whole_storages(gm, donated)  # inputs that become DonatedBuffers
         self.channels_last = V.choices.conv_layout(gm)
         self.free_outputs = _free_outputs(gm, saved) if self.channels_last else set()  # FX nodes
+        # whether a user-visible output may leave eager's strides: AOTAutograd restrides the
+        # backward's inputs to the strides we report (the same value may be saved for it too)
+        self.restrided_outputs = kind == "inference" or bool(saved)
         self.buffers: list[ir.Buffer] = []
         self.name_to_buffer: dict[str, ir.Buffer] = {}
         self.graph_inputs: dict[str, Any] = {}       # placeholder name -> InputBuffer / symbol / value
@@ -361,6 +364,8 @@ def realize_output(box: TensorBox, meta) -> ir.IRNode:
             return buf
     stored = box.realize()
     if isinstance(meta, torch.Tensor) and not stored.layout.has_strides([sizevars.from_torch(s) for s in meta.stride()]):
+        if V.graph.restrided_outputs and V.choices.keep_padded_output(stored, meta):
+            return stored
         # Other graphs index this output by its meta strides (a backward reads a saved activation
         # by them, a user sees them): a view of ours in another order is copied into them.
         layout = meta_layout(meta)

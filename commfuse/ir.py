@@ -126,6 +126,17 @@ def row_padded(layout: Layout, multiple: int) -> Layout:
     return dataclasses.replace(layout, stride=stride)
 
 
+def is_row_padded(layout: Layout) -> bool:
+    """Row-major with rows wider apart than they are long: what `row_padded` gives."""
+    size, stride = layout.size, layout.stride
+    if len(size) < 2 or not all(sizevars.is_static(x) for x in (*size, *stride)) or int(size[-2]) == 1:
+        return False
+    expected, acc = [sympy.Integer(1)] * len(size), stride[-2]
+    for i in reversed(range(len(size) - 1)):
+        expected[i], acc = acc, acc * size[i]
+    return int(stride[-2]) > int(size[-1]) and layout.has_strides(expected)
+
+
 def meta_layout(val: torch.Tensor, cls=FixedLayout) -> Layout:
     """Layout of a tensor (an FX node's meta value) as the kernels see it: offsets count from its
     data pointer."""

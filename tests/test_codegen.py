@@ -240,6 +240,47 @@ def test_padded_rows_through_backward(tmp_path):
     assert "(32, 1001), (1004, 1)" in backward, backward  # the log-softmax backward's output
 
 
+def test_padded_logits_are_returned_padded(tmp_path):
+    """A padded matmul's output that the user gets is that padded view, as Inductor's padded
+    matmuls return theirs (`keep_padded_outputs`), not a copy into eager's strides; off, a copy."""
+    h, w = torch.randn(32, 64, device=DEVICE), torch.randn(1001, 64, device=DEVICE)
+    fn = lambda h, w: h @ w.t()  # noqa: E731
+    for keep, stride in ((None, (1004, 1)), (False, (1001, 1))):
+        out, _ = compile_and_run(fn, h, w, tmp_path=tmp_path / str(keep), pad_rows=True, pad_rows_min_bytes=0,
+                                 keep_padded_outputs=keep)
+        torch.testing.assert_close(out, fn(h, w), atol=1e-4, rtol=1e-4)
+        assert out.stride() == stride
+
+
+def test_cross_entropy_saves_row_statistics_not_probabilities(tmp_path):
+    """A language model's loss: the forward saves the logits (a user output anyway), each row's
+    max and log-sum, never a vocabulary-wide log-softmax, which the backward recomputes. The logits
+    stay padded through both graphs (AOTAutograd restrides the backward's input to them)."""
+    h = torch.randn(32, 64, device=DEVICE, requires_grad=True)
+    w = torch.randn(1001, 64, device=DEVICE, requires_grad=True)
+    t = torch.randint(0, 1001, (32,), device=DEVICE)
+
+    def fn(h, w, t):
+        logits = h @ w.t()
+        return logits, torch.nn.functional.cross_entropy(logits, t)
+
+    logits, loss = fn(h, w, t)
+    loss.backward()
+    want = logits, loss, h.grad, w.grad
+    h.grad = w.grad = None
+    (logits, loss), dumps = compile_and_run(fn, h, w, t, tmp_path=tmp_path, pad_rows=True, pad_rows_min_bytes=0)
+    loss.backward()
+    for got, exp in zip((logits, loss, h.grad, w.grad), want):
+        torch.testing.assert_close(got, exp, atol=1e-4, rtol=1e-4)
+    assert logits.stride() == (1004, 1)
+    forward, backward = dumps.graphs()
+    with open(os.path.join(backward, "fx_graph.txt")) as f:
+        inputs = next(line for line in f if "def forward(" in line)
+    assert inputs.count("f32[32, 1001]") == 2, inputs  # the logits and their gradient (a tangent)
+    assert inputs.count("f32[32, 1]") == 2, inputs     # the max and the log of the sum
+    assert dumps.summary(forward)["output_strides"][0] == [1004, 1]
+
+
 def test_pow_by_small_integer_is_multiplications(tmp_path):
     """GPT-2's GELU cubes its input (`torch.pow(x, 3.0)`): multiplications, not exp2/log2 with
     special cases (pow_float); x ** -2 reuses the square. A fractional exponent takes pow_float."""
@@ -295,7 +336,8 @@ def test_aligned_operand_is_not_copied_for_padding(tmp_path):
     torch.testing.assert_close(out, x @ w.t(), atol=1e-4, rtol=1e-4)
     summary, code = dumps.only()
     assert re.search(r"aten\.mm\.out\(arg\d+_1, buf\d+, out=buf\d+\)", code), code  # x straight from the input
-    assert len(summary["kernels"]) == 2, summary["kernels"]  # w padded, the output copied into eager's strides
+    assert len(summary["kernels"]) == 1, summary["kernels"]  # w padded; the output returned padded
+    assert out.stride() == (1004, 1)
 
 
 def test_as_strided_over_padded_rows_reads_eager_storage(tmp_path):
