@@ -340,6 +340,16 @@ def test_aligned_operand_is_not_copied_for_padding(tmp_path):
     assert out.stride() == (1004, 1)
 
 
+def test_transposed_weight_is_padded_in_its_own_layout(tmp_path):
+    """`h @ w.t()` with w's rows unaligned: the padded copy of w.t() is stored transposed (a copy
+    that streams, which cuBLAS takes transposed), not transposed into a row-major [K, N]."""
+    h, w = torch.randn(32, 64, device=DEVICE), torch.randn(1001, 64, device=DEVICE)
+    out, dumps = compile_and_run(lambda h, w: h @ w.t(), h, w, tmp_path=tmp_path, pad_rows=True,
+                                 pad_rows_min_bytes=0, mm_template=False)
+    torch.testing.assert_close(out, h @ w.t(), atol=1e-4, rtol=1e-4)
+    FileCheck().check("empty_strided((64, 1004), (1, 64)").check("aten.mm.out(").run(dumps.only()[1])
+
+
 def test_as_strided_over_padded_rows_reads_eager_storage(tmp_path):
     """GPT-2's qkv split reaches lowering as `as_strided` with strides that count in eager's
     storage of the matmul's output (102 wide); ours has padded rows (104): it is stored as eager
