@@ -11,6 +11,7 @@ from commfuse.virtualized import OPS, V, ops
 from . import register
 from .common import (BOOL, DEFAULT, INT_TO_FLOAT, broadcast_shapes, full, is_tensor,
                      loader_of, make_pointwise, promote, to_size)
+from .views import expand
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -249,6 +250,15 @@ def to_dtype(op, x, dtype=None, **kwargs):
     load = x.make_loader()
     return TensorBox(Pointwise(x.get_device(), dtype, lambda i: ops.to_dtype(load(i), dtype, explicit=True),
                                list(x.get_size())))
+
+
+@register(aten.copy.default)
+def copy(x, src, non_blocking=False):
+    """Functional `x.copy_(src)` (a slice assignment, functionalized): src's values in x's shape
+    and dtype."""
+    if not is_tensor(src) or src.get_device() != x.get_device():
+        raise ir.Unsupported("copies across devices run through aten")
+    return to_dtype(aten._to_copy.default, expand(src, x.get_size()), x.get_dtype())
 
 
 @register(aten.alias, aten.detach)

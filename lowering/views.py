@@ -9,7 +9,7 @@ import torch
 
 from commfuse import ir, sizevars
 from commfuse.ir import Pointwise, TensorBox, View
-from commfuse.sizevars import FloorDiv
+from commfuse.sizevars import FloorDiv, Mod
 from commfuse.virtualized import V, ops
 
 from . import register
@@ -160,6 +160,27 @@ def slice_(x, dim=0, start=None, end=None, step=1):
         idx[dim] = start + idx[dim] * step
         return idx
     return make_view(x, new, reindex)
+
+
+@register(aten.slice_scatter.default)
+def slice_scatter(x, src, dim=0, start=None, end=None, step=1):
+    """x with src over x[start:end:step] along dim (the backward of every slice): each element
+    picks src or x, so it fuses like any pointwise op instead of a copy of x and a copy into it."""
+    size = list(x.get_size())
+    dim = canonical_dim(dim, len(size))
+    start, length = _slice_bounds(size[dim], start, end, step)
+    load_x, load_src = x.make_loader(), src.make_loader()
+
+    def inner(idx):
+        i = idx[dim]
+        inside = _in_range(i, start, start + (length - 1) * step + 1)
+        if step != 1:
+            on_step = ops.eq(ops.index_expr(Mod(i - start, step), torch.int64), ops.index_expr(sympy.Integer(0), torch.int64))
+            inside = ops.logical_and(inside, on_step)
+        at = list(idx)
+        at[dim] = FloorDiv(i - start, step) if step != 1 else i - start
+        return ops.where(inside, ops.masked(inside, lambda: load_src(at), 0.0), load_x(idx))
+    return TensorBox(Pointwise(x.get_device(), x.get_dtype(), inner, size))
 
 
 def _slice_bounds(n, start, end, step):
