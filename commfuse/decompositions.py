@@ -41,8 +41,12 @@ def _softmax_from_stats(log: bool):
         compute = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
         result = torch.float32 if half_to_float else x.dtype
         x = x.to(compute)
+        # The pointwise part reads x through an alias taken before the statistics: partitioners
+        # that do not know the prim (torch 2.11's) take it for an unfusible op and will not
+        # recompute a use of its input that comes after it; they saved the whole output.
+        xp = aten.alias(x)
         mx, total = _prepare_softmax(x, dim)
-        out = (x - mx) - torch.log(total) if log else torch.exp(x - mx) / total
+        out = (xp - mx) - torch.log(total) if log else torch.exp(xp - mx) / total
         return out.to(result)
     return decompose
 
