@@ -7,7 +7,7 @@ from functorch.compile import make_boxed_func
 from torch._functorch.aot_autograd import aot_module_simplified
 
 from commfuse.reinplace import reinplace_input_updates
-from commfuse.runtime.cudagraphs import input_roles
+from commfuse.runtime.cudagraphs import copy_out, input_roles
 
 
 class Counter(torch.nn.Module):
@@ -46,6 +46,17 @@ def test_input_roles_of_a_module_with_updated_buffers():
     assert r.mutated <= r.static and not r.dynamic
     assert {shapes[i] for i in r.copy_in(len(shapes))} == {(1, 4), (1,)}
     assert r.copy_back() == []
+
+
+def test_outputs_are_copied_in_their_own_strides():
+    """A replay's outputs reach the caller as copies with the strides the graph reported (a padded
+    logits matrix that the backward reads by them), not made contiguous as `clone` would."""
+    padded = torch.randn(4, 8)[:, :7]
+    copy = copy_out(padded)
+    assert copy.stride() == (8, 1) and torch.equal(copy, padded)
+    assert padded.clone().stride() == (7, 1)  # what a clone would have given
+    expanded = torch.randn(1, 7).expand(3, 7)
+    assert torch.equal(copy_out(expanded), expanded)
 
 
 @pytest.mark.gpu

@@ -61,7 +61,7 @@ class CudaGraphed:
         for a, static in back:
             if a.data_ptr() != static.data_ptr():
                 a.copy_(static)
-        return [o.clone() if i in self.cloned else o for i, o in enumerate(self.outputs)]
+        return [copy_out(o) if i in self.cloned else o for i, o in enumerate(self.outputs)]
 
     def _static_in_place(self, args) -> bool:
         return all(args[i].data_ptr() == p for i, p in self.static_ptrs)
@@ -98,6 +98,15 @@ class CudaGraphed:
         self.cloned = {i for i, o in enumerate(self.outputs)
                        if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() not in caller}
         log.info("commfuse: captured graph %s in a CUDA graph", self.graph_id)
+
+
+def copy_out(o: torch.Tensor) -> torch.Tensor:
+    """A copy of a replay's output for the caller, in the output's own strides: a backward reads a
+    saved activation by the strides its forward reported (padded rows, which `clone` would make
+    contiguous). An expanded output (a stride 0) is copied dense: every slice read is the same."""
+    if any(s == 0 and n > 1 for s, n in zip(o.stride(), o.shape)):
+        return o.clone()
+    return torch.empty_strided(o.shape, o.stride(), dtype=o.dtype, device=o.device).copy_(o)
 
 
 def input_roles(gm: torch.fx.GraphModule, kind: str) -> InputRoles:
