@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from commfuse import ir, sizevars
+from commfuse import sizevars
 from commfuse.virtualized import V, ops
 
 from . import register
