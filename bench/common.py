@@ -46,9 +46,11 @@ def run_meta(device_name: str, commit: str | None) -> dict:
             "commit": commit, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
-def write_results(out: str | None, table: str, data: dict) -> None:
-    """Print the table; with `out`, write it there and `data` beside it as .json."""
-    print(table)
+def write_results(out: str | None, table: str, data: dict, partial: bool = False) -> None:
+    """Print the table; with `out`, write it there and `data` beside it as .json. `partial`: the
+    rows so far, written quietly after each one, so that a run cut by a time limit keeps them."""
+    if not partial:
+        print(table)
     if not out:
         return
     with open(out, "w") as f:
@@ -56,4 +58,5 @@ def write_results(out: str | None, table: str, data: dict) -> None:
     base = out[: -len(".md")] if out.endswith(".md") else out
     with open(base + ".json", "w") as f:
         json.dump(data, f, indent=1)
-    print(f"wrote {out} and {base}.json", file=sys.stderr)
+    if not partial:
+        print(f"wrote {out} and {base}.json", file=sys.stderr)

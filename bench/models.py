@@ -438,6 +438,9 @@ def main() -> int:
     # the first compile of the process imports and initializes what every later one reuses
     for b in args.backends:
         torch.compile(lambda x: (x * 2).sum(), backend=b)(torch.ones(4, device=dev))
+    meta = {"device": dev, **run_meta(torch.cuda.get_device_name() if dev == "cuda"
+                                      else f"CPU ({platform.processor() or 'cpu'}, smoke run)", args.commit),
+            "dtype": str(dtype).replace("torch.", ""), "commfuse_options": args.options}
     rows, skipped = [], {}
     for name in names:
         for mode in args.modes:
@@ -449,10 +452,9 @@ def main() -> int:
             except ImportError as e:  # torchvision or transformers missing: the other models still run
                 skipped[name] = str(e)
                 print(f"[{name}] skipped: {e}", file=sys.stderr)
-
-    meta = {"device": dev, **run_meta(torch.cuda.get_device_name() if dev == "cuda"
-                                      else f"CPU ({platform.processor() or 'cpu'}, smoke run)", args.commit),
-            "dtype": str(dtype).replace("torch.", ""), "commfuse_options": args.options, "skipped": skipped}
+            meta["skipped"] = skipped
+            write_results(args.out, markdown(rows, args, meta), {"meta": meta, "args": vars(args), "rows": rows},
+                          partial=True)
     write_results(args.out, markdown(rows, args, meta), {"meta": meta, "args": vars(args), "rows": rows})
     bad = [(r["model"], r["mode"]) for r in rows if r["errors"] or suspect(r)]
     if bad:

@@ -111,6 +111,8 @@ def main() -> int:
     dev = "cpu" if args.cpu else "cuda"
     dtype = torch.float32 if args.cpu else getattr(torch, args.dtype)
     meta = run_meta(torch.cuda.get_device_name() if dev == "cuda" else "cpu", args.commit)
+    footer = (f"{meta['device_name']}, torch {meta['torch']}, triton {meta['triton']}, {str(dtype)[6:]}, "
+              f"commit {meta['commit']}, {meta['date']}.")
     text, data = [], []
     for name in args.models.split(","):
         for mode in args.modes.split(","):
@@ -119,8 +121,8 @@ def main() -> int:
             tables = profile(name, mode, args, dev, dtype)
             text.append(markdown(name, mode, tables, args.top))
             data.append({"model": name, "mode": mode, "kernels": tables})
-    footer = (f"{meta['device_name']}, torch {meta['torch']}, triton {meta['triton']}, {str(dtype)[6:]}, "
-              f"commit {meta['commit']}, {meta['date']}.")
+            write_results(args.out, "\n".join(text) + "\n" + footer + "\n", {"meta": meta, "profiles": data},
+                          partial=True)
     write_results(args.out, "\n".join(text) + "\n" + footer + "\n", {"meta": meta, "profiles": data})
     return 0
 
