@@ -41,8 +41,10 @@ class GraphLowering(torch.fx.Interpreter):
         self.channels_last = V.choices.conv_layout(gm)
         self.free_outputs = _free_outputs(gm, saved) if self.channels_last else set()  # FX nodes
         # whether a user-visible output may leave eager's strides: AOTAutograd restrides the
-        # backward's inputs to the strides we report (the same value may be saved for it too)
-        self.restrided_outputs = kind == "inference" or bool(saved)
+        # backward's inputs to the strides we report (the same value may be saved for it too).
+        # Not in DDP's split graphs, whose outputs feed graphs compiled for their fake strides.
+        ctx = torch._guards.TracingContext.try_get()
+        self.restrided_outputs = (kind == "inference" or bool(saved)) and not (ctx and ctx.fakify_first_call)
         self.buffers: list[ir.Buffer] = []
         self.name_to_buffer: dict[str, ir.Buffer] = {}
         self.graph_inputs: dict[str, Any] = {}       # placeholder name -> InputBuffer / symbol / value
