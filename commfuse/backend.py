@@ -13,7 +13,7 @@ import re
 import time
 
 import torch
-from torch._functorch.aot_autograd import aot_module_simplified
+from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from commfuse.codegen.wrapper import WrapperCodegen
@@ -53,14 +53,16 @@ def commfuse_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | N
                 return compile_graph(graph_module, inputs, kind)
         return compile_fn
 
-    return aot_module_simplified(
-        gm, example_inputs,
+    # Dynamo's own AOTAutograd entry for backends, not aot_module_simplified directly: DDP's graph
+    # split (DDPOptimizer) learns from it that AOTAutograd compiled a bucket, and then makes the
+    # fake first call whose fake outputs a user would otherwise receive from the first real one.
+    return aot_autograd(
         fw_compiler=compiler("forward"), bw_compiler=compiler("backward"),
         inference_compiler=compiler("inference"),
         decompositions=decomposition_table(tuple(sorted(settings["fallback_ops"]))),
         partition_fn=min_cut_rematerialization_partition,
         keep_inference_input_mutations=True,
-    )
+    )(gm, example_inputs)
 
 
 def _check_options(options: dict) -> dict:
@@ -81,9 +83,9 @@ def graph_id_for(gm: torch.fx.GraphModule, kind: str) -> str:
 
 class CompiledGraph:
     """The boxed callable AOTAutograd calls: `compiled(args_list)`."""
-    _boxed_call = True
 
     def __init__(self, module, graph_id, path, summary, pending=None):
+        self._boxed_call = True  # on the instance: wrappers (Dynamo's `disable`) copy its __dict__
         self.module, self.graph_id, self.path, self.summary = module, graph_id, path, summary
         self.call = module.call
         self.pending = pending  # its kernels, compiling ahead of time: the first call waits for them
