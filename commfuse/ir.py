@@ -119,11 +119,8 @@ def ordered_layout(device, dtype, size, order) -> Layout:
 def row_padded(layout: Layout, multiple: int) -> Layout:
     """`layout` (row-major) with each row's stride rounded up to a multiple of `multiple` elements:
     the same values, rows starting aligned."""
-    stride, acc = [sympy.Integer(0)] * len(layout.size), sympy.Integer(1)
-    for i in reversed(range(len(layout.size))):
-        stride[i] = acc
-        acc *= -(-layout.size[i] // multiple) * multiple if i == len(layout.size) - 1 else layout.size[i]
-    return dataclasses.replace(layout, stride=stride)
+    *outer, row = layout.size
+    return dataclasses.replace(layout, stride=sizevars.contiguous_strides([*outer, -(-row // multiple) * multiple]))
 
 
 def is_row_padded(layout: Layout) -> bool:
@@ -131,10 +128,7 @@ def is_row_padded(layout: Layout) -> bool:
     size, stride = layout.size, layout.stride
     if len(size) < 2 or not all(sizevars.is_static(x) for x in (*size, *stride)) or int(size[-2]) == 1:
         return False
-    expected, acc = [sympy.Integer(1)] * len(size), stride[-2]
-    for i in reversed(range(len(size) - 1)):
-        expected[i], acc = acc, acc * size[i]
-    return int(stride[-2]) > int(size[-1]) and layout.has_strides(expected)
+    return int(stride[-2]) > int(size[-1]) and layout.has_strides(sizevars.contiguous_strides([*size[:-1], stride[-2]]))
 
 
 def meta_layout(val: torch.Tensor, cls=FixedLayout) -> Layout:
