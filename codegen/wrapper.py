@@ -83,6 +83,8 @@ class WrapperCodegen:
             return f"float({str(x)!r})"
         if x is None or isinstance(x, (bool, int, float, str)):
             return repr(x)
+        if isinstance(x, ir.OpaqueInput):
+            return x.name
         name = f"obj{len(self.constants)}"
         self.constants[name] = x
         return f"constants[{name!r}]"

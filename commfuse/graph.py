@@ -123,7 +123,9 @@ class GraphLowering(torch.fx.Interpreter):
             expr = sizevars.from_torch(val)
             self.graph_inputs[target] = expr
             return expr
-        self.graph_inputs[target] = example  # ints, DeviceMesh script objects, ...
+        if not (example is None or isinstance(example, (bool, int, float, str))):
+            example = ir.OpaqueInput(target, example)
+        self.graph_inputs[target] = example
         return example
 
     def get_attr(self, target, args, kwargs):

@@ -130,9 +130,25 @@ def _value(v, storages: dict, strict: bool = False):
         return ["dict", [[repr(k), _value(x, storages, strict)] for k, x in v.items()]]
     if isinstance(v, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
         return [type(v).__name__, str(v)]
+    mesh = _device_mesh(v)
+    if mesh is not None:
+        return mesh
     if strict:
         raise Uncacheable(f"an example input is a {type(v).__qualname__}")
     return [type(v).__module__, type(v).__qualname__, _ADDRESS.sub("", repr(v))]
+
+
+def _device_mesh(v):
+    """A DeviceMesh (DTensor graphs take it as an input since torch 2.13, opaque, or fake while
+    tracing) by what it is: its device type, ranks, dimension names and process groups."""
+    from torch.distributed.device_mesh import DeviceMesh
+    v = getattr(v, "real_obj", v)  # a FakeScriptObject wraps the real object
+    if not isinstance(v, DeviceMesh):
+        return None
+    groups = [v.get_group(d).group_name for d in range(v.ndim)]
+    with torch._subclasses.fake_tensor.unset_fake_temporarily():  # the mesh's ranks are a real tensor
+        ranks = v.mesh.tolist()
+    return ["DeviceMesh", v.device_type, ranks, list(v.mesh_dim_names or ()), groups]
 
 
 def _attributes(gm) -> list:

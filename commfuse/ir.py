@@ -248,6 +248,15 @@ class InputBuffer(Buffer):
     """A graph input; named by its FX placeholder."""
 
 
+@dataclasses.dataclass(frozen=True)
+class OpaqueInput:
+    """A graph input that is an object, not a tensor or a number (a DeviceMesh, which DTensor
+    graphs take and hand back): the generated code uses the one each call receives, never the
+    (fake) object seen while compiling."""
+    name: str
+    example: Any
+
+
 class DonatedBuffer(InputBuffer):
     """A backward input whose memory is the graph's: a saved activation that only this graph
     still references (AOTAutograd donates it), spanning its whole storage alone. Freed after

@@ -115,6 +115,8 @@ def _meta_for_layouts(op, args, kwargs, meta):
             size, stride, offset = ([int(x) for x in xs] for xs in (lay.size, lay.stride, [lay.offset]))
             return torch.empty(int(lay.storage_numel()), dtype=lay.dtype, device=lay.device).as_strided(
                 size, stride, offset[0])
+        if isinstance(a, ir.OpaqueInput):
+            return a.example
         return int(a) if isinstance(a, sympy.Integer) else a
     leaves = pytree.tree_leaves((args, kwargs))
     layouts = [x.layout for x in leaves if isinstance(x, (ir.Buffer, ir.ReinterpretView))]
