@@ -6,7 +6,8 @@ written for eager does; commfuse passes K/V unrepeated), SwiGLU. With `vocab`, t
 and an output head around the layers; without, the layers run on hidden states. Decode writes
 each step's K/V into a static cache (module buffers, index_copy_ in place) and attends to the
 positions <= pos. `tp_llama` parallelizes it the torchtitan way: column-parallel q/k/v and
-gate/up, row-parallel o and down, whose outputs are all-reduced."""
+gate/up, row-parallel o and down, whose outputs are all-reduced. `fsdp_llama` shards it with FSDP2
+instead (fully_shard per layer and at the root), each layer compiled on its own."""
 from __future__ import annotations
 
 import dataclasses
@@ -131,19 +132,24 @@ class Llama(nn.Module):
         return self.output(self.norm(x)) if hasattr(self, "output") else x
 
 
-def tp_llama(cfg: Config, world: int, device, dtype=torch.float32, seed=0) -> Llama:
-    """The model with random weights from `seed` (the same on every rank; each keeps its shard),
-    std 1/sqrt(fan-in) so that activations stay O(1), parallelized over `world` ranks."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-    device = torch.device(device)
+def llama(cfg: Config, world: int, device, dtype=torch.float32, seed=0) -> Llama:
+    """The model with random weights from `seed` (the same on every rank), std 1/sqrt(fan-in) so
+    that activations stay O(1); its KV cache sized for `world` tensor-parallel ranks."""
     torch.manual_seed(seed)
-    with device:
+    with torch.device(device):
         model = Llama(cfg, world)
     for p in model.parameters():
         if p.dim() == 2:
             nn.init.normal_(p, std=p.shape[1] ** -0.5)
-    model = model.to(dtype)
+    return model.to(dtype)
+
+
+def tp_llama(cfg: Config, world: int, device, dtype=torch.float32, seed=0) -> Llama:
+    """`llama`, parallelized over `world` ranks (each keeps its shard of the same weights)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    device = torch.device(device)
+    model = llama(cfg, world, device, dtype, seed)
     mesh = init_device_mesh(device.type, (world,))
     plan = {"attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
             "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(),
@@ -152,3 +158,15 @@ def tp_llama(cfg: Config, world: int, device, dtype=torch.float32, seed=0) -> Ll
     for layer in model.layers:
         parallelize_module(layer, mesh, plan)
     return model
+
+
+def fsdp_llama(cfg: Config, device, dtype=torch.float32, seed=0) -> Llama:
+    """`llama` sharded over every rank by FSDP2: fully_shard on each layer, then on the root (its
+    rotary tables and any embedding or head). Compile per block as torchtitan does,
+    `layer.compile(...)` on each of `model.layers`: FSDP2's all-gathers and reduce-scatters then
+    run in its hooks, around the compiled layers."""
+    from torch.distributed.fsdp import fully_shard
+    model = llama(cfg, 1, device, dtype, seed)
+    for layer in model.layers:
+        fully_shard(layer)
+    return fully_shard(model)

@@ -1,4 +1,5 @@
-"""Tensor-parallel Llama decoder layers: eager, Inductor and commfuse side by side in one run.
+"""Distributed Llama decoder layers (tensor-parallel, and FSDP2): eager, Inductor and commfuse
+side by side in one run.
 
     torchrun --standalone --nproc-per-node 2 bench/model_tp.py [--out bench/results/model_tp_2xh200.md]
     torchrun --standalone --nproc-per-node 2 bench/model_tp.py --cpu --tiny     # checks the script on CPU (fp32)
@@ -16,14 +17,22 @@ Workloads:
   10 steps captured in a CUDA graph and replayed (commfuse.runtime.timing.interleaved_times_us, variants in
   interleaved rounds); the self-graphing variants cannot be captured inside another graph, their
   per-call time is their graph time. Per call: CUDA events around a loop of calls, as a user loops it.
-- training: forward + backward of B=2 x S=1024 tokens (loss: mean square of the output, taken
+- train: tensor-parallel forward + backward of B=2 x S=1024 tokens (loss: mean square of the output, taken
   eagerly), CUDA events around a loop of steps. Gradients exist from the steps before (accumulated
   in place), so "peak above weights" is torch.cuda.max_memory_allocated over one step less what was
   allocated before it (weights, gradients, KV cache, inputs): activations and temporaries. Not for
   the self-graphing variants, whose graph pools are allocated when they record, before that step.
-- cold compile: the first call of each variant, per workload, with Inductor's and Triton's on-disk
-  caches pointed at a new folder (unless TORCHINDUCTOR_CACHE_DIR / TRITON_CACHE_DIR are set). The
-  second variant of a backend may reuse what the first compiled in this process.
+- fsdp: FSDP2 training, data parallel over the ranks (fully_shard per layer and at the root, each
+  layer compiled on its own as torchtitan does): Llama-3.2-1B-shaped layers (H 2048, 32 query / 8
+  KV heads, F 8192), 4 of them, B=4 x S=2048 tokens per rank. Each variant builds its own sharded
+  model with the same weights; timed and measured as `train` is.
+- cold compile: the first call of each variant, per workload, with Inductor's, Triton's and
+  commfuse's on-disk caches pointed at a new folder (unless TORCHINDUCTOR_CACHE_DIR /
+  TRITON_CACHE_DIR / COMMFUSE_CACHE_DIR are set). The second variant of a backend may reuse what
+  the first compiled in this process.
+- warm compile (Inductor and commfuse, plain mode): after a workload's timings, torch._dynamo.reset()
+  and the first call again, in the same process, with the on-disk caches that the cold compile filled
+  (Inductor's FX graph and AOTAutograd caches, commfuse's graph cache, Triton's kernels).
 - max |error| vs eager, in the run's dtype (bf16; fp32 with --cpu): decode, over the outputs of 4 steps (a self-graphing variant replays
   from its third call) and every layer's K/V cache after them, each variant starting from the same
   cache; training, over the loss and every parameter gradient (local shards).
@@ -54,13 +63,17 @@ import commfuse  # noqa: E402,F401  (before torch._dynamo imports triton: Triton
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from bench.llama import Config, tp_llama  # noqa: E402
+from bench.llama import Config, fsdp_llama, tp_llama  # noqa: E402
+from commfuse import backend  # noqa: E402
 from commfuse.runtime import timing  # noqa: E402
 
 VARIANTS = ("eager", "inductor", "inductor reduce-overhead", "commfuse", "commfuse cuda_graphs")
 SELF_GRAPHED = ("inductor reduce-overhead", "commfuse cuda_graphs")
 FULL = dict(hidden=4096, heads=32, kv_heads=8, ffn=14336, layers=4, batch=8, cache=2048, train_batch=2, seq=1024)
 TINY = dict(hidden=64, heads=4, kv_heads=2, ffn=128, layers=2, batch=2, cache=16, train_batch=2, seq=8)
+FSDP_FULL = dict(hidden=2048, heads=32, kv_heads=8, ffn=8192, layers=4, batch=4, seq=2048)  # Llama-3.2-1B's layers
+FSDP_TINY = dict(hidden=64, heads=4, kv_heads=2, ffn=128, layers=2, batch=2, seq=8)
+WARM = ("inductor", "commfuse")  # variants whose warm compile is measured
 
 
 # ------------------------------------------------------------------------------------------ model
@@ -72,18 +85,31 @@ def build(a, world, dev):
     return tp_llama(cfg, world, dev, a.dtype)
 
 
+def compile_options(name) -> dict | None:
+    """torch.compile's arguments for a variant; None for eager."""
+    return {"eager": None,
+            "inductor": dict(dynamic=False),
+            "inductor reduce-overhead": dict(mode="reduce-overhead", dynamic=False),
+            "commfuse": dict(backend="commfuse", dynamic=False),
+            "commfuse cuda_graphs": dict(backend="commfuse", dynamic=False, options={"cuda_graphs": True})}[name]
+
+
 def compiled(model, name):
-    if name == "eager":
-        return model
-    if name == "inductor":
-        return torch.compile(model, dynamic=False)
-    if name == "inductor reduce-overhead":
-        return torch.compile(model, mode="reduce-overhead", dynamic=False)
-    if name == "commfuse":
-        return torch.compile(model, backend="commfuse", dynamic=False)
-    if name == "commfuse cuda_graphs":
-        return torch.compile(model, backend="commfuse", dynamic=False, options={"cuda_graphs": True})
-    raise ValueError(name)
+    kw = compile_options(name)
+    return model if kw is None else torch.compile(model, **kw)
+
+
+def fsdp_model(a, dev, name):
+    """A fresh FSDP2 model (the same weights for every variant), each layer compiled on its own."""
+    f = a.fsdp
+    cfg = Config(dim=f["hidden"], n_heads=f["heads"], n_kv_heads=f["kv_heads"], ffn=f["ffn"], n_layers=f["layers"],
+                 max_batch=1, max_seq=f["seq"])
+    model = fsdp_llama(cfg, dev, a.dtype)
+    kw = compile_options(name)
+    if kw is not None:
+        for layer in model.layers:
+            layer.compile(**kw)
+    return model
 
 
 # ----------------------------------------------------------------------------------------- timing
@@ -150,36 +176,59 @@ def decode(model, a, dev, variants, res, failed, check_steps=4):
                 res[name]["decode GPU µs/step"] = t
             failed.update({f"{n}, decode CUDA graph": _why(e) for n, e in errors.items()})
 
+    def first_call(name):
+        fn = compiled(model, name)
+        with torch.no_grad():
+            return timing.wall_time_s(lambda: fn(xs[0], positions[0]), dev)
+    warm_compiles("decode", variants, res, failed, first_call)
+
 
 def train(model, a, dev, variants, res, failed):
-    params = dict(model.named_parameters())
+    """Tensor-parallel training: every variant compiles the one TP model."""
     torch.manual_seed(2)
     x = torch.randn(a.train_batch, a.seq, a.hidden, device=dev, dtype=a.dtype)
+    model.zero_grad(set_to_none=True)
+    _train("train", lambda name: (compiled(model, name), model), x, a, dev, variants, res, failed)
 
+
+def fsdp_train(a, dev, variants, res, failed):
+    """FSDP2 training: each variant a fresh sharded model, its layers compiled one by one."""
+    f = a.fsdp
+    torch.manual_seed(3 + dist.get_rank())  # data parallel: a batch of its own on each rank
+    x = torch.randn(f["batch"], f["seq"], f["hidden"], device=dev, dtype=a.dtype)
+
+    def make(name):
+        model = fsdp_model(a, dev, name)
+        return model, model
+    _train("fsdp", make, x, a, dev, variants, res, failed)
+
+
+def _train(key, make, x, a, dev, variants, res, failed):
+    """The training figures of each variant under `key`; make(name) -> (callable, module)."""
     def step(fn):
         torch.compiler.cudagraph_mark_step_begin()  # a new iteration for reduce-overhead's graphs
         loss = fn(x).float().pow(2).mean()
         loss.backward()
         return loss.detach()
 
-    def grads():
-        out = {n: p.grad for n, p in params.items()}
-        for p in params.values():
-            p.grad = None
+    def grads(module):
+        out = {n: p.grad for n, p in module.named_parameters()}
+        module.zero_grad(set_to_none=True)
         return out
-    model.zero_grad(set_to_none=True)
-    ref_loss, ref_grads = step(model), grads()
+    ref, module = make("eager")
+    ref_loss, ref_grads = step(ref), grads(module)
     for name in variants:
+        fn = module = None
         try:
-            fn = compiled(model, name)
-            res[name]["compile train s"] = timing.wall_time_s(lambda: step(fn), dev)
-            grads()
+            fn, module = make(name)
+            res[name][f"compile {key} s"] = timing.wall_time_s(lambda: step(fn), dev)
+            grads(module)
             for _ in range(2):  # a self-graphing variant records, then replays: check a replay
                 loss = step(fn)
-                got = grads()
-            res[name]["err train"] = max([max_diff(loss, ref_loss)] + [max_diff(got[n], g) for n, g in ref_grads.items()])
+                got = grads(module)
+            res[name][f"err {key}"] = max([max_diff(loss, ref_loss)] + [max_diff(got[n], g) for n, g in ref_grads.items()])
             step(fn)  # gradients exist from here on, as in a training loop
-            res[name]["train ms/step"] = per_call_us(lambda: step(fn), a, dev, iters=20 if dev.type == "cuda" else 1) / 1e3
+            res[name][f"{key} ms/step"] = per_call_us(lambda: step(fn), a, dev, iters=20 if dev.type == "cuda" else 1) / 1e3
             # a self-graphing variant's pool is allocated when it records: not seen by one replay
             if dev.type == "cuda" and name not in SELF_GRAPHED:
                 timing.sync(dev)
@@ -187,10 +236,37 @@ def train(model, a, dev, variants, res, failed):
                 torch.cuda.reset_peak_memory_stats()
                 step(fn)
                 timing.sync(dev)
-                res[name]["train peak MiB above weights"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+                res[name][f"{key} peak MiB above weights"] = (torch.cuda.max_memory_allocated() - base) / 2**20
         except Exception as e:
-            failed[f"{name}, train"] = _why(e)
-        model.zero_grad(set_to_none=True)
+            failed[f"{name}, {key}"] = _why(e)
+        if module is not None:
+            module.zero_grad(set_to_none=True)
+        del fn, module
+
+    def first_call(name):
+        fn, module = make(name)
+        t = timing.wall_time_s(lambda: step(fn), dev)
+        module.zero_grad(set_to_none=True)
+        return t
+    warm_compiles(key, variants, res, failed, first_call)
+
+
+def warm_compiles(key, variants, res, failed, first_call):
+    """Compile time with the on-disk caches that the cold compiles filled: Dynamo forgets its
+    compiled code (torch._dynamo.reset(), which also invalidates every variant compiled before;
+    run it last), and first_call(name) builds the variant and times its first call."""
+    for name in WARM:
+        if f"compile {key} s" not in res.get(name, {}):
+            continue
+        try:
+            torch._dynamo.reset()
+            before = len(backend.summaries)
+            res[name][f"warm compile {key} s"] = first_call(name)
+            if name.startswith("commfuse"):  # in the JSON: did the graphs come from commfuse's cache?
+                hits = [s["cache_hit"] for s in backend.summaries[before:]]
+                res[name][f"warm compile {key} cache hits"] = sum(hits) / max(len(hits), 1)
+        except Exception as e:
+            failed[f"{name}, warm compile {key}"] = _why(e)
 
 
 def _why(e: Exception) -> str:
@@ -203,12 +279,19 @@ def _why(e: Exception) -> str:
 ROWS = (  # (key, label, fmt)
     ("decode GPU µs/step", "decode: GPU µs per step (CUDA graph of {graph_steps} steps)", "{:.1f}"),
     ("decode µs/call", "decode: µs per call, as a user loops it", "{:.1f}"),
-    ("train ms/step", "training fw+bw: ms per step", "{:.2f}"),
-    ("train peak MiB above weights", "training: peak MiB above weights", "{:.0f}"),
+    ("train ms/step", "TP training fw+bw: ms per step", "{:.2f}"),
+    ("train peak MiB above weights", "TP training: peak MiB above weights", "{:.0f}"),
+    ("fsdp ms/step", "FSDP2 training fw+bw: ms per step", "{:.2f}"),
+    ("fsdp peak MiB above weights", "FSDP2 training: peak MiB above weights", "{:.0f}"),
     ("compile decode s", "cold compile, decode (s)", "{:.1f}"),
-    ("compile train s", "cold compile, training (s)", "{:.1f}"),
+    ("compile train s", "cold compile, TP training (s)", "{:.1f}"),
+    ("compile fsdp s", "cold compile, FSDP2 training (s)", "{:.1f}"),
+    ("warm compile decode s", "warm compile, decode (s)", "{:.1f}"),
+    ("warm compile train s", "warm compile, TP training (s)", "{:.1f}"),
+    ("warm compile fsdp s", "warm compile, FSDP2 training (s)", "{:.1f}"),
     ("err decode", "max abs error vs eager, decode", "{:.2e}"),
-    ("err train", "max abs error vs eager, training", "{:.2e}"),
+    ("err train", "max abs error vs eager, TP training", "{:.2e}"),
+    ("err fsdp", "max abs error vs eager, FSDP2 training", "{:.2e}"),
 )
 
 
@@ -221,7 +304,9 @@ def table(a, res, world, device_name, variants) -> tuple[str, bool]:
     head = ["workload", *variants, "inductor / commfuse", "reduce-overhead / cuda_graphs"]
     lines = [f"TP Llama decoder layers: {a.layers} layers, H {a.hidden}, {a.heads} query / {a.kv_heads} KV heads, "
              f"F {a.ffn}, {a.dtype_name}, {world}x {device_name}; decode B={a.batch}, KV cache {a.cache}; "
-             f"training B={a.train_batch} S={a.seq}", "",
+             f"TP training B={a.train_batch} S={a.seq}; FSDP2 training (data parallel, each layer compiled): "
+             f"{a.fsdp['layers']} layers, H {a.fsdp['hidden']}, {a.fsdp['heads']} / {a.fsdp['kv_heads']} heads, "
+             f"F {a.fsdp['ffn']}, B={a.fsdp['batch']} S={a.fsdp['seq']} per rank", "",
              "| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     for key, label, fmt in ROWS:
         cells = []
@@ -247,6 +332,37 @@ def table(a, res, world, device_name, variants) -> tuple[str, bool]:
     return "\n".join(lines), flagged
 
 
+def report(a, res, failed, variants, dev, final) -> int:
+    """The table over every rank (each measured its own: the worst rank's figure), printed when
+    final and written to --out every time; rank 0's exit status."""
+    world = dist.get_world_size()
+    keys = sorted({k for r in res.values() for k in r})
+    vals = torch.tensor([[res[v].get(k, math.nan) for k in keys] for v in variants], dtype=torch.float64, device=dev)
+    gathered = [torch.empty_like(vals) for _ in range(world)]
+    dist.all_gather(gathered, vals)
+    worst = torch.stack(gathered).nan_to_num(-1.0).amax(0)
+    res = {v: {k: worst[i, j].item() for j, k in enumerate(keys) if worst[i, j] >= 0} for i, v in enumerate(variants)}
+    failures = [None] * world
+    dist.all_gather_object(failures, failed)
+    if dist.get_rank() != 0:
+        return 0
+    name = torch.cuda.get_device_name() if dev.type == "cuda" else "CPU (gloo, Triton interpreter)"
+    text, flagged = table(a, res, world, name, variants)
+    merged = {f"rank {r}: {k}": v for r, f in enumerate(failures) for k, v in f.items()}
+    if merged:
+        text += "\n\nFailed:\n" + "\n".join(f"- {k}: {v}" for k, v in merged.items())
+    if final:
+        print(text, flush=True)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(text + "\n")
+        with open(os.path.splitext(a.out)[0] + ".json", "w") as f:
+            json.dump({"config": {k: v for k, v in vars(a).items() if k != "dtype"}, "device": name,
+                       "world": world, "torch": torch.__version__, "results": res, "failed": merged,
+                       "complete": final}, f, indent=1)
+    return 1 if merged or flagged else 0
+
+
 # ------------------------------------------------------------------------------------------- main
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -260,12 +376,13 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=None, help="interleaved timing rounds (default 3; 1 with --tiny)")
     ap.add_argument("--graph-steps", type=int, default=10, help="decode steps per captured CUDA graph")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of: " + ", ".join(VARIANTS))
-    ap.add_argument("--workloads", default="decode,train", help="comma-separated subset of: decode, train")
+    ap.add_argument("--workloads", default="decode,train,fsdp", help="comma-separated subset of: decode, train, fsdp")
     ap.add_argument("--out", help="also write the table here, and the figures as JSON beside it")
     a = ap.parse_args(argv)
     for k, v in (TINY if a.tiny else FULL).items():
         if getattr(a, k) is None:
             setattr(a, k, v)
+    a.fsdp = FSDP_TINY if a.tiny else FSDP_FULL
     a.rounds = a.rounds or (1 if a.tiny else 3)
     a.dtype_name = a.dtype or ("float32" if a.cpu else "bfloat16")
     a.dtype = getattr(torch, a.dtype_name)
@@ -273,11 +390,14 @@ def main(argv=None) -> int:
     unknown = sorted(set(variants) - set(VARIANTS))
     if unknown:
         ap.error(f"unknown variants {unknown}")
+    workloads = [w.strip() for w in a.workloads.split(",") if w.strip()]
+    if set(workloads) - {"decode", "train", "fsdp"}:
+        ap.error(f"unknown workloads {sorted(set(workloads) - {'decode', 'train', 'fsdp'})}")
     if "WORLD_SIZE" not in os.environ:
         ap.error("run it under torchrun: torchrun --standalone --nproc-per-node 2 bench/model_tp.py")
     # cold compile means empty on-disk caches (both are read when compiling, not at import): a
     # fresh folder per rank unless the caller chose one
-    for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+    for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "COMMFUSE_CACHE_DIR"):
         if var not in os.environ:
             os.environ[var] = tempfile.mkdtemp(prefix=f"model_tp_{var.split('_')[0].lower()}_r{os.environ.get('LOCAL_RANK', '0')}_")
     use_cuda = not a.cpu
@@ -291,7 +411,7 @@ def main(argv=None) -> int:
     else:
         dev = torch.device("cpu")
         dist.init_process_group("gloo")
-    world, rank = dist.get_world_size(), dist.get_rank()
+    world = dist.get_world_size()
     if a.heads % world or a.kv_heads % world or a.ffn % world:
         ap.error(f"heads, KV heads and F must divide among {world} ranks")
     # every variant keeps its graphs on the same code objects, for each workload
@@ -299,36 +419,15 @@ def main(argv=None) -> int:
 
     model = build(a, world, dev)
     res, failed = {v: {} for v in variants}, {}
-    workloads = [w.strip() for w in a.workloads.split(",") if w.strip()]
-    if "decode" in workloads:
-        decode(model, a, dev, variants, res, failed)
-    if "train" in workloads:
-        train(model, a, dev, variants, res, failed)
-
-    # each rank measured its own: the table reports the worst rank
-    keys = sorted({k for r in res.values() for k in r})
-    vals = torch.tensor([[res[v].get(k, math.nan) for k in keys] for v in variants], dtype=torch.float64, device=dev)
-    gathered = [torch.empty_like(vals) for _ in range(world)]
-    dist.all_gather(gathered, vals)
-    worst = torch.stack(gathered).nan_to_num(-1.0).amax(0)
-    res = {v: {k: worst[i, j].item() for j, k in enumerate(keys) if worst[i, j] >= 0} for i, v in enumerate(variants)}
-    failures = [None] * world
-    dist.all_gather_object(failures, failed)
     status = 0
-    if rank == 0:
-        name = torch.cuda.get_device_name() if use_cuda else "CPU (gloo, Triton interpreter)"
-        text, flagged = table(a, res, world, name, variants)
-        merged = {f"rank {r}: {k}": v for r, f in enumerate(failures) for k, v in f.items()}
-        if merged:
-            text += "\n\nFailed:\n" + "\n".join(f"- {k}: {v}" for k, v in merged.items())
-        print(text, flush=True)
-        if a.out:
-            with open(a.out, "w") as f:
-                f.write(text + "\n")
-            with open(os.path.splitext(a.out)[0] + ".json", "w") as f:
-                json.dump({"config": {k: v for k, v in vars(a).items() if k != "dtype"}, "device": name,
-                           "world": world, "torch": torch.__version__, "results": res, "failed": merged}, f, indent=1)
-        status = 1 if merged or flagged else 0
+    for w in workloads:
+        if w == "decode":
+            decode(model, a, dev, variants, res, failed)
+        elif w == "train":
+            train(model, a, dev, variants, res, failed)
+        elif w == "fsdp":
+            fsdp_train(a, dev, variants, res, failed)
+        status = report(a, res, failed, variants, dev, final=w == workloads[-1])  # kept if a later one hangs
     status_t = torch.tensor([status], device=dev)
     dist.broadcast(status_t, 0)
     dist.barrier()
