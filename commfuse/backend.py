@@ -162,7 +162,7 @@ def _compile(gm, example_inputs, graph_id, kind="inference", donated=frozenset()
     module, path = load_module(gen.source, gen.constants)
     pending = precompile.start(module)  # lowering the next graph overlaps with these compiles
     if config.cuda_graphs and gen.device_types == {"cuda"}:
-        module.call = CudaGraphed(module.call, graph_id, input_roles(gm, kind))
+        module.call = CudaGraphed(module.call, graph_id, input_roles(gm, kind), choices.current().cuda_graph_captures())
     summary = {"graph_id": graph_id, **gen.summary, "compile_seconds": round(time.time() - t0, 3),
                "cache_hit": hit, "cache_key": key}
     if skipped:

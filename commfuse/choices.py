@@ -147,6 +147,13 @@ class Choices:
             return True
         return kernel.op.overloadpacket in MATMULS and sizevars.equal(slice_layout.stride[-1], 1)
 
+    def cuda_graph_captures(self) -> int:
+        """Captures of one graph in CUDA-graph mode before it runs without one. Each new capture
+        follows a static input that moved: one compiled code shared by several layers (each layer's
+        parameters), or FSDP2's, gathered anew each step. A few cover weights reloaded once;
+        a graph that moves on every call would pay a capture each call."""
+        return 3
+
     # ------------------------------------------------------------------------- layout
     def conv_layout(self, gm) -> bool:
         """Run this graph's 2-D convolutions channels_last (their inputs, weights and outputs)?
@@ -415,10 +422,15 @@ class Choices:
                 "num_warps": 4, "num_stages": 4 if split == 1 else 3}
 
 
-def install(choices: Choices | None = None):
-    """`with install(): ...` puts `config.choices` (or the default policy) on `V`."""
-    chosen = choices or config.choices or Choices()
+def current() -> Choices:
+    """`config.choices`, or the default policy."""
+    chosen = config.choices or Choices()
     if not isinstance(chosen, Choices):
         raise TypeError(f"commfuse: config.choices must be an instance of commfuse.choices.Choices "
                         f"(or a subclass), not {type(chosen).__name__}")
-    return V.set_choices(chosen)
+    return chosen
+
+
+def install(choices: Choices | None = None):
+    """`with install(): ...` puts `config.choices` (or the default policy) on `V`."""
+    return V.set_choices(choices if choices is not None else current())

@@ -7,7 +7,7 @@ from functorch.compile import make_boxed_func
 from torch._functorch.aot_autograd import aot_module_simplified
 
 from commfuse.reinplace import reinplace_input_updates
-from commfuse.runtime.cudagraphs import copy_out, input_roles
+from commfuse.runtime.cudagraphs import CudaGraphed, InputRoles, copy_out, input_roles, on_input, static_aliases
 
 
 class Counter(torch.nn.Module):
@@ -57,6 +57,72 @@ def test_outputs_are_copied_in_their_own_strides():
     assert padded.clone().stride() == (7, 1)  # what a clone would have given
     expanded = torch.randn(1, 7).expand(3, 7)
     assert torch.equal(copy_out(expanded), expanded)
+
+
+def test_outputs_on_static_inputs_are_taken_on_this_calls_input():
+    """An output that is a static input (a weight the forward saves for its backward) or a view
+    of one is rebuilt on the tensor of the current call: the same address may hold another
+    layer's weight now, in a storage the caller frees and gathers again (FSDP2)."""
+    weight, x = torch.randn(4, 6), torch.randn(3, 4)
+    outputs = [weight, weight.t(), x @ weight]
+    assert static_aliases(outputs, [weight, x], static={0}) == {0: 0, 1: 0}
+    assert static_aliases(outputs, [weight, x], static=set()) == {}
+    current = torch.randn(4, 6)  # this call's weight
+    assert on_input(outputs[0], current) is current
+    view = on_input(outputs[1], current)
+    assert view.untyped_storage().data_ptr() == current.untyped_storage().data_ptr()
+    assert view.stride() == (1, 6) and torch.equal(view, current.t())
+
+
+class _FakeCapture:
+    """Stands in for a CUDA graph on CPU: records captures, replays nothing."""
+    def replay(self):
+        pass
+
+
+def test_a_graph_whose_parameters_keep_moving_stops_capturing(monkeypatch, caplog):
+    """Each call brings a weight at a new address (one compiled code run by several layers):
+    captured again up to the limit, then run plainly, with a warning."""
+    captures, calls = [], []
+
+    def capture(self, args):
+        captures.append(len(calls))
+        self.graph, self.inputs, self.outputs = _FakeCapture(), list(args), []
+        self.static_ptrs = [(0, args[0].data_ptr())]
+        self.copy_in, self.copy_back, self.aliases, self.cloned = [], [], {}, set()
+        self.captured_signature = None
+    monkeypatch.setattr(CudaGraphed, "_capture", capture)
+    graphed = CudaGraphed(lambda args: calls.append(1) or [], "g", InputRoles(frozenset({0}), frozenset(), False),
+                          max_captures=2)
+    weights = [torch.randn(4) for _ in range(6)]  # all alive: six addresses
+    with caplog.at_level("WARNING", logger="commfuse"):
+        for w in weights:
+            graphed([w])
+    assert captures == [1, 1]  # the 2nd and 3rd calls captured (the 1st runs plainly, as a warm-up)
+    assert len(calls) == 1 + 3, "the 1st call, and every call after the limit, run plainly"
+    assert "runs without a CUDA graph" in caplog.text
+    graphed([weights[-1]])
+    assert len(calls) == 5 and captures == [1, 1]
+
+
+@pytest.mark.gpu
+def test_layers_sharing_compiled_code_train_like_eager():
+    """Identical layers compiled one by one share Dynamo's compiled code, each with its own
+    weights: the weight each forward saves is its own layer's, and gradients match eager."""
+    torch.manual_seed(0)
+    make = lambda: torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh())  # noqa: E731
+                                         for _ in range(5)]).cuda()
+    model, ref = make(), make()
+    ref.load_state_dict(model.state_dict())
+    for layer in model:
+        layer.compile(backend="commfuse", options={"cuda_graphs": True})
+    for _ in range(3):
+        x = torch.randn(8, 64, device="cuda")
+        model(x).square().mean().backward()
+        ref(x).square().mean().backward()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-4)
+            p.grad = q.grad = None
 
 
 @pytest.mark.gpu

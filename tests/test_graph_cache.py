@@ -281,32 +281,38 @@ def test_each_rank_hits_its_own_entry(tmp_path):
 
 
 def _tp_training_hits(rank, world, cache_dir):
-    """A tensor-parallel model's training graphs, compiled twice. DTensor graphs take the
+    """A tensor-parallel model's training graphs, compiled three times. DTensor graphs take the
     DeviceMesh as an input (torch >= 2.13) and the backward hands it back: the key describes the
     mesh, and the code returns the mesh of the call, not the one seen while compiling."""
     from torch.distributed.tensor import DTensor
     from bench.llama import Config, tp_llama
-    from commfuse import backend, config
+    from commfuse import backend, config, graph_cache
     local = lambda t: t.to_local() if isinstance(t, DTensor) else t  # noqa: E731
     cfg = Config(dim=32, n_heads=4, n_kv_heads=2, ffn=64, n_layers=1, max_batch=2, max_seq=8)
     model = tp_llama(cfg, world, device())
     x = torch.randn(2, 8, 32, device=device())
     model(x).square().mean().backward()
     want = [local(p.grad).clone() for p in model.parameters()]
-    out = []
-    for _ in range(2):
+    seen, out = [], []  # descriptions of the graphs compiled; (hit, seen before, why not stored)
+    digest = graph_cache.digest
+    graph_cache.digest = lambda d: seen.append(d) or digest(d)
+    for _ in range(3):
         model.zero_grad(set_to_none=True)
         torch._dynamo.reset()
-        before = len(backend.summaries)
+        before, known = len(backend.summaries), list(seen)
         with config.patch(cache_dir=cache_dir):
             torch.compile(model, backend="commfuse")(x).square().mean().backward()
         for p, g in zip(model.parameters(), want):
             torch.testing.assert_close(local(p.grad), g, atol=1e-5, rtol=1e-5)
-        out.append([(s["cache_hit"], s.get("cache_skipped")) for s in backend.summaries[before:]])
+        out.append([(s["cache_hit"], d in known, s.get("cache_skipped"))
+                    for s, d in zip(backend.summaries[before:], seen[len(known):])])
     return out
 
 
 def test_tensor_parallel_graphs_hit(tmp_path):
-    for first, second in run_ranks(_tp_training_hits, 2, args=(str(tmp_path),)):
-        assert first == [(False, None), (False, None)], first  # forward and backward stored
-        assert [hit for hit, _ in second] == [True, True], second
+    """Every graph is stored, and one traced again as it was is loaded. (On torch 2.11 with CUDA,
+    Dynamo's second trace of the model differs from its first: the third is the same.)"""
+    for compiles in run_ranks(_tp_training_hits, 2, args=(str(tmp_path),)):
+        assert [len(c) for c in compiles] == [2, 2, 2], compiles  # a forward and a backward each
+        assert all(why is None and hit == again for c in compiles for hit, again, why in c), compiles
+        assert all(hit for hit, _, _ in compiles[-1]), compiles

@@ -5,11 +5,16 @@ ranks, compiles the kernels); the second captures the call into a graph. Inputs 
 - static (parameters and module buffers, as AOTAutograd reports them): captured as they are, at
   their own address, so a replay reads and writes them in place: a KV cache or a BatchNorm's running
   stats updated by the graph are updated for the caller, with no copy. Should one move (weights
-  reloaded into new tensors), the graph is captured again.
+  reloaded into new tensors), the graph is captured again; a graph whose static inputs keep moving
+  (one compiled code run by several layers; FSDP2's parameters, gathered anew each step) runs without
+  a CUDA graph after `Choices.cuda_graph_captures()` captures.
 - the others (activations, token ids, positions): copied into a static copy before each replay
   when their address differs from it, and copied back after it when the graph writes them.
 Outputs are returned as copies, since the next replay rewrites the graph's own (a saved activation
-or a logits tensor may outlive it), except those that are inputs. A graph with symbolic sizes
+or a logits tensor may outlive it), except those that are static inputs or views of them: those are
+taken on this call's input, not on the tensor the graph was captured with. An address can be reused
+(FSDP2 frees a layer's gathered parameters, and the next layer's land at the same address), and the
+backward must get the tensor whose storage it will find gathered again. A graph with symbolic sizes
 checks each call's shapes and scalars and runs without the graph when they differ from the
 captured ones.
 """
@@ -38,16 +43,23 @@ class InputRoles:
 
 
 class CudaGraphed:
-    def __init__(self, call, graph_id: str, roles: InputRoles):
-        self.call, self.graph_id, self.roles = call, graph_id, roles
-        self.calls = 0
+    def __init__(self, call, graph_id: str, roles: InputRoles, max_captures: int):
+        self.call, self.graph_id, self.roles, self.max_captures = call, graph_id, roles, max_captures
+        self.calls = self.captures = 0
         self.graph = None
 
     def __call__(self, args):
         self.calls += 1
-        if self.calls == 1:
+        if self.calls == 1 or self.captures > self.max_captures:
             return self.call(args)
         if self.graph is None or not self._static_in_place(args):
+            self.captures += 1
+            if self.captures > self.max_captures:
+                self.graph = self.inputs = self.outputs = None  # its memory back
+                log.warning("commfuse: graph %s: its parameters or buffers moved at %d captures (one "
+                            "compiled code run by several layers, or FSDP's gathered parameters): it "
+                            "runs without a CUDA graph from now on", self.graph_id, self.max_captures)
+                return self.call(args)
             self._capture(args)
         if self.roles.dynamic and self._signature(args) != self.captured_signature:
             return self.call(args)
@@ -56,12 +68,14 @@ class CudaGraphed:
             if isinstance(a, torch.Tensor) and a.data_ptr() != static.data_ptr():
                 static.copy_(a)
         back = [(args[i], self.inputs[i]) for i in self.copy_back]
+        caller = {j: args[j] for j in set(self.aliases.values())}
         args.clear()
         self.graph.replay()
         for a, static in back:
             if a.data_ptr() != static.data_ptr():
                 a.copy_(static)
-        return [copy_out(o) if i in self.cloned else o for i, o in enumerate(self.outputs)]
+        return [on_input(o, caller[self.aliases[i]]) if i in self.aliases else copy_out(o) if i in self.cloned else o
+                for i, o in enumerate(self.outputs)]
 
     def _static_in_place(self, args) -> bool:
         return all(args[i].data_ptr() == p for i, p in self.static_ptrs)
@@ -92,12 +106,26 @@ class CudaGraphed:
         except Exception as e:
             raise RuntimeError(f"commfuse: graph {self.graph_id} cannot be captured in a CUDA graph: {e}. "
                                "Run it with options={'cuda_graphs': False}") from e
-        # an output that is a caller's tensor (a static input, or a view of one) is returned as is
-        caller = {a.untyped_storage().data_ptr() for i, a in enumerate(self.inputs)
-                  if i in self.roles.static and isinstance(a, torch.Tensor)}
-        self.cloned = {i for i, o in enumerate(self.outputs)
-                       if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() not in caller}
+        self.aliases = static_aliases(self.outputs, self.inputs, self.roles.static)
+        self.cloned = {i for i, o in enumerate(self.outputs) if isinstance(o, torch.Tensor)} - set(self.aliases)
         log.info("commfuse: captured graph %s in a CUDA graph", self.graph_id)
+
+
+def static_aliases(outputs, inputs, static) -> dict:
+    """{output index: static input index} for the outputs that are a static input or a view of
+    one (their storage is the input's): the caller's tensors, never copied."""
+    owner = {a.untyped_storage().data_ptr(): j for j, a in enumerate(inputs)
+             if j in static and isinstance(a, torch.Tensor)}
+    return {i: owner[o.untyped_storage().data_ptr()] for i, o in enumerate(outputs)
+            if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() in owner}
+
+
+def on_input(o: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """Output `o` of the capture, a view of a static input, taken on this call's input `a` (at
+    the same address, over its own storage object): `a` itself where `o` is the whole of it."""
+    if (o.dtype, o.shape, o.stride(), o.storage_offset()) == (a.dtype, a.shape, a.stride(), a.storage_offset()):
+        return a
+    return o.new_empty(0).set_(a.untyped_storage(), o.storage_offset(), o.shape, o.stride())
 
 
 def copy_out(o: torch.Tensor) -> torch.Tensor:
