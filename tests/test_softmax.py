@@ -81,3 +81,45 @@ def test_softmax_backward(tmp_path):
     (grad,) = torch.autograd.grad(out, x, g)
     (ref,) = torch.autograd.grad(fn(x), x, g)
     torch.testing.assert_close(grad, ref)
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_cross_entropy_backward_sums_no_one_hot(tmp_path, weighted):
+    """nll_loss_backward scatters -1 at each row's target, and log_softmax's backward sums that
+    row: the sum of a one-hot row is its one value (one_hot.py), so the backward is one pointwise
+    pass over the logits, no reduction over the vocabulary. With class weights the row's value
+    depends on the target's weight: that sum stays a reduction, and both are exact."""
+    x = torch.randn(16, 300, device=DEVICE, requires_grad=True)
+    t = torch.randint(0, 300, (16,), device=DEVICE)
+    t[3] = -100  # ignored
+    w = torch.rand(300, device=DEVICE) if weighted else None
+    fn = lambda x, t: F.cross_entropy(x, t, weight=w)  # noqa: E731
+    fn(x, t).backward()
+    want, x.grad = x.grad, None
+    loss, dumps = compile_and_run(fn, x, t, tmp_path=tmp_path, **LOOPED)
+    loss.backward()
+    torch.testing.assert_close(loss, fn(x, t))
+    torch.testing.assert_close(x.grad, want)
+    backward = dumps.code(dumps.graphs()[-1])
+    assert "_backward_" in dumps.graphs()[-1]
+    count(backward, "tl.sum(", 1 if weighted else 0)
+
+
+def test_sum_of_one_hot_rewrite():
+    """The rewrite on an FX graph: the sum goes, the one-hot product stays for its other reader;
+    rows with an index and a scale are exact, keepdim or not."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from commfuse.one_hot import sum_one_hot
+
+    def f(idx, scale):
+        g = torch.zeros(4, 10).scatter(1, idx, -2.0) * scale
+        return g.sum(1, keepdim=True), g.sum(-1), g + 1
+    idx, scale = torch.tensor([[3], [0], [9], [3]]), torch.randn(4, 1)
+    gm = make_fx(f, tracing_mode="fake")(idx, scale)
+    assert sum_one_hot(gm) == 2
+    assert not gm.graph.find_nodes(op="call_function", target=torch.ops.aten.sum.dim_IntList)
+    for got, want in zip(gm(idx, scale), f(idx, scale)):
+        assert got.shape == want.shape and torch.equal(got, want)
+    wide = torch.randn(4, 10)  # a scale that varies along the row: not a one-hot's single value
+    gm = make_fx(f, tracing_mode="fake")(idx, wide)
+    assert sum_one_hot(gm) == 0
