@@ -25,23 +25,20 @@ def sum_one_hot(gm: torch.fx.GraphModule) -> int:
         match = _match(node)
         if match is None:
             continue
-        w, c, d, keepdim = match
-        out = node.meta["val"]
+        w, c, d, keepdim, dead = match
         shape = list(node.args[0].meta["val"].shape)
         shape[d] = 1
-        graph = gm.graph
-        with graph.inserting_before(node):
-            value = graph.call_function(aten.mul.Tensor, (w, c))
-            if _val(value).dtype != out.dtype:
-                value = graph.call_function(aten._to_copy.default, (value,), {"dtype": out.dtype})
-                _val(value)
-            value = graph.call_function(aten.expand.default, (value, shape))
-            _val(value)
+        with gm.graph.inserting_before(node):
+            value = _add(gm.graph, aten.mul.Tensor, w, c)
+            if value.meta["val"].dtype != node.meta["val"].dtype:
+                value = _add(gm.graph, aten._to_copy.default, value, dtype=node.meta["val"].dtype)
+            value = _add(gm.graph, aten.expand.default, value, shape)
             if not keepdim:
-                value = graph.call_function(aten.squeeze.dim, (value, d))
-                _val(value)
+                value = _add(gm.graph, aten.squeeze.dim, value, d)
         node.replace_all_uses_with(value)
-        _erase_unused(graph, node)
+        for n in (node, *dead):  # the product, the one-hot and its zeros, where only the sum read them
+            if not n.users:
+                gm.graph.erase_node(n)
         changed += 1
     if changed:
         gm.graph.lint()
@@ -50,7 +47,7 @@ def sum_one_hot(gm: torch.fx.GraphModule) -> int:
 
 
 def _match(node):
-    """(w, c, d, keepdim) where `node` sums a one-hot tensor times w, else None."""
+    """(w, c, d, keepdim, [mul, scatter, zeros]) where `node` sums a one-hot tensor times w."""
     x, dims = node.args[0], node.args[1]
     keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
     if node.kwargs.get("dtype") is not None or not isinstance(x, torch.fx.Node) or x.target != aten.mul.Tensor:
@@ -62,23 +59,20 @@ def _match(node):
     for s, w in (x.args, x.args[::-1]):
         c = _one_hot(s, d, val.shape)
         if c is not None and isinstance(w, torch.fx.Node) and _constant_along(w, d, val.dim()):
-            return w, c, d, keepdim
+            return w, c, d, keepdim, [x, s, s.args[0]]
     return None
 
 
 def _one_hot(s, d: int, shape) -> float | int | None:
     """c, where s is `scatter(zeros of shape, d, idx, c)` with exactly one index per row."""
-    if not isinstance(s, torch.fx.Node) or s.target != aten.scatter.value:
+    if not isinstance(s, torch.fx.Node) or s.target != aten.scatter.value or s.kwargs:
         return None
     base, dim, idx, c = s.args[:4]
     sval, ival = s.meta.get("val"), getattr(idx, "meta", {}).get("val")
-    if not isinstance(sval, torch.Tensor) or not isinstance(ival, torch.Tensor) or s.kwargs:
+    if not isinstance(sval, torch.Tensor) or not isinstance(ival, torch.Tensor) or tuple(sval.shape) != tuple(shape):
         return None
-    if tuple(sval.shape) != tuple(shape) or dim % sval.dim() != d or ival.dim() != sval.dim():
-        return None
-    if any(ival.shape[k] != (1 if k == d else shape[k]) for k in range(len(shape))):
-        return None  # an index per row, for every row
-    if not _is_zeros(base) or not isinstance(c, (int, float)) or isinstance(c, bool):
+    one_per_row = ival.dim() == sval.dim() and all(ival.shape[k] == (1 if k == d else shape[k]) for k in range(len(shape)))
+    if dim % sval.dim() != d or not one_per_row or not _is_zeros(base) or type(c) not in (int, float):
         return None
     return c
 
@@ -86,10 +80,8 @@ def _one_hot(s, d: int, shape) -> float | int | None:
 def _is_zeros(n) -> bool:
     if not isinstance(n, torch.fx.Node):
         return False
-    if n.target in _ZEROS:
-        return True
     i = _FULL.get(n.target)
-    return i is not None and len(n.args) > i and n.args[i] == 0 and not isinstance(n.args[i], bool)
+    return n.target in _ZEROS or i is not None and len(n.args) > i and n.args[i] == 0 and not isinstance(n.args[i], bool)
 
 
 def _constant_along(w: torch.fx.Node, d: int, ndim: int) -> bool:
@@ -100,23 +92,10 @@ def _constant_along(w: torch.fx.Node, d: int, ndim: int) -> bool:
     return k < 0 or val.shape[k] == 1
 
 
-def _val(node: torch.fx.Node):
-    """The node's value, computed on the fake values of its arguments."""
-    from torch._subclasses.fake_tensor import FakeTensor
-    args = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
-    fake = next(v for v in torch.utils._pytree.tree_leaves(args) if isinstance(v, FakeTensor))
-    with fake.fake_mode:
-        node.meta["val"] = node.target(*args[0], **args[1])
-    return node.meta["val"]
-
-
-def _erase_unused(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
-    """`node` and the producers only it used (mul, scatter, zeros: all functional)."""
-    stack = [node]
-    while stack:
-        n = stack.pop()
-        if n.users or n.op != "call_function":
-            continue
-        inputs = n.all_input_nodes
-        graph.erase_node(n)
-        stack += [i for i in inputs if i.target in (aten.mul.Tensor, aten.scatter.value) or _is_zeros(i)]
+def _add(graph: torch.fx.Graph, target, *args, **kwargs) -> torch.fx.Node:
+    """A new node, its value computed on the fake values of its arguments."""
+    node = graph.call_function(target, args, kwargs)
+    vals = torch.fx.node.map_arg((args, kwargs), lambda n: n.meta["val"])
+    with torch._guards.detect_fake_mode(torch.utils._pytree.tree_leaves(vals)):
+        node.meta["val"] = target(*vals[0], **vals[1])
+    return node
