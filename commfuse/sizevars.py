@@ -139,8 +139,8 @@ def _fold_div_mod(e: Expr):
             low = Mod(x, d)
             if low in terms and sympy.expand(terms[low] * d - coeff) == 0:
                 return e - coeff * rest - terms[low] * low + terms[low] * Mod(x, d * b)
-            continue
-        high = FloorDiv(inner, b)  # c*b*(x // b) + c*(x % b) -> c*x
+        # c*b*(x // b) + c*(x % b) -> c*x; with x = y // d: c*b*(y // (d*b)) + c*((y // d) % b) -> c*(y // d)
+        high = FloorDiv(inner, b)
         if high in terms and sympy.expand(terms[high] - coeff * b) == 0:
             return e - coeff * rest - terms[high] * high + coeff * inner
     return None

@@ -28,3 +28,19 @@ def test_hints_are_this_graphs_while_lowering(tmp_path):
     stored = [b["bytes"] for b in summary["buffers"]]
     assert 64 * 8 * 4 not in stored, (stored, code)  # the whole exp(x) is never stored
     assert 5 * 8 * 4 in stored, (stored, code)       # its 5 rows are
+
+
+def test_split_and_merged_dims_fold_back():
+    """An index through a view that splits a dim and one that merges it back: `x // b`, `x % b`
+    and their combinations fold to the index they started from (one division per element where
+    a [32, V] gradient was viewed as [2, 16, V]: three before)."""
+    import sympy
+    from commfuse.sizevars import FloorDiv, Mod, simplify
+    x = sympy.Symbol("x", integer=True, nonnegative=True)
+    v = 50257
+    assert simplify(16 * FloorDiv(x, 16 * v) + Mod(FloorDiv(x, v), 16)) == FloorDiv(x, v)
+    assert simplify(16 * 50260 * FloorDiv(x, 16 * v) + Mod(x, v) + 50260 * Mod(FloorDiv(x, v), 16)) \
+        == 50260 * FloorDiv(x, v) + Mod(x, v)  # a padded row stride
+    assert simplify(4 * Mod(FloorDiv(x, 4), 3) + Mod(x, 4)) == Mod(x, 12)
+    assert simplify(3 * FloorDiv(x, 3) + Mod(x, 3)) == x
+    assert simplify(2 * FloorDiv(x, 16 * v) + Mod(FloorDiv(x, v), 16)) != FloorDiv(x, v)  # not a merge
