@@ -68,10 +68,15 @@ def test_outputs_on_static_inputs_are_taken_on_this_calls_input():
     assert static_aliases(outputs, [weight, x], static={0}) == {0: 0, 1: 0}
     assert static_aliases(outputs, [weight, x], static=set()) == {}
     current = torch.randn(4, 6)  # this call's weight
-    assert on_input(outputs[0], current) is current
-    view = on_input(outputs[1], current)
+    assert on_input(outputs[0], weight, current) is current
+    view = on_input(outputs[1], weight, current)
     assert view.untyped_storage().data_ptr() == current.untyped_storage().data_ptr()
     assert view.stride() == (1, 6) and torch.equal(view, current.t())
+    # inputs that are views into a flat buffer (FSDP2's gathered parameters), at other offsets
+    flat, other = torch.randn(40), torch.randn(50)
+    captured, now = flat[8:32].view(4, 6), other[20:44].view(4, 6)
+    row = captured[2]
+    assert torch.equal(on_input(row, captured, now), now[2])
 
 
 class _FakeCapture:

@@ -74,8 +74,8 @@ class CudaGraphed:
         for a, static in back:
             if a.data_ptr() != static.data_ptr():
                 a.copy_(static)
-        return [on_input(o, caller[self.aliases[i]]) if i in self.aliases else copy_out(o) if i in self.cloned else o
-                for i, o in enumerate(self.outputs)]
+        return [on_input(o, self.inputs[self.aliases[i]], caller[self.aliases[i]]) if i in self.aliases
+                else copy_out(o) if i in self.cloned else o for i, o in enumerate(self.outputs)]
 
     def _static_in_place(self, args) -> bool:
         return all(args[i].data_ptr() == p for i, p in self.static_ptrs)
@@ -120,12 +120,14 @@ def static_aliases(outputs, inputs, static) -> dict:
             if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() in owner}
 
 
-def on_input(o: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
-    """Output `o` of the capture, a view of a static input, taken on this call's input `a` (at
-    the same address, over its own storage object): `a` itself where `o` is the whole of it."""
-    if (o.dtype, o.shape, o.stride(), o.storage_offset()) == (a.dtype, a.shape, a.stride(), a.storage_offset()):
+def on_input(o: torch.Tensor, captured: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """Output `o` of the capture, a view of the static input `captured`, taken on this call's
+    input `a` at the same place (`a` itself where `o` is the whole of it), over `a`'s storage."""
+    delta = o.data_ptr() - captured.data_ptr()  # bytes from the input's first element
+    if delta == 0 and (o.dtype, o.shape, o.stride()) == (a.dtype, a.shape, a.stride()):
         return a
-    return o.new_empty(0).set_(a.untyped_storage(), o.storage_offset(), o.shape, o.stride())
+    offset = a.storage_offset() * a.element_size() + delta
+    return o.new_empty(0).set_(a.untyped_storage(), offset // o.element_size(), o.shape, o.stride())
 
 
 def copy_out(o: torch.Tensor) -> torch.Tensor:
