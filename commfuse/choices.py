@@ -148,10 +148,8 @@ class Choices:
         return kernel.op.overloadpacket in MATMULS and sizevars.equal(slice_layout.stride[-1], 1)
 
     def cuda_graph_captures(self) -> int:
-        """Captures of one graph in CUDA-graph mode before it runs without one. Each new capture
-        follows a static input that moved: one compiled code shared by several layers (each layer's
-        parameters), or FSDP2's, gathered anew each step. A few cover weights reloaded once;
-        a graph that moves on every call would pay a capture each call."""
+        """Captures of a graph in CUDA-graph mode before it runs without one: each follows moved
+        parameters (reloaded weights; layers sharing compiled code, or FSDP2's, move every call)."""
         return 3
 
     # ------------------------------------------------------------------------- layout
@@ -203,14 +201,16 @@ class Choices:
             keep = _pads_rows(stored.get_device())
         return keep and meta.is_contiguous() and ir.is_row_padded(stored.layout)
 
-    def mm_pad_multiple(self, device, dtype, m, k, n) -> int | None:
-        """Elements (16 bytes' worth) to pad a matmul's K and N up to, or None: when either is not
-        a multiple and an operand or the output is large (`pad_rows`, `pad_rows_min_bytes`)."""
+    def mm_pad_multiple(self, device, dtype, m, k, n, m_leading=False) -> int | None:
+        """Elements (16 bytes' worth) to pad a matmul's K and N up to (and M, where it is the left
+        operand's leading dimension), or None: when one is not a multiple and an operand or the
+        output is large (`pad_rows`, `pad_rows_min_bytes`)."""
         if not _pads_rows(device) or not all(sizevars.is_static(x) for x in (m, k, n)):
             return None
         m, k, n, item = int(m), int(k), int(n), dtype.itemsize
         multiple = _aligned_elements(item)
-        if (k % multiple == 0 and n % multiple == 0) or max(m * k, k * n, m * n) * item < config.pad_rows_min_bytes:
+        aligned = k % multiple == 0 and n % multiple == 0 and (not m_leading or m % multiple == 0)
+        if aligned or max(m * k, k * n, m * n) * item < config.pad_rows_min_bytes:
             return None
         return multiple
 

@@ -50,6 +50,7 @@ class GraphLowering(torch.fx.Interpreter):
         self.graph_inputs: dict[str, Any] = {}       # placeholder name -> InputBuffer / symbol / value
         self.placeholder_names: list[str] = []
         self.constants: dict[str, torch.Tensor] = {}
+        self.padded_operands: dict = {}              # matmul operands' zero-padded copies (lowering/matmul.py)
         self.graph_outputs: list = []
         self.comm_plans: list = []                   # every collective, decided (commfuse/collectives.py)
         self.fallback_ops: list[str] = []             # aten ops run as they are, in graph order

@@ -1,11 +1,7 @@
-"""Sums of one-hot tensors, taken without a pass over them.
-
-A cross-entropy's backward (aten's nll_loss_backward, then _log_softmax_backward_data) builds
-`g = scatter(zeros, d, target, c) * w`, one nonzero per row, and sums it along the row:
-`sum(g, d)`. Over a vocabulary that is a reduction over rows x vocabulary elements which loads
-nothing but compares every column with the target. Its value is `c * w` where w is constant along
-d: exact, since the other terms are zeros. `g` itself stays, for the pointwise kernel that reads it.
-"""
+"""Sums of one-hot tensors, taken without a pass over them. A cross-entropy's backward builds
+`g = scatter(zeros, d, target, c) * w` (nll_loss_backward) and sums its rows (log_softmax's
+backward): a reduction over the vocabulary that compares every column with the target. Where w is
+constant along d the sum is `c * w`, exactly; `g` stays for the pointwise kernel that reads it."""
 from __future__ import annotations
 
 import torch
@@ -18,8 +14,7 @@ _FULL = {aten.full_like.default: 1, aten.full.default: 1, aten.new_full.default:
 
 
 def sum_one_hot(gm: torch.fx.GraphModule) -> int:
-    """Rewrite `sum(scatter(zeros, d, idx, c) * w, [d])`, with one index per row and w constant
-    along d, into `c * w`; returns how many sums changed."""
+    """`sum(scatter(zeros, d, idx, c) * w, [d])` -> `c * w` (one index per row, w constant along d)."""
     changed = 0
     for node in list(gm.graph.find_nodes(op="call_function", target=aten.sum.dim_IntList)):
         match = _match(node)
@@ -78,10 +73,9 @@ def _one_hot(s, d: int, shape) -> float | int | None:
 
 
 def _is_zeros(n) -> bool:
-    if not isinstance(n, torch.fx.Node):
-        return False
-    i = _FULL.get(n.target)
-    return n.target in _ZEROS or i is not None and len(n.args) > i and n.args[i] == 0 and not isinstance(n.args[i], bool)
+    i = _FULL.get(getattr(n, "target", None))
+    return isinstance(n, torch.fx.Node) and (n.target in _ZEROS or i is not None and len(n.args) > i
+                                             and n.args[i] == 0 and not isinstance(n.args[i], bool))
 
 
 def _constant_along(w: torch.fx.Node, d: int, ndim: int) -> bool:

@@ -17,7 +17,7 @@ from commfuse.virtualized import V
 
 from . import register
 from .extern import realize_arg
-from .views import constant_pad_nd, slice_
+from .views import constant_pad_nd, permute, slice_
 
 aten = torch.ops.aten
 
@@ -30,36 +30,45 @@ def addmm(bias, a, b, beta=1, alpha=1):
 
 
 def aligned_mm(a, b, bias=None):
-    """A large matmul whose K or N is not a multiple of 16 bytes, on zero-padded operands (the
-    product over the padded K is the same), its output rows padded and sliced back to N: cuBLAS
-    takes unaligned kernels otherwise (GPT-2's 50257-word head on H100: 3.3 ms, 0.45 aligned).
-    The copies of the operands are cheap beside that. None where choices keeps it as it is."""
+    """A large matmul whose K, N (or M, the leading dimension of a left operand stored transposed:
+    an LM head's weight gradient gᵀ @ h) is not a multiple of 16 bytes, on zero-padded operands
+    into a padded output sliced back: cuBLAS takes unaligned kernels otherwise (GPT-2's head on
+    H100: 3.3 ms, 0.45 aligned). None where choices keeps it as it is."""
     if not (isinstance(a, TensorBox) and isinstance(b, TensorBox)):
         return None
     (m, k), n = a.get_size(), b.get_size()[1]
-    multiple = V.choices.mm_pad_multiple(a.get_device(), a.get_dtype(), m, k, n)
+    a_view = ir.as_strided_view(a)
+    m_leading = a_view is not None and a_view.layout.stride_order() == [1, 0]
+    multiple = V.choices.mm_pad_multiple(a.get_device(), a.get_dtype(), m, k, n, m_leading)
     if multiple is None:
         return None
-    kp, np_ = (-(-int(x) // multiple) * multiple for x in (k, n))
-    args = (_zero_padded(a, [0, kp - int(k)]), _zero_padded(b, [0, np_ - int(n), 0, kp - int(k)]))
+    mp, kp, np_ = (-(-int(x) // multiple) * multiple if pad else int(x) for x, pad in ((m, m_leading), (k, 1), (n, 1)))
+    args = (_zero_padded(a, [0, kp - int(k), 0, mp - int(m)]), _zero_padded(b, [0, np_ - int(n), 0, kp - int(k)]))
     if bias is not None:
         args = (_zero_padded(bias, [0, np_ - int(n)]),) + args
-    layout = ir.contiguous_layout(a.get_device(), a.get_dtype(), [m, sympy.Integer(np_)], ir.FixedLayout)
+    layout = ir.contiguous_layout(a.get_device(), a.get_dtype(), [sympy.Integer(mp), sympy.Integer(np_)], ir.FixedLayout)
     out = TensorBox(V.graph.register_buffer(ir.ExternKernel, layout=layout, op=aten.addmm.out if bias is not None
                                             else aten.mm.out, args=args, kwargs={}, mutates=[], aliases=False,
                                             out_variant=True))
-    return slice_(out, 1, 0, n)
+    out = slice_(out, 1, 0, n)
+    return slice_(out, 0, 0, m) if mp != int(m) else out
 
 
 def _zero_padded(x, pad):
-    """x stored zero-padded; an operand already aligned as it is. A transposed operand (a weight
-    `w.t()`, rows of w padded) is stored transposed too, a copy that streams: cuBLAS takes it
-    transposed as well, and a transposing copy of GPT-2's head took 317 µs against 52."""
-    if not any(pad):
-        return realize_arg(x)
-    view = ir.as_strided_view(x) if len(x.get_size()) == 2 else None
-    transposed = view is not None and view.layout.stride_order() == [1, 0]
-    return constant_pad_nd(x, pad).realize([1, 0] if transposed else None)
+    """x stored zero-padded, in its order in memory (`w.t()` stays transposed: a copy that streams;
+    transposing GPT-2's head took 317 µs against 52), one copy for every matmul that pads the same
+    stored value alike (`g @ w` for K, `gᵀ @ h` for M); an operand already aligned as it is."""
+    view = ir.as_strided_view(x) if any(pad) and len(x.get_size()) == 2 else None
+    if view is None:
+        return constant_pad_nd(x, pad).realize() if any(pad) else realize_arg(x)
+    transposed, stride = view.layout.stride_order() == [1, 0], view.layout.stride
+    if transposed:  # in memory order: the rows as stored
+        x, pad, stride = permute(x, [1, 0]), pad[2:] + pad[:2], stride[::-1]
+    key = (view.base.name, view.layout.offset, tuple(x.get_size()), tuple(stride), tuple(pad))
+    copies = V.graph.padded_operands
+    if key not in copies:
+        copies[key] = TensorBox(constant_pad_nd(x, pad).realize([0, 1]))
+    return permute(copies[key], [1, 0]).realize() if transposed else copies[key].realize()
 
 
 @register(aten.mm.default)

@@ -335,7 +335,8 @@ def test_aligned_operand_is_not_copied_for_padding(tmp_path):
     out, dumps = compile_and_run(lambda x, w: x @ w.t(), x, w, tmp_path=tmp_path, pad_rows=True, pad_rows_min_bytes=0)
     torch.testing.assert_close(out, x @ w.t(), atol=1e-4, rtol=1e-4)
     summary, code = dumps.only()
-    assert re.search(r"aten\.mm\.out\(arg\d+_1, buf\d+, out=buf\d+\)", code), code  # x straight from the input
+    assert re.search(r"aten\.mm\.out\(arg\d+_1, (buf\d+|reinterpret_tensor\(buf\d+, [^)]*\), [^)]*\), \d+\)), out=buf\d+\)",
+                     code), code  # x straight from the input
     assert len(summary["kernels"]) == 1, summary["kernels"]  # w padded; the output returned padded
     assert out.stride() == (1004, 1)
 
@@ -347,7 +348,28 @@ def test_transposed_weight_is_padded_in_its_own_layout(tmp_path):
     out, dumps = compile_and_run(lambda h, w: h @ w.t(), h, w, tmp_path=tmp_path, pad_rows=True,
                                  pad_rows_min_bytes=0, mm_template=False)
     torch.testing.assert_close(out, h @ w.t(), atol=1e-4, rtol=1e-4)
-    FileCheck().check("empty_strided((64, 1004), (1, 64)").check("aten.mm.out(").run(dumps.only()[1])
+    # w's rows as stored, padded: w.t() is its transposed view
+    FileCheck().check("buf0 = empty_strided((1004, 64), (64, 1)") \
+        .check("aten.mm.out(arg").check_same("reinterpret_tensor(buf0, (64, 1004), (1, 64), 0)").run(dumps.only()[1])
+
+
+def test_transposed_left_operand_pads_m_and_shares_the_copy(tmp_path):
+    """An LM head's backward: `g @ w` pads g's rows (K) and `gᵀ @ h` has g's unaligned row length
+    as M, its leading dimension. Both read one zero-padded copy of g (gᵀ as its transposed view);
+    the weight gradient's extra rows are sliced off."""
+    g, w, h = (torch.randn(32, 1001, device=DEVICE), torch.randn(1001, 64, device=DEVICE),
+               torch.randn(32, 64, device=DEVICE))
+    fn = lambda g, w, h: (g @ w, g.t() @ h)  # noqa: E731
+    (dh, dw), dumps = compile_and_run(fn, g, w, h, tmp_path=tmp_path, pad_rows=True, pad_rows_min_bytes=0,
+                                      mm_template=False)
+    for got, want in zip((dh, dw), fn(g, w, h)):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert dw.shape == (1001, 64)
+    code = dumps.only()[1]
+    padded = re.search(r"(buf\d+) = empty_strided\(\(32, 1004\), \(1004, 1\)", code).group(1)
+    count(code, "empty_strided((32, 1004)", 1)  # one copy of g
+    FileCheck().check(f"aten.mm.out(reinterpret_tensor({padded}, (1004, 32), (1, 1004), 0), arg").run(code)
+    FileCheck().check(f"aten.mm.out({padded}, buf").run(code)
 
 
 def test_as_strided_over_padded_rows_reads_eager_storage(tmp_path):

@@ -4,19 +4,14 @@ The first call runs normally (it allocates and rendezvouses the comm pools, chec
 ranks, compiles the kernels); the second captures the call into a graph. Inputs are of two kinds:
 - static (parameters and module buffers, as AOTAutograd reports them): captured as they are, at
   their own address, so a replay reads and writes them in place: a KV cache or a BatchNorm's running
-  stats updated by the graph are updated for the caller, with no copy. Should one move (weights
-  reloaded into new tensors), the graph is captured again; a graph whose static inputs keep moving
-  (one compiled code run by several layers; FSDP2's parameters, gathered anew each step) runs without
-  a CUDA graph after `Choices.cuda_graph_captures()` captures.
+  stats updated by the graph are updated for the caller, with no copy. Should one move, the graph
+  is captured again, up to `Choices.cuda_graph_captures()` times (then it runs without one).
 - the others (activations, token ids, positions): copied into a static copy before each replay
   when their address differs from it, and copied back after it when the graph writes them.
 Outputs are returned as copies, since the next replay rewrites the graph's own (a saved activation
-or a logits tensor may outlive it), except those that are static inputs or views of them: those are
-taken on this call's input, not on the tensor the graph was captured with. An address can be reused
-(FSDP2 frees a layer's gathered parameters, and the next layer's land at the same address), and the
-backward must get the tensor whose storage it will find gathered again. A graph with symbolic sizes
-checks each call's shapes and scalars and runs without the graph when they differ from the
-captured ones.
+or a logits tensor may outlive it), except views of static inputs: taken on this call's input (an
+address is reused: FSDP2's next layer's weights land where the last one's were). A graph with
+symbolic sizes runs without the graph when a call's shapes or scalars differ from the captured.
 """
 from __future__ import annotations
 
