@@ -45,6 +45,8 @@ def commfuse_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | N
     elif mode not in (None, "default"):
         log.warning("commfuse: mode=%r is not supported; compiling with defaults", mode)
     settings = {**config.snapshot(), **_check_options(options)}
+    with config.patch(settings):
+        precompile.warm()  # the workers start while AOTAutograd traces the graph
     if settings["sdpa_gqa"]:
         use_sdpa_gqa(gm)
 

@@ -10,11 +10,13 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from commfuse import config
 from commfuse.runtime import loader, precompile
 from tests.common import DEVICE, compile_and_run
 from tests.dist_utils import WORLD, run_ranks
@@ -199,6 +201,26 @@ def test_a_failing_or_crashing_worker_costs_only_its_kernel(tmp_path, caplog):
         with caplog.at_level("DEBUG", logger="commfuse.runtime.precompile"):
             precompile.Pending([crash, failed]).wait()  # logged, not raised
         assert sum("compile at their launch" in r.message for r in caplog.records) == 2
+    finally:
+        pool.close()
+    assert not pool.procs
+
+
+def test_workers_start_when_the_pool_is_made(monkeypatch):
+    """The backend makes the pool at its entry (`warm`), and each worker starts at once: its
+    interpreter's start and imports overlap tracing and lowering, not the first graph's kernels."""
+    monkeypatch.setattr(precompile, "interpreting", lambda: False)  # as on a GPU
+    monkeypatch.setattr(precompile, "_pool", None)
+    with config.patch(compile_workers=2):
+        precompile.warm()
+        pool = precompile._pool
+        precompile.warm()  # one pool for every graph
+        assert precompile._pool is pool and pool.n == 2
+    try:
+        deadline = time.time() + 120
+        while len(pool.procs) < 2 and time.time() < deadline:
+            time.sleep(0.05)
+        assert len(pool.procs) == 2 and all(p.poll() is None for p in pool.procs), pool.procs
     finally:
         pool.close()
     assert not pool.procs

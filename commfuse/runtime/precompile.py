@@ -41,24 +41,32 @@ def workers() -> int:
     return max(1, cpus // max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1)))
 
 
-def start(module) -> Pending | None:
-    """Submit every kernel `module` launches; None where none is (CPU, compile_workers=0, failure)."""
+def warm() -> Pool | None:
+    """The workers' pool, one for every graph; None on CPU or with compile_workers=0. The backend
+    calls it at its entry: the workers' interpreters start, and import torch and triton, while
+    Dynamo's graph is traced and lowered, not at the first graph's kernels."""
     global _pool
     n = workers()
-    if n <= 0 or interpreting() or not getattr(module, "_launches", None):
+    if n <= 0 or interpreting():
+        return None
+    if _pool is None or _pool.n != n or _pool.pid != os.getpid():
+        if _pool is not None:
+            _pool.close()
+        _pool = Pool(n)
+    return _pool
+
+
+def start(module) -> Pending | None:
+    """Submit every kernel `module` launches; None where none is (CPU, compile_workers=0, failure)."""
+    if not getattr(module, "_launches", None) or (pool := warm()) is None:
         return None
     try:
         from triton.runtime import driver
         target = driver.active.get_current_target()  # as the JIT's binder gets it
         jobs = [job for launch in module._launches if (job := capture(*launch))]
-        if _pool is None or _pool.n != n or _pool.pid != os.getpid():  # one pool for every graph
-            if _pool is not None:
-                _pool.close()
-            _pool = Pool(n)
-        return Pending([_pool.submit((module.__file__, module.__name__, target, job)) for job in jobs])
+        return Pending([pool.submit((module.__file__, module.__name__, target, job)) for job in jobs])
     except Exception as e:
         _failed(f"{type(e).__name__}: {e}")
-        return None
 
 
 def capture(kernel, args, kwargs) -> tuple | None:
@@ -96,7 +104,8 @@ class Pending:
 
 class Pool:
     """`n` compile workers, each fed by a daemon thread, so that interpreter exit never waits for a
-    compile; the workers are killed at exit. A worker that crashes or times out is replaced."""
+    compile; the workers are killed at exit. Each starts at once (its imports take seconds), and
+    one that crashes or times out is replaced."""
 
     def __init__(self, n: int):
         self.n, self.pid, self.closed = n, os.getpid(), False
@@ -111,7 +120,10 @@ class Pool:
         return future
 
     def _feed(self) -> None:
-        proc = None
+        try:
+            proc = self._spawn()
+        except Exception:
+            proc = None  # tried again at its first job
         while (job := self.jobs.get()) is not None:
             payload, future = job
             try:
@@ -127,6 +139,7 @@ class Pool:
                 self._end(proc)
                 proc = None
                 future.set_result(f"compile worker: {type(e).__name__}: {e}")
+        self._end(proc)
 
     def _spawn(self) -> subprocess.Popen:
         env = dict(os.environ, TRITON_INTERPRET="0", CUDA_VISIBLE_DEVICES="",
@@ -134,8 +147,11 @@ class Pool:
         proc = subprocess.Popen([sys.executable, "-c", "from commfuse.runtime.precompile import serve; serve()"],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
         with self.lock:
-            self.procs.add(proc)
-        return proc
+            if not self.closed:
+                self.procs.add(proc)
+                return proc
+        self._end(proc)  # closed while it started
+        raise RuntimeError("closed")
 
     def _end(self, proc) -> None:
         if proc is not None:
@@ -147,7 +163,8 @@ class Pool:
     def close(self) -> None:
         if os.getpid() != self.pid:  # a forked child: the workers are its parent's
             return
-        self.closed = True
+        with self.lock:
+            self.closed = True
         for _ in range(self.n):
             self.jobs.put(None)
         with self.lock:
