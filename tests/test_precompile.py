@@ -210,6 +210,7 @@ def test_workers_start_when_the_pool_is_made(monkeypatch):
     """The backend makes the pool at its entry (`warm`), and each worker starts at once: its
     interpreter's start and imports overlap tracing and lowering, not the first graph's kernels."""
     monkeypatch.setattr(precompile, "interpreting", lambda: False)  # as on a GPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(precompile, "_pool", None)
     with config.patch(compile_workers=2):
         precompile.warm()

@@ -41,10 +41,17 @@ def workers() -> int:
     return max(1, cpus // max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1)))
 
 
-def warm() -> Pool | None:
-    """The workers' pool, one for every graph; None on CPU or with compile_workers=0. The backend
-    calls it at its entry: the workers' interpreters start, and import torch and triton, while
-    Dynamo's graph is traced and lowered, not at the first graph's kernels."""
+def warm() -> None:
+    """Start the workers now, where CUDA is: the backend calls it at its entry, so that their
+    interpreters start, and import torch and triton, while Dynamo's graph is traced and lowered,
+    not when the first graph's kernels are ready."""
+    import torch
+    if torch.cuda.is_available():
+        _current_pool()
+
+
+def _current_pool() -> Pool | None:
+    """The workers' pool, one for every graph; None on CPU or with compile_workers=0."""
     global _pool
     n = workers()
     if n <= 0 or interpreting():
@@ -58,7 +65,7 @@ def warm() -> Pool | None:
 
 def start(module) -> Pending | None:
     """Submit every kernel `module` launches; None where none is (CPU, compile_workers=0, failure)."""
-    if not getattr(module, "_launches", None) or (pool := warm()) is None:
+    if not getattr(module, "_launches", None) or (pool := _current_pool()) is None:
         return None
     try:
         from triton.runtime import driver
