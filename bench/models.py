@@ -21,12 +21,12 @@ Per model and mode, for Inductor and commfuse:
   compile   seconds of the first step: cold (this model's first compile in the process; the
             script points Inductor's, Triton's and commfuse's caches at a new folder unless
             TORCHINDUCTOR_CACHE_DIR / TRITON_CACHE_DIR / COMMFUSE_CACHE_DIR are set), warm
-            (compiled again after torch._dynamo.reset(), caches filled). commfuse's cold compile
-            also writes its dumps (read for the counts below).
+            (compiled again after torch._dynamo.reset(), caches filled).
   breaks    Dynamo graph breaks (torch._dynamo.utils.counters), and Dynamo graphs
-  kernels   generated kernels: Inductor's metrics.generated_kernel_count, commfuse's summary.json;
-            externs: commfuse's extern calls (aten ops run as they are); fallbacks: commfuse graphs
-            that failed to compile and ran op by op through aten (fallback_on_error)
+  kernels   generated kernels: Inductor's metrics.generated_kernel_count, commfuse's distinct kernels
+            per graph (each graph's summary); externs: commfuse's extern calls (aten ops run as
+            they are); fallbacks: commfuse graphs that failed to compile and ran op by op through
+            aten (fallback_on_error)
   step      ms per step under CUDA graphs: commfuse.runtime.timing.interleaved_times_us captures each
             backend's step after warm-up and replays them in interleaved rounds, best median of
             each: GPU time, without host overhead. Ratios t_other / t_commfuse: above 1, faster.
@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import glob
 import json
 import os
 import platform
@@ -62,6 +61,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch._inductor import metrics as inductor_metrics  # noqa: E402
 
 from bench.common import add_run_args, commfuse_options, run_meta, write_results  # noqa: E402
+from commfuse import backend as commfuse_backend  # noqa: E402
 from commfuse.runtime import timing  # noqa: E402
 
 COMPILED = ("inductor", "commfuse")
@@ -254,10 +254,10 @@ def compile_model(model, backend, options=None):
     return torch.compile(model, backend=backend, options=options)
 
 
-def commfuse_counts(dump_dir) -> dict:
-    summaries = [json.load(open(f)) for f in sorted(glob.glob(f"{dump_dir}/rank*/*/summary.json"))]
+def commfuse_counts(summaries: list) -> dict:
+    """Counts over the summaries of the graphs commfuse compiled (commfuse.backend.summaries)."""
     return {"graphs": len(summaries),
-            "kernels": sum(len(s.get("kernels", ())) for s in summaries),
+            "kernels": sum(len({k["name"] for k in s.get("kernels", ())}) for s in summaries),
             "externs": sum(len(s.get("extern_calls", ())) for s in summaries),
             "fallbacks": sum(not s.get("compiled", True) for s in summaries),
             "fallback_reasons": [s["fallback_reason"] for s in summaries if "fallback_reason" in s]}
@@ -301,8 +301,8 @@ def run(name, mode, args, dev, dtype) -> dict:
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
         inductor_metrics.reset()
-        dumps = tempfile.mkdtemp(prefix=f"{name}_{mode}_", dir=_CACHES)
-        options = {"dump_dir": dumps, **args.options} if b == "commfuse" else None
+        options = args.options if b == "commfuse" else None
+        compiled_before = len(commfuse_backend.summaries)
         try:
             step = make_step(compile_model(models[b], b, options), spec, inputs[b], mode)
             t0 = time.perf_counter()
@@ -314,7 +314,7 @@ def run(name, mode, args, dev, dtype) -> dict:
             if b == "inductor":
                 r["kernels"] = inductor_metrics.generated_kernel_count
             else:
-                r.update(commfuse_counts(dumps))
+                r.update(commfuse_counts(commfuse_backend.summaries[compiled_before:]))
             row[b] = r
         except Exception as e:  # report it, go on with the other backend and models
             row["errors"][b] = f"{type(e).__name__}: {e}".splitlines()[0][:200]

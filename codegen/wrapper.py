@@ -3,6 +3,7 @@ launches kernels and extern ops in schedule order, frees and reuses buffers."""
 from __future__ import annotations
 
 import collections
+import re
 
 import sympy
 import torch
@@ -35,9 +36,10 @@ class WrapperCodegen:
         scheduler.code_renderer = self.debug_code
         self.kernel_sources: dict[int, str] = {}  # group id -> its kernel, as generated
         self.kernels = IndentedBuffer()
+        self.kernel_names: dict[str, str] = {}  # a kernel's code, its own name taken out -> its name
         self.body = IndentedBuffer(1)
         self.kernel_info: list[dict] = []   # for the summary
-        self.launches: list[str] = []       # every kernel launch, as `_launches` lists it
+        self.launches: dict[str, None] = {}  # every distinct kernel launch, as `_launches` lists it
         self.comm_protocol: list[list] = []  # each comm kernel's algorithm, grid and barriers, in order
         self.extern_calls: list[str] = []
         self.allocations: list[dict] = []
@@ -92,8 +94,23 @@ class WrapperCodegen:
     def launch(self, name: str, grid: str, args: list, specs: list, consts: str) -> str:
         """A kernel launch's line; the launch is listed in `_launches` with `specs` for its `args`:
         a tensor's dtype, an integer's value (its hint if dynamic)."""
-        self.launches.append(f"({name}, ({', '.join(map(str, specs))},), dict({consts})),")
+        self.launches[f"({name}, ({', '.join(map(str, specs))},), dict({consts})),"] = None
         return f"{name}[{grid}]({', '.join(args)}, {consts})"
+
+    def define(self, name: str, src: str) -> str:
+        """The name to launch kernel `name` (source `src`) by. A kernel whose code is one already
+        defined under another name (the same layer repeated) is that one: Triton compiles each
+        distinct kernel once, not once per layer."""
+        code = re.sub(rf"\b{re.escape(name)}\b", "KERNEL", src)
+        header = re.search(r"def KERNEL\((.*?)\):", code, re.S)
+        params = [p.strip() for p in header.group(1).split(",")] if header else []
+        for i, p in enumerate(p for p in params if p.isidentifier()):  # buffers' names, not constexprs
+            code = re.sub(rf"\b{p}\b", f"_arg{i}", code)
+        first = self.kernel_names.setdefault(code, name)
+        if first == name:
+            self.kernels.splice(_lines(src))
+            self.kernels.writeline()
+        return first
 
     def dtype(self, name: str) -> str:
         return str(self.graph.get_dtype(name))
@@ -252,8 +269,7 @@ class WrapperCodegen:
         k = TritonKernel(grp, self.sched, name, shape)
         src, meta = k.render()
         self.kernel_sources[id(grp)] = src
-        self.kernels.splice(_lines(src))
-        self.kernels.writeline()
+        name = self.define(name, src)
         for n in grp.nodes:
             if n.name not in self.sched.internal:
                 self.allocate(n.buf, pool)
@@ -338,8 +354,7 @@ class WrapperCodegen:
     def matmul(self, buf: ir.MatmulTemplate, pool):
         name = f"cf_mm_{buf.name}"
         src, meta = matmul_codegen.render(buf, name)
-        self.kernels.splice(_lines(src))
-        self.kernels.writeline()
+        kernel = self.define(name, src)
         self.allocate_out(buf, pool)
         cfg, m, n = meta["cfg"], meta["m"], meta["n"]
         b = buf.args[1]
@@ -360,10 +375,10 @@ class WrapperCodegen:
         consts = (f"XBLOCK={cfg['BLOCK_M']}, RBLOCK={cfg['BLOCK_K']}, BLOCK_N={cfg['BLOCK_N']}, "
                   f"SPLIT_K={cfg['SPLIT_K']}, EVEN={meta['even']}, num_warps={cfg['num_warps']}, "
                   f"num_stages={cfg['num_stages']}")
-        self.body.writeline(self.launch(name, f"({meta['column_blocks']}, {cfg['SPLIT_K']})", args,
+        self.body.writeline(self.launch(kernel, f"({meta['column_blocks']}, {cfg['SPLIT_K']})", args,
                                         specs + [sizevars.hint(i) for i in ints], consts))
         reads = [getattr(r, "base", r).name for r in buf.inputs()]  # a view's base
-        self.kernel_info.append({"name": name, "reads": reads, "writes": [buf.name],
+        self.kernel_info.append({"name": kernel, "reads": reads, "writes": [buf.name],
                                  "nodes": [buf.name], "template": "mm", "prologue": buf.prologue,
                                  "reduction": False, "persistent": False, "tiled": False,
                                  "config": cfg})
@@ -411,8 +426,7 @@ class WrapperCodegen:
             return
         name = f"cf_{algo.name}_all_reduce_{plan.reduce_op}_{step}"
         src_code = algo.kernel(name, plan.world, plan.reduce_op, buf.get_dtype(), plan.inplace)
-        self.kernels.splice(_lines(src_code))
-        self.kernels.writeline()
+        name = self.define(name, src_code)
         if plan.inplace:
             self.body.writeline(f"{buf.name} = {src}  # reduced in place")
         else:

@@ -79,6 +79,26 @@ def test_horizontal_fusion_of_shared_reads(tmp_path):
     count(code, "tl.load(", 1)
 
 
+def test_repeated_layers_share_kernels(tmp_path):
+    """Layers whose kernels differ only in their buffers: one kernel per distinct code, launched
+    once per layer, compiled once. A layer of another width keeps its own kernel."""
+    ws = [torch.randn(32, device=DEVICE) for _ in range(4)] + [torch.randn(48, device=DEVICE)]
+    m = torch.randn(32, 32, device=DEVICE) / 8
+
+    def fn(x, z):
+        for w in ws[:-1]:  # the matmul (an extern) ends each layer's kernel
+            x = (x + F.gelu(F.layer_norm(x, w.shape) * w)) @ m
+        return x, F.gelu(F.layer_norm(z, ws[-1].shape) * ws[-1])
+    x, z = torch.randn(8, 32, device=DEVICE), torch.randn(8, 48, device=DEVICE)
+    out, dumps = compile_and_run(fn, x, z, tmp_path=tmp_path, mm_template=False)
+    torch.testing.assert_close(out, fn(x, z))
+    summary, code = dumps.only()
+    defs = [re.match(r"def (\w+)\(", d).group(1) for d in kernel_defs(code)]
+    launched = [k["name"] for k in summary["kernels"]]
+    assert launched == [defs[0]] * 4 + [defs[1]], (launched, defs)
+    assert len(re.findall(r"^\s+\(cf_\w+, ", code, re.M)) == 2  # one `_launches` entry each: compiled once
+
+
 def test_transposed_input_tiles_2d(tmp_path):
     fn = lambda x, y: x + y.t()  # noqa: E731
     x, y = torch.randn(64, 32, device=DEVICE), torch.randn(32, 64, device=DEVICE)
