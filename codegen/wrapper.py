@@ -9,6 +9,7 @@ import sympy
 import torch
 
 from commfuse import ir, memory, sizevars
+from commfuse.runtime.compile_worker import HOST_CODE
 from commfuse.virtualized import V
 
 from .common import IndentedBuffer, pexpr
@@ -16,17 +17,19 @@ from . import comm as comm_codegen
 from . import matmul as matmul_codegen
 from .triton import TritonKernel, debug_code
 
-HEADER = """\
+KERNEL_HEADER = """\
 # commfuse generated code: graph {graph_id}
-import torch
 import triton
 import triton.language as tl
 from commfuse.runtime import triton_helpers
+"""
+HOST_HEADER = """\
+import torch
 from commfuse.runtime.support import empty_strided, reinterpret_tensor, cdiv, workspace, as_meta_layout
 aten = torch.ops.aten
 prims = torch.ops.prims
-constants = {{}}  # filled by the loader: tensor constants and non-tensor objects
-_workspaces = {{}}  # scratch of split-K matmuls, kept zeroed between calls
+constants = {}  # filled by the loader: tensor constants and non-tensor objects
+_workspaces = {}  # scratch of split-K matmuls, kept zeroed between calls
 """
 
 
@@ -161,9 +164,11 @@ class WrapperCodegen:
         outs = [self.output(o) for o in g.graph_outputs]
         self.body.writeline(f"return ({', '.join(outs)}{',' if len(outs) == 1 else ''})")
         code = IndentedBuffer()
-        code.writelines(HEADER.format(graph_id=g.graph_id).splitlines())
+        code.writelines(KERNEL_HEADER.format(graph_id=g.graph_id).splitlines())
         code.writeline()
         code.splice(self.kernels)
+        code.writeline(HOST_CODE)
+        code.writelines(HOST_HEADER.splitlines())
         code.writeline()
         code.writeline("# each launch of `call`, to compile its kernel ahead of the first call (runtime/precompile.py):")
         code.writeline("# tensors as their dtypes, integers as their values (a dynamic size as its hint)")

@@ -184,6 +184,22 @@ def test_kernels_compiled_ahead_are_found_by_the_launch(tmp_path, case):
     assert all(arch == 90 and warps == want for _, arch, warps, want in out["found"]), out
 
 
+def test_worker_runs_the_kernels_without_torch(tmp_path):
+    """A worker runs a generated module's kernel part only: starting one costs no torch import."""
+    code, _ = _generated("static", tmp_path)
+    path = tmp_path / "output_code.py"
+    path.write_text(code)
+    probe = ("import sys; sys.path.insert(0, sys.argv[1]); import compile_worker as w; "
+             "k = w.kernels(sys.argv[2], 'probe'); "
+             "print(sorted(n for n in k if n.startswith('cf_')), 'torch' in sys.modules)")
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    run = subprocess.run([sys.executable, "-c", probe, os.path.dirname(precompile.compile_worker.__file__), str(path)],
+                         env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-4000:]
+    names, torch_imported = run.stdout.rsplit(" ", 1)
+    assert torch_imported.strip() == "False" and "cf_mm_" in names, run.stdout
+
+
 class _Crash:
     def __reduce__(self):  # unpickled by the worker: it dies
         return (os._exit, (3,))

@@ -5,9 +5,9 @@ after the other. The wrapper lists every launch in the module's `_launches`; her
 bound by its kernel's own JIT (`warmup`: the binder, specialization and option parsing a real
 launch runs), with `_do_compile` stood in for to capture what it would pass to `triton.compile`.
 Worker processes compile those into Triton's on-disk cache, where the first real launch, computing
-the same key, finds them. The workers are plain subprocesses with CUDA hidden (the target comes
-from the parent): no CUDA context each, and the user's `__main__` is not re-run as it would be by
-multiprocessing's spawn. Any failure is logged once at debug level; its kernels then compile at
+the same key, finds them. The workers are plain subprocesses (runtime/compile_worker.py) with CUDA
+hidden (the target comes from the parent): no CUDA context and no torch each, and the user's
+`__main__` is not re-run as it would be by multiprocessing's spawn. Any failure is logged once at debug level; its kernels then compile at
 their launch, as without this.
 """
 from __future__ import annotations
@@ -25,7 +25,8 @@ import sys
 import threading
 
 from .. import config
-from .loader import import_file, interpreting
+from . import compile_worker
+from .loader import interpreting
 
 log = logging.getLogger(__name__)
 TIMEOUT_S = 300  # most seconds for one kernel's compile, and for a first call to wait for its graph's
@@ -150,8 +151,8 @@ class Pool:
 
     def _spawn(self) -> subprocess.Popen:
         env = dict(os.environ, TRITON_INTERPRET="0", CUDA_VISIBLE_DEVICES="",
-                   PYTHONPATH=os.pathsep.join(p for p in sys.path if p))  # this process's commfuse
-        proc = subprocess.Popen([sys.executable, "-c", "from commfuse.runtime.precompile import serve; serve()"],
+                   PYTHONPATH=os.pathsep.join(p for p in sys.path if p))  # this process's triton
+        proc = subprocess.Popen([sys.executable, compile_worker.__file__],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
         with self.lock:
             if not self.closed:
@@ -178,36 +179,6 @@ class Pool:
             procs = list(self.procs)
         for proc in procs:
             self._end(proc)
-
-
-def serve() -> None:
-    """A worker: compiles each job read from stdin into Triton's cache, answers None or why not."""
-    replies = os.fdopen(os.dup(1), "wb")
-    os.dup2(2, 1)  # whatever else prints goes to stderr, not into the replies
-    from triton.compiler import ASTSource, compile
-    try:  # where the CUDA backend builds a C launcher per kernel signature (3.6; 3.9 has one generic
-        from triton.backends.nvidia import driver  # launcher), build it too: it is cached beside the kernel
-        launcher = driver.CudaLauncher if hasattr(driver, "make_launcher") else None
-    except ImportError:
-        launcher = None
-    modules = {}
-    while True:
-        try:
-            path, module_name, target, (name, signature, constexprs, attrs, options) = pickle.load(sys.stdin.buffer)
-        except EOFError:
-            return
-        try:
-            if path not in modules:
-                modules[path] = import_file(path, module_name)
-            kernel = compile(ASTSource(getattr(modules[path], name), signature, constexprs, attrs), target=target,
-                             options=options)
-            if launcher is not None and target.backend == "cuda":
-                launcher(kernel.src, kernel.metadata)
-            reply = None
-        except Exception as e:
-            reply = f"{name}: {type(e).__name__}: {e}"
-        pickle.dump(reply, replies)
-        replies.flush()
 
 
 def _failed(why: str) -> None:
