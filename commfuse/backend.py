@@ -211,7 +211,7 @@ def _generate(gm, example_inputs, graph_id, kind, donated, saved) -> graph_cache
     with graph_cache.recording_messages() as messages, choices.install():
         graph = GraphLowering(gm, example_inputs, graph_id, donated, saved, kind).run()
         with V.set_graph(graph):
-            pre_fusion = "\n".join(str(b) for b in graph.buffers)
+            pre_fusion = "\n".join(str(b) for b in graph.buffers) if config.dump_dir else ""  # printing costs
             sched = Scheduler(graph)
             wrapper = WrapperCodegen(graph, sched)
             source = wrapper.generate()

@@ -113,6 +113,7 @@ def product(it: Iterable[Expr]) -> Expr:
     return functools.reduce(lambda a, b: a * b, it, sympy.Integer(1))
 
 
+@functools.lru_cache(maxsize=1 << 16)  # a pure function of e, asked again for every access of a buffer
 def simplify(e: Expr) -> Expr:
     """Expand, then fold `b*(x // b) + x % b` back into `x` (what view chains produce)."""
     e = sympy.expand(e)
