@@ -431,6 +431,7 @@ class Scheduler:
             scored.append((V.choices.score_fusion(a, b, nbytes, vertical), a, b))
         scored.sort(key=lambda t: t[0], reverse=True)
         alive, fused_any = set(map(id, self.groups)), False
+        self._succ = None
         for _, a, b in scored:
             if id(a) not in alive or id(b) not in alive:
                 continue
@@ -442,6 +443,7 @@ class Scheduler:
             self.groups = [g for g in self.groups if g is not a and g is not b] + [merged]
             for n in merged.nodes:
                 self.group_of[n.name] = merged
+            self._succ = None
             fused_any = True
         return fused_any
 
@@ -548,10 +550,12 @@ class Scheduler:
 
     def _path_between(self, src: Group, dst: Group) -> bool:
         """Is dst reachable from src through some other group (so fusing them makes a cycle)?"""
-        succ = collections.defaultdict(list)
-        for g in self.groups:
-            for d in self.group_deps(g):
-                succ[d].append(g)
+        if self._succ is None:  # the groups' successors, until the next merge
+            self._succ = collections.defaultdict(list)
+            for g in self.groups:
+                for d in self.group_deps(g):
+                    self._succ[d].append(g)
+        succ = self._succ
         seen, stack = set(), [c for c in succ[id(src)] if c is not dst]
         while stack:
             g = stack.pop()
