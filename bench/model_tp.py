@@ -237,6 +237,9 @@ def _train(key, make, x, a, dev, variants, res, failed):
                 step(fn)
                 timing.sync(dev)
                 res[name][f"{key} peak MiB above weights"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+            if a.profile and name in ("inductor", "commfuse"):
+                from bench.profile_model import profile_step  # (imported late: it sets cache folders where unset)
+                a.profiles.setdefault(key, {})[name] = profile_step(lambda: step(fn), a.profile, dev.type)
         except Exception as e:
             failed[f"{name}, {key}"] = _why(e)
         if module is not None:
@@ -356,8 +359,12 @@ def report(a, res, failed, variants, dev, final) -> int:
     if a.out:
         with open(a.out, "w") as f:
             f.write(text + "\n")
+        if a.profiles:
+            from bench.profile_model import markdown
+            with open(os.path.splitext(a.out)[0] + "_profile.md", "w") as f:
+                f.write("\n".join(markdown(k, "training", t, 25) for k, t in a.profiles.items()))
         with open(os.path.splitext(a.out)[0] + ".json", "w") as f:
-            json.dump({"config": {k: v for k, v in vars(a).items() if k != "dtype"}, "device": name,
+            json.dump({"config": {k: v for k, v in vars(a).items() if k not in ("dtype", "profiles")}, "device": name,
                        "world": world, "torch": torch.__version__, "results": res, "failed": merged,
                        "complete": final}, f, indent=1)
     return 1 if merged or flagged else 0
@@ -378,7 +385,11 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of: " + ", ".join(VARIANTS))
     ap.add_argument("--workloads", default="decode,train,fsdp", help="comma-separated subset of: decode, train, fsdp")
     ap.add_argument("--out", help="also write the table here, and the figures as JSON beside it")
+    ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                    help="training: also profile STEPS steps of Inductor and commfuse, and write rank 0's GPU "
+                         "time per kernel beside --out (OUT_profile.md), as bench/profile_model.py does")
     a = ap.parse_args(argv)
+    a.profiles = {}
     for k, v in (TINY if a.tiny else FULL).items():
         if getattr(a, k) is None:
             setattr(a, k, v)
