@@ -227,6 +227,10 @@ def _train(key, make, x, a, dev, variants, res, failed):
                 loss = step(fn)
                 got = grads(module)
             res[name][f"err {key}"] = max([max_diff(loss, ref_loss)] + [max_diff(got[n], g) for n, g in ref_grads.items()])
+            if a.profile:  # the profiler slows what runs after it: a run of its own, without timings
+                if name in WARM:
+                    a.profiles.setdefault(key, {})[name] = _profile(lambda: step(fn), a, dev)
+                continue
             step(fn)  # gradients exist from here on, as in a training loop
             res[name][f"{key} ms/step"] = per_call_us(lambda: step(fn), a, dev, iters=20 if dev.type == "cuda" else 1) / 1e3
             # a self-graphing variant's pool is allocated when it records: not seen by one replay
@@ -237,14 +241,14 @@ def _train(key, make, x, a, dev, variants, res, failed):
                 step(fn)
                 timing.sync(dev)
                 res[name][f"{key} peak MiB above weights"] = (torch.cuda.max_memory_allocated() - base) / 2**20
-            if a.profile and name in ("inductor", "commfuse"):
-                from bench.profile_model import profile_step  # (imported late: it sets cache folders where unset)
-                a.profiles.setdefault(key, {})[name] = profile_step(lambda: step(fn), a.profile, dev.type)
         except Exception as e:
             failed[f"{name}, {key}"] = _why(e)
-        if module is not None:
-            module.zero_grad(set_to_none=True)
-        del fn, module
+        finally:
+            if module is not None:
+                module.zero_grad(set_to_none=True)
+            del fn, module
+    if a.profile:
+        return
 
     def first_call(name):
         fn, module = make(name)
@@ -252,6 +256,18 @@ def _train(key, make, x, a, dev, variants, res, failed):
         module.zero_grad(set_to_none=True)
         return t
     warm_compiles(key, variants, res, failed, first_call)
+
+
+def _profile(step, a, dev) -> dict:
+    """{kernel: [µs, launches]} per step over a.profile steps, each started with the ranks in step
+    (else a comm kernel's time holds its wait for a late rank)."""
+    from bench.profile_model import profile_step  # (imported late: it sets cache folders where unset)
+
+    def synced():
+        timing.sync(dev)
+        dist.barrier()
+        step()
+    return profile_step(synced, a.profile, dev.type)
 
 
 def warm_compiles(key, variants, res, failed, first_call):
@@ -386,8 +402,9 @@ def main(argv=None) -> int:
     ap.add_argument("--workloads", default="decode,train,fsdp", help="comma-separated subset of: decode, train, fsdp")
     ap.add_argument("--out", help="also write the table here, and the figures as JSON beside it")
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
-                    help="training: also profile STEPS steps of Inductor and commfuse, and write rank 0's GPU "
-                         "time per kernel beside --out (OUT_profile.md), as bench/profile_model.py does")
+                    help="training: profile STEPS steps of Inductor and commfuse instead of timing them, and "
+                         "write rank 0's GPU time per kernel beside --out (OUT_profile.md), as "
+                         "bench/profile_model.py does")
     a = ap.parse_args(argv)
     a.profiles = {}
     for k, v in (TINY if a.tiny else FULL).items():
