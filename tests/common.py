@@ -60,10 +60,19 @@ def count(code: str, text: str, n: int) -> None:
 
 def check_peer_sum(code: str, buf: str, world: int, kernel: str = "def cf_") -> None:
     """After `kernel`'s definition, one line sums the loads of `buf`'s copy on every rank, in rank
-    order: the all-reduce reads each peer's buffer, none missing."""
-    check = FileCheck().check(kernel).check(f"tl.load({buf}_peer0 + (")
+    order: the all-reduce reads each peer's buffer, none missing. A kernel that layers share names
+    its parameters after its first launch's buffers: the launch passing `buf`'s copies says which."""
+    local = buf
+    name = kernel[len("def "):-1] if kernel.endswith("(") else None
+    if name is not None and f"{buf}_peer0" not in code.split(kernel, 1)[1].split(")", 1)[0]:
+        params = code.split(kernel, 1)[1].split(")", 1)[0].split(", ")
+        launch = next(line for line in code.splitlines()
+                      if line.strip().startswith(f"{name}[") and f"comm['peers_{buf}'][0]" in line)
+        args = launch.split("](", 1)[1].split(", ")
+        local = params[args.index(f"comm['peers_{buf}'][0]")].removesuffix("_peer0")
+    check = FileCheck().check(kernel).check(f"tl.load({local}_peer0 + (")
     for r in range(1, world):
-        check = check.check_same(f"tl.load({buf}_peer{r} + (")
+        check = check.check_same(f"tl.load({local}_peer{r} + (")
     check.run(code)
 
 
