@@ -7,8 +7,8 @@ launch runs), with `_do_compile` stood in for to capture what it would pass to `
 Worker processes compile those into Triton's on-disk cache, where the first real launch, computing
 the same key, finds them. The workers are plain subprocesses (runtime/compile_worker.py) with CUDA
 hidden (the target comes from the parent): no CUDA context and no torch each, and the user's
-`__main__` is not re-run as it would be by multiprocessing's spawn. Any failure is logged once at debug level; its kernels then compile at
-their launch, as without this.
+`__main__` is not re-run as it would be by multiprocessing's spawn. Any failure is logged once at
+debug level; its kernels then compile at their launch, as without this.
 """
 from __future__ import annotations
 
