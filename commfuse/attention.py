@@ -16,6 +16,8 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
+from .fx_rewrite import erase_unused, finish
+
 log = logging.getLogger("commfuse")
 
 _SDPA = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
@@ -80,12 +82,8 @@ def use_sdpa_gqa(gm: torch.fx.GraphModule) -> int:
                 bound[name] = src
         node.args = tuple(bound.pop(n) for n in _SDPA_ARGS[:3])
         node.kwargs = {**bound, "enable_gqa": True}
-        for d in dict.fromkeys(k[2] + v[2]):  # users first
-            if not d.users:
-                gm.graph.erase_node(d)
+        erase_unused(gm.graph, k[2] + v[2])  # each repeat's nodes, users first
         changed += 1
     if changed:
-        gm.graph.lint()
-        gm.recompile()
         log.debug("commfuse: %d attention call(s) take unrepeated K/V (enable_gqa)", changed)
-    return changed
+    return finish(gm, changed)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+from .fx_rewrite import erase_unused, finish
+
 aten = torch.ops.aten
 
 _ZEROS = {aten.zeros_like.default, aten.new_zeros.default, aten.zeros.default}
@@ -31,14 +33,9 @@ def sum_one_hot(gm: torch.fx.GraphModule) -> int:
             if not keepdim:
                 value = _add(gm.graph, aten.squeeze.dim, value, d)
         node.replace_all_uses_with(value)
-        for n in (node, *dead):  # the product, the one-hot and its zeros, where only the sum read them
-            if not n.users:
-                gm.graph.erase_node(n)
+        erase_unused(gm.graph, (node, *dead))  # the product, the one-hot and its zeros, if only the sum read them
         changed += 1
-    if changed:
-        gm.graph.lint()
-        gm.recompile()
-    return changed
+    return finish(gm, changed)
 
 
 def _match(node):

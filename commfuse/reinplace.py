@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+from .fx_rewrite import finish
+
 aten = torch.ops.aten
 
 # functional op -> its in-place form, for ops whose first argument is the tensor updated
@@ -37,7 +39,4 @@ def reinplace_input_updates(gm: torch.fx.GraphModule) -> int:
         src.target = inplace
         gm.graph.erase_node(copy)
         changed += 1
-    if changed:
-        gm.graph.lint()
-        gm.recompile()
-    return changed
+    return finish(gm, changed)
