@@ -22,6 +22,7 @@ from . import choices, config, dump, graph_cache, ir, sizevars
 from .attention import use_sdpa_gqa
 from .decompositions import decomposition_table
 from .graph import GraphLowering
+from .host_scalars import scalars_to_device
 from .one_hot import sum_one_hot
 from .reinplace import reinplace_input_updates
 from .remat import cross_kernel_bytes
@@ -151,6 +152,7 @@ def _aten_fallback(gm):
 
 def _compile(gm, example_inputs, graph_id, kind="inference", donated=frozenset(), saved=()):
     t0 = time.time()
+    scalars_to_device(gm)
     reinplace_input_updates(gm)
     sum_one_hot(gm)
     key, description, gen, skipped = _cached(gm, example_inputs, graph_id, kind, donated, saved)

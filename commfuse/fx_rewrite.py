@@ -1,4 +1,4 @@
-"""What the FX-graph rewrites (attention.py, reinplace.py, one_hot.py) share."""
+"""What the FX-graph rewrites (attention.py, reinplace.py, one_hot.py, host_scalars.py) share."""
 from __future__ import annotations
 
 import torch.fx

@@ -5,9 +5,13 @@ import pytest
 import torch
 from functorch.compile import make_boxed_func
 from torch._functorch.aot_autograd import aot_module_simplified
+from torch.fx.experimental.proxy_tensor import make_fx
 
+from commfuse.host_scalars import scalars_to_device
 from commfuse.reinplace import reinplace_input_updates
 from commfuse.runtime.cudagraphs import CudaGraphed, InputRoles, copy_out, input_roles, on_input, static_aliases
+
+aten = torch.ops.aten
 
 
 class Counter(torch.nn.Module):
@@ -108,6 +112,43 @@ def test_a_graph_whose_parameters_keep_moving_stops_capturing(monkeypatch, caplo
     assert "runs without a CUDA graph" in caplog.text
     graphed([weights[-1]])
     assert len(calls) == 5 and captures == [1, 1]
+
+
+def test_host_scalars_are_made_on_the_device_that_reads_them():
+    """A lifted 0-dim CPU constant copied into a device tensor (HF T5's `ids[..., 0] = start_id`)
+    and a CPU scalar in a `where` become constants on the reading op's device: no host-to-device
+    copy for a CUDA graph to refuse, nothing left for aten. ('meta' stands for the GPU here.)"""
+    start = torch.tensor(5)
+    def f(x, ids):
+        first = aten.copy.default(aten.select.int(ids, 1, 0), aten.lift_fresh_copy.default(start))
+        return aten.where.self(x > 0, x, aten.scalar_tensor.default(-1.5, device="cpu")), first
+    x, ids = torch.randn(4, 4, device="meta"), torch.ones(4, 3, device="meta", dtype=torch.int64)
+    gm = make_fx(f)(x, ids)
+    assert scalars_to_device(gm) == 2
+    made = {n.args[0]: n.kwargs for n in gm.graph.find_nodes(op="call_function", target=aten.scalar_tensor.default)}
+    assert made == {5: {"dtype": torch.int64, "device": torch.device("meta")},
+                    -1.5: {"dtype": torch.float32, "device": torch.device("meta")}}
+    assert not gm.graph.find_nodes(op="get_attr") and not [
+        n for n in gm.graph.nodes if getattr(n.meta.get("val"), "device", None) == torch.device("cpu")]
+    out = gm(x, ids)
+    assert [(t.shape, t.dtype) for t in out] == [((4, 4), torch.float32), ((4,), torch.int64)]
+
+
+@pytest.mark.gpu
+def test_hf_t5_is_captured_and_matches_eager():
+    """T5's decoder input is its labels shifted right, the first column set from a lifted CPU
+    constant: the compiled graph keeps no host-to-device copy, so a CUDA graph captures it."""
+    pytest.importorskip("transformers")
+    from bench.models import MODELS
+    torch.manual_seed(0)
+    spec = MODELS["t5"](True, "cuda")
+    model = spec.model.cuda().eval()
+    compiled = torch.compile(model, backend="commfuse", options={"cuda_graphs": True})
+    with torch.no_grad():
+        want = spec.outputs(model(**spec.inputs(model)))
+        for _ in range(3):
+            for got, ref in zip(spec.outputs(compiled(**spec.inputs(model))), want):
+                torch.testing.assert_close(got, ref, atol=2e-4, rtol=2e-4)
 
 
 @pytest.mark.gpu
