@@ -2,6 +2,7 @@
 launches kernels and extern ops in schedule order, frees and reuses buffers."""
 from __future__ import annotations
 
+import ast
 import collections
 import re
 
@@ -26,6 +27,7 @@ from commfuse.runtime import triton_helpers
 HOST_HEADER = """\
 import torch
 from commfuse.runtime.support import empty_strided, reinterpret_tensor, cdiv, workspace, as_meta_layout
+from commfuse.runtime.launch import Launches, Site
 aten = torch.ops.aten
 prims = torch.ops.prims
 constants = {}  # filled by the loader: tensor constants and non-tensor objects
@@ -43,6 +45,7 @@ class WrapperCodegen:
         self.body = IndentedBuffer(1)
         self.kernel_info: list[dict] = []   # for the summary
         self.launches: dict[str, None] = {}  # every distinct kernel launch, as `_launches` lists it
+        self.sites: list[str] = []  # each launch line's `Site` (runtime/launch.py): `<kernel>_launch<k>`
         self.comm_protocol: list[list] = []  # each comm kernel's algorithm, grid and barriers, in order
         self.extern_calls: list[str] = []
         self.allocations: list[dict] = []
@@ -98,7 +101,12 @@ class WrapperCodegen:
         """A kernel launch's line; the launch is listed in `_launches` with `specs` for its `args`:
         a tensor's dtype, an integer's value (its hint if dynamic)."""
         self.launches[f"({name}, ({', '.join(map(str, specs))},), dict({consts})),"] = None
-        return f"{name}[{grid}]({', '.join(args)}, {consts})"
+        # a site of its own per line, even for a kernel launched twice: each launch's pointers
+        # may be aligned differently, and its site keeps the kernel compiled for its own
+        site = f"{name}_launch{sum(line.startswith(name + '_launch') for line in self.sites)}"
+        self.sites.append(f"{site} = Site({name}, dict({consts}))")
+        dims = [ast.unparse(e) for e in ast.parse(grid, mode="eval").body.elts]
+        return f"{site}(_stream, ({', '.join(dims + ['1'] * (3 - len(dims)))}), {', '.join(args)})"
 
     def define(self, name: str, src: str) -> str:
         """The name to launch kernel `name` (source `src`) by. A kernel whose code is one already
@@ -134,11 +142,14 @@ class WrapperCodegen:
         for sym, fn, args, kwargs in g.scalar_nodes:
             call_args = ", ".join([self.value(a) for a in args] + [f"{k}={self.value(v)}" for k, v in kwargs.items()])
             self.body.writeline(f"{sym} = {self.value(fn)}({call_args})")
+        inputs = {name for name, b in g.graph_inputs.items() if isinstance(b, ir.InputBuffer)}
+        cuda = self.cuda_device()
+        stream_line = len(self.body.lines)
+        self.body.writeline("_stream = None")  # filled in below once the launches are known
         last_use = self.last_uses()
         # Our references to the input tensors go as soon as they are last read: in a backward
         # graph they are the only ones left to the saved activations (AOTAutograd hands them
         # over in `args` and clears its own), so each is freed there, not when `call` returns.
-        inputs = {name for name, b in g.graph_inputs.items() if isinstance(b, ir.InputBuffer)}
         unused = [n for n in g.placeholder_names if n in inputs and n not in self.sched.output_names
                   and not any(n in names for names in last_use.values())]
         if unused:
@@ -160,6 +171,8 @@ class WrapperCodegen:
                 self.body.writeline(f"del {self.ref(name)}")
                 if name in recyclable:  # the del goes if a later buffer takes the memory over
                     pool[self.alloc_key(g.get_buffer(name))].append((self.ref(name), len(self.body.lines) - 1))
+        if cuda is not None and self.sites:
+            self.body.lines[stream_line] = self.launch_key(inputs)
         self.body.lines = [line for line in self.body.lines if line is not None]
         outs = [self.output(o) for o in g.graph_outputs]
         self.body.writeline(f"return ({', '.join(outs)}{',' if len(outs) == 1 else ''})")
@@ -180,19 +193,35 @@ class WrapperCodegen:
         if self.comm_placements:
             code.splice(self.comm_setup())
             code.writeline()
-        devices = {b.get_device() for b in g.buffers} | {b.get_device() for b in g.graph_inputs.values()
-                                                          if isinstance(b, ir.Buffer)}
-        cuda = sorted({d.index or 0 for d in devices if d.type == "cuda"})
+        if cuda is not None and self.sites:
+            code.writeline(f"_sites = Launches({cuda})")
+        code.writelines(self.sites)
+        code.writeline()
         code.writeline("def call(args):")
-        if len(cuda) == 1:
+        if cuda is not None:
             with code.indent():
-                code.writeline(f"with torch.cuda.device({cuda[0]}):")
+                code.writeline(f"with torch.cuda.device({cuda}):")
                 with code.indent():
                     code.writeline("return _call(args)")
             code.writeline()
             code.writeline("def _call(args):")
         code.splice(self.body)
         return code.getvalue()
+
+    def cuda_device(self) -> int | None:
+        """The index of the graph's CUDA device, where it has exactly one."""
+        g = self.graph
+        devices = {b.get_device() for b in g.buffers} | {b.get_device() for b in g.graph_inputs.values()
+                                                          if isinstance(b, ir.Buffer)}
+        cuda = {d.index or 0 for d in devices if d.type == "cuda"}
+        return cuda.pop() if len(cuda) == 1 else None
+
+    def launch_key(self, inputs: set) -> str:
+        """The line that starts a call's launches (runtime/launch.py): its key is what Triton
+        specializes on that can change between calls, the inputs' alignment and the sizes."""
+        parts = [f"{n}.data_ptr() % 16" for n in self.graph.placeholder_names if n in inputs]
+        parts += [str(s) for s in sorted(self.bound, key=str)] + [str(s) for s, *_ in self.graph.scalar_nodes]
+        return f"    _stream = _sites.begin(({', '.join(parts)}{',' if len(parts) == 1 else ''}))"
 
     def bind_sizes(self):
         g = self.graph

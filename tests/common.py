@@ -67,8 +67,8 @@ def check_peer_sum(code: str, buf: str, world: int, kernel: str = "def cf_") -> 
     if name is not None and f"{buf}_peer0" not in code.split(kernel, 1)[1].split(")", 1)[0]:
         params = code.split(kernel, 1)[1].split(")", 1)[0].split(", ")
         launch = next(line for line in code.splitlines()
-                      if line.strip().startswith(f"{name}[") and f"comm['peers_{buf}'][0]" in line)
-        args = launch.split("](", 1)[1].split(", ")
+                      if line.strip().startswith(f"{name}_launch") and f"comm['peers_{buf}'][0]" in line)
+        args = launch.split("), ", 1)[1].split(", ")  # after the grid
         local = params[args.index(f"comm['peers_{buf}'][0]")].removesuffix("_peer0")
     check = FileCheck().check(kernel).check(f"tl.load({local}_peer0 + (")
     for r in range(1, world):
@@ -81,5 +81,5 @@ def check_reduced_in_place(code: str, buf: str, kernel: str) -> None:
     `kernel`, launched right after the result is aliased to `buf`, reads the peers' copies of
     `buf` and writes over it: no copy out."""
     FileCheck().check(f"{buf} = comm['{buf}']").check(f" = {buf}  # reduced in place").check_next(
-        f"{kernel}[").check_same(f"comm['peers_{buf}'][0]").run(code)
+        f"{kernel}_launch").check_same(f"comm['peers_{buf}'][0]").run(code)
     count(code, "# reduced in place", 1)

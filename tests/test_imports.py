@@ -22,8 +22,8 @@ PACKAGES = {"commfuse": "commfuse", "lowering": "commfuse.lowering", "codegen": 
 # whole package; every product module must be in exactly one layer.
 LAYERS = [
     ("entry", ["commfuse", "commfuse.backend", "commfuse.graph", "commfuse.graph_cache", "commfuse.attention",
-               "commfuse.reinplace", "commfuse.one_hot", "commfuse.host_scalars", "commfuse.fx_rewrite", "commfuse.decompositions",
-               "commfuse.dump", "commfuse.tune"]),
+               "commfuse.reinplace", "commfuse.one_hot", "commfuse.host_scalars", "commfuse.fx_rewrite",
+               "commfuse.decompositions", "commfuse.dump", "commfuse.tune"]),
     ("lowering", ["commfuse.lowering", "commfuse.lowering.*"]),
     ("codegen", ["commfuse.codegen", "commfuse.codegen.wrapper", "commfuse.codegen.triton", "commfuse.codegen.matmul"]),
     ("scheduling", ["commfuse.scheduler", "commfuse.loop_order", "commfuse.remat", "commfuse.memory",

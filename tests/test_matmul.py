@@ -37,8 +37,8 @@ def test_silu_prologue_is_computed_in_the_matmul(tmp_path, m, k, n, dtype):
         "= pf0_now").check("tl.sigmoid(").check("acc = tl.dot(a, b, acc)").run(code)
     if (m, k, n) == (3, 512, 64):  # one column block: K is split over four programs
         assert kernel["config"]["SPLIT_K"] == 4
-        FileCheck().check(f"{kernel['name']}[(").check_same(
-            f"workspace(_workspaces, '{kernel['name']}_sums'").check_same("SPLIT_K=4").run(code)
+        FileCheck().check(f"{kernel['name']}_launch0 = Site({kernel['name']}, dict(").check_same("SPLIT_K=4").check(
+            f"{kernel['name']}_launch0(_stream, (").check_same(f"workspace(_workspaces, '{kernel['name']}_sums'").run(code)
 
 
 def test_strided_operands(tmp_path):

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from commfuse import config
 from commfuse.runtime import loader, precompile
+from commfuse.runtime.launch import Site
 from tests.common import DEVICE, compile_and_run
 from tests.dist_utils import WORLD, run_ranks
 
@@ -68,7 +69,8 @@ def _record_launches() -> tuple[list, list]:
             assert start(module) is None
         for kernel, args, kwargs in module._launches:
             listed.append((kernel.__name__, args, kwargs))
-            setattr(module, kernel.__name__, Recorder(kernel.__name__))
+        for site in [v for v in vars(module).values() if isinstance(v, Site)]:
+            site.kernel = Recorder(site.kernel.__name__)
 
     start, precompile.start = precompile.start, record
     return listed, launched
