@@ -3,7 +3,8 @@
 Indices are loaded, wrapped when negative, bounds-checked on the device, and masked
 so an out-of-range index can never read outside the buffer. Mutations (scatter_add,
 scatter in general) run through aten; a scatter that puts one value per row is pointwise (the
-one-hot of cross entropy's backward), and index_put runs in place on a buffer of our own.
+one-hot of cross entropy's backward), and index_put runs in place on a buffer of our own (rows
+added at one index with atomic adds: runtime/scatter.py).
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 
 from commfuse import ir, sizevars
 from commfuse.ir import Pointwise, TensorBox
+from commfuse.runtime.scatter import can_add_rows
 from commfuse.virtualized import ops
 
 from . import register
@@ -105,9 +107,15 @@ def scatter(x, dim, index_t, src):
 
 @register(aten.index_put.default)
 def index_put(x, indices, values, accumulate=False):
-    """aten's in-place index_put_ on a new buffer holding `x` (zeros, for embedding's backward:
-    the fill kernel writes it): the out-of-place op would allocate and copy a second one."""
+    """An in-place index_put_ on a new buffer holding `x` (zeros, for embedding's backward: the
+    fill kernel writes it): the out-of-place op would allocate and copy a second one. Rows added
+    at one index along dim 0 take runtime/scatter.py's atomic adds, others aten's op."""
     target = TensorBox(Pointwise(x.get_device(), x.get_dtype(), x.make_loader(), list(x.get_size())))
     target.realize()
-    fallback(aten.index_put_.default, (target, indices, values, accumulate), {}, None)
+    rows = accumulate and len(indices) == 1 and indices[0] is not None and x.get_size() \
+        and can_add_rows(x.get_dtype(), indices[0].get_dtype()) and isinstance(values, TensorBox)
+    if rows:
+        fallback(torch.ops.commfuse.index_add_rows_.default, (target, indices[0], values), {}, None)
+    else:
+        fallback(aten.index_put_.default, (target, indices, values, accumulate), {}, None)
     return target

@@ -1,0 +1,60 @@
+"""Rows added at indices (`index_put` with accumulate, an embedding's backward) by atomic adds
+(runtime/scatter.py), against eager; aten's op where the adds must be deterministic or are not fp32."""
+import pytest
+import torch
+
+from commfuse import config
+from tests.common import DEVICE, Dumps, compile_and_run
+
+aten = torch.ops.aten
+ROWS = "commfuse.index_add_rows_.default"
+
+
+def add_rows(w, idx, v):
+    return aten.index_put(torch.zeros_like(w), [idx], v, accumulate=True) + w
+
+
+@pytest.mark.parametrize("values", ["rows", "broadcast"])
+def test_repeated_and_negative_indices_add_up(tmp_path, values):
+    w = torch.randn(10, 3, 40, device=DEVICE)
+    idx = torch.tensor([0, 0, 0, -1, 3, 3, 9, 0], device=DEVICE)
+    v = torch.randn(8, 3, 40, device=DEVICE) if values == "rows" else torch.randn(3, 40, device=DEVICE)
+    out, dumps = compile_and_run(add_rows, w, idx, v, tmp_path=tmp_path)
+    torch.testing.assert_close(out, add_rows(w, idx, v))
+    summary, _ = dumps.only()
+    assert ROWS in summary["extern_calls"] and "aten.index_put_.default" not in summary["extern_calls"], summary
+
+
+def test_embedding_gradient_with_one_id_everywhere(tmp_path):
+    """Token-type ids, all 0 but one column: every row's gradient goes to one or two rows."""
+    torch.manual_seed(0)
+    emb, ref = torch.nn.Embedding(20, 48).to(DEVICE), torch.nn.Embedding(20, 48).to(DEVICE)
+    ref.load_state_dict(emb.state_dict())
+    ids = torch.zeros(4, 64, dtype=torch.long, device=DEVICE)
+    ids[:, 3] = 5
+    def step(m, ids):
+        return m(ids).square().sum()
+    torch._dynamo.reset()
+    with config.patch(dump_dir=str(tmp_path)):  # the backward compiles at its first call
+        torch.compile(lambda ids: step(emb, ids), backend="commfuse")(ids).backward()
+    step(ref, ids).backward()
+    torch.testing.assert_close(emb.weight.grad, ref.weight.grad)
+    dumps = Dumps(tmp_path)
+    calls = [dumps.summary(g)["extern_calls"] for g in dumps.graphs()]
+    assert len(calls) == 2 and ROWS in calls[1], calls
+
+
+@pytest.mark.parametrize("case", ["deterministic", "float64"])
+def test_aten_keeps_what_atomic_adds_cannot_do_exactly(tmp_path, case):
+    dtype = torch.float64 if case == "float64" else torch.float32
+    w, idx = torch.randn(6, 8, device=DEVICE, dtype=dtype), torch.tensor([1, 1, 2], device=DEVICE)
+    v = torch.randn(3, 8, device=DEVICE, dtype=dtype)
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(case == "deterministic")
+    try:
+        out, dumps = compile_and_run(add_rows, w, idx, v, tmp_path=tmp_path)
+    finally:
+        torch.use_deterministic_algorithms(before)
+    torch.testing.assert_close(out, add_rows(w, idx, v))
+    summary, _ = dumps.only()
+    assert "aten.index_put_.default" in summary["extern_calls"] and ROWS not in summary["extern_calls"], summary
