@@ -38,7 +38,8 @@ def test_embedding_gradient_with_one_id_everywhere(tmp_path):
     with config.patch(dump_dir=str(tmp_path)):  # the backward compiles at its first call
         torch.compile(lambda ids: step(emb, ids), backend="commfuse")(ids).backward()
     step(ref, ids).backward()
-    torch.testing.assert_close(emb.weight.grad, ref.weight.grad)
+    # fp32 sums of a few hundred rows, added in another order than aten's
+    torch.testing.assert_close(emb.weight.grad, ref.weight.grad, rtol=1e-5, atol=1e-4)
     dumps = Dumps(tmp_path)
     calls = [dumps.summary(g)["extern_calls"] for g in dumps.graphs()]
     assert len(calls) == 2 and ROWS in calls[1], calls
