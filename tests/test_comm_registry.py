@@ -60,7 +60,7 @@ def test_a_registered_algorithm_chosen_by_a_policy_subclass(tmp_path):
         src, out = plan["buffer"], plan["result"]
         FileCheck().check(f"{src} = empty_strided").check(f", {src}, ").check(
             f"{out} = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce({src}, 'sum',").check(
-            f"]({out}, ").check_not("symm").run(body)
+            f"), {out}, ").check_not("symm").run(body)
 
 
 def test_an_unknown_algorithm_is_a_clear_error():

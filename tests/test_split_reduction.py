@@ -17,7 +17,7 @@ REDUCTIONS = {"sum": torch.sum, "mean": torch.mean, "amax": torch.amax, "amin": 
 def _launches(code):
     """(kernel, programs' xnumel, rnumel) of each reduction launch, in order."""
     return [(m[0], int(m[1]), int(m[2])) for m in
-            re.findall(r"(cf_red\w*)\[\(cdiv\((\d+), \d+\),\)\]\(.*, (\d+), (?:\d+, )?XBLOCK", code)]
+            re.findall(r"(cf_red\w*)_launch\d+\(_stream, \(cdiv\((\d+), \d+\), 1, 1\), .*, (\d+)\)$", code, re.M)]
 
 
 def _partials(code):
