@@ -92,6 +92,8 @@ def describe(gm: torch.fx.GraphModule, example_inputs, kind: str, donated, saved
         "device": _device(gm),
         "versions": _versions(),
         "default_dtype": str(torch.get_default_dtype()),
+        # lowerings choose by it (atomic adds for index_put only where order may vary)
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
         "commfuse_files": files_digest(),
         "replaced_functions": replaced_functions(),
     }

@@ -113,7 +113,8 @@ def index_put(x, indices, values, accumulate=False):
     target = TensorBox(Pointwise(x.get_device(), x.get_dtype(), x.make_loader(), list(x.get_size())))
     target.realize()
     rows = accumulate and len(indices) == 1 and indices[0] is not None and x.get_size() \
-        and can_add_rows(x.get_dtype(), indices[0].get_dtype()) and isinstance(values, TensorBox)
+        and can_add_rows(x.get_dtype(), indices[0].get_dtype()) and isinstance(values, TensorBox) \
+        and indices[0].get_device() == values.get_device() == x.get_device()  # aten takes a CPU index
     if rows:
         fallback(torch.ops.commfuse.index_add_rows_.default, (target, indices[0], values), {}, None)
     else:

@@ -14,11 +14,13 @@ def add_rows(w, idx, v):
     return aten.index_put(torch.zeros_like(w), [idx], v, accumulate=True) + w
 
 
+@pytest.mark.parametrize("index", ["mixed", "all_zero_int32_2d"])
 @pytest.mark.parametrize("values", ["rows", "broadcast"])
-def test_repeated_and_negative_indices_add_up(tmp_path, values):
+def test_repeated_and_negative_indices_add_up(tmp_path, values, index):
     w = torch.randn(10, 3, 40, device=DEVICE)
-    idx = torch.tensor([0, 0, 0, -1, 3, 3, 9, 0], device=DEVICE)
-    v = torch.randn(8, 3, 40, device=DEVICE) if values == "rows" else torch.randn(3, 40, device=DEVICE)
+    idx = torch.tensor([0, 0, 0, -1, 3, 3, 9, 0], device=DEVICE) if index == "mixed" else \
+        torch.zeros(2, 4, dtype=torch.int32, device=DEVICE)  # token-type ids: every row into one
+    v = torch.randn(*idx.shape, 3, 40, device=DEVICE) if values == "rows" else torch.randn(3, 40, device=DEVICE)
     out, dumps = compile_and_run(add_rows, w, idx, v, tmp_path=tmp_path)
     torch.testing.assert_close(out, add_rows(w, idx, v))
     summary, _ = dumps.only()
@@ -50,6 +52,8 @@ def test_aten_keeps_what_atomic_adds_cannot_do_exactly(tmp_path, case):
     dtype = torch.float64 if case == "float64" else torch.float32
     w, idx = torch.randn(6, 8, device=DEVICE, dtype=dtype), torch.tensor([1, 1, 2], device=DEVICE)
     v = torch.randn(3, 8, device=DEVICE, dtype=dtype)
+    if case == "deterministic":  # compiled first without: the graph cache must not hand that back
+        compile_and_run(add_rows, w, idx, v, tmp_path=tmp_path / "nondeterministic")
     before = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(case == "deterministic")
     try:
@@ -59,3 +63,20 @@ def test_aten_keeps_what_atomic_adds_cannot_do_exactly(tmp_path, case):
     torch.testing.assert_close(out, add_rows(w, idx, v))
     summary, _ = dumps.only()
     assert "aten.index_put_.default" in summary["extern_calls"] and ROWS not in summary["extern_calls"], summary
+
+
+def test_out_of_range_index_raises(tmp_path):
+    w, v = torch.randn(10, 8, device=DEVICE), torch.randn(2, 8, device=DEVICE)
+    if DEVICE == "cuda":
+        pytest.skip("a device-side assert poisons the CUDA context; checked on CPU")
+    with pytest.raises(Exception, match="index out of bounds"):
+        compile_and_run(add_rows, w, torch.tensor([1, 10]), v, tmp_path=tmp_path)
+
+
+@pytest.mark.gpu
+def test_index_on_the_host_runs_through_aten(tmp_path):
+    """aten takes a CPU index for a CUDA target; the kernel could not read it."""
+    w, v, idx = torch.randn(6, 8, device="cuda"), torch.randn(3, 8, device="cuda"), torch.tensor([1, 1, 2])
+    out, dumps = compile_and_run(add_rows, w, idx, v, tmp_path=tmp_path)
+    torch.testing.assert_close(out, add_rows(w, idx, v))
+    assert ROWS not in dumps.only()[0]["extern_calls"]
