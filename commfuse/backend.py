@@ -6,15 +6,18 @@ backward) graphs with our decomposition table; each aten graph is compiled by
 """
 from __future__ import annotations
 
+import collections
 import hashlib
 import itertools
 import logging
 import re
 import time
+import weakref
 
 import torch
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from commfuse.codegen.wrapper import WrapperCodegen
 
@@ -117,17 +120,32 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, kind: str = "inferen
         return _aten_fallback(gm)
 
 
+# The forward's outputs (fake tensors) holding their storage alone among its inputs and outputs:
+# saved activations the user cannot see. The backward's placeholders carry the same fake tensors.
+_unseen_outputs = weakref.WeakValueDictionary()  # by id: tensors compare elementwise
+
+
 def donated_inputs(gm: torch.fx.GraphModule, kind: str) -> set:
     """The backward inputs AOTAutograd donates: saved activations aliasing no forward input or
     output, whose references it drops before calling the backward, so the graph's are the last
-    ones. (It then refuses `retain_graph=True`, whichever backend compiled the graph.)"""
+    ones. (It then refuses `retain_graph=True`, whichever backend compiled the graph.) Its indices
+    are not trusted alone (with effect tokens torch 2.13 counts them off by one, naming user
+    outputs): each must name a tensor the forward's own graph shows nobody else holds."""
+    if kind == "forward":
+        def vals(op):
+            nodes = gm.graph.find_nodes(op=op)
+            nodes = nodes[0].args[0] if op == "output" else nodes
+            return [v for n in nodes if isinstance(n, torch.fx.Node) and isinstance(v := n.meta.get("val"), torch.Tensor)
+                    and v.layout == torch.strided]
+        inputs, outputs = vals("placeholder"), vals("output")
+        holders = collections.Counter(StorageWeakRef(v.untyped_storage()) for v in inputs + outputs)
+        _unseen_outputs.update((id(v), v) for v in outputs if holders[StorageWeakRef(v.untyped_storage())] == 1)
     ctx = torch._guards.TracingContext.try_get()
     if kind != "backward" or ctx is None or ctx.fw_metadata is None:
         return set()
-    if ctx.fw_metadata.tokens:  # with effect tokens the indices are shifted: donate nothing
-        return set()
-    placeholders = gm.graph.find_nodes(op="placeholder")
-    return {placeholders[i].name for i in ctx.fw_metadata.bw_donated_idxs or ()}
+    placeholders = [(n.name, n.meta.get("val")) for n in gm.graph.find_nodes(op="placeholder")]
+    return {name for name, v in map(placeholders.__getitem__, ctx.fw_metadata.bw_donated_idxs or ())
+            if _unseen_outputs.get(id(v)) is v}
 
 
 def saved_outputs(gm: torch.fx.GraphModule, kind: str) -> tuple:

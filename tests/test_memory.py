@@ -331,6 +331,21 @@ def test_backward_writes_over_saved_activations(tmp_path):
     assert not any(re.match(r"primals_\d+$", n) for n in over_inputs)  # parameters are not ours
 
 
+def test_backward_never_writes_over_a_saved_activation_the_user_sees(monkeypatch):
+    # AOTAutograd's donated indices are not trusted (with an effect token, torch 2.13's are off
+    # by one): `y` is returned and saved for exp's backward, so it is never overwritten, even
+    # when AOTAutograd names every saved tensor donated.
+    from torch._functorch._aot_autograd import graph_compile
+    monkeypatch.setattr(graph_compile, "collect_bw_donated_buffer_idxs",
+                        lambda fw, bw, meta: list(range(len(bw.graph.find_nodes(op="placeholder")) - 1)))
+    x, g = torch.randn(64, device=DEVICE, requires_grad=True), torch.randn(64, device=DEVICE)
+    y = torch.compile(lambda x: x.exp(), backend="commfuse")(x)
+    before = y.detach().clone()
+    y.backward(g)
+    torch.testing.assert_close(y.detach(), before)
+    torch.testing.assert_close(x.grad, g * before)
+
+
 def test_backward_estimate_counts_saved_activations(tmp_path):
     # The backward starts with the saved activations alive and frees them as it goes: its
     # estimate is at least their bytes, and with nothing freed it would be more.
