@@ -459,11 +459,14 @@ class Scheduler:
             return None
         if self._path_between(a, b) or self._path_between(b, a):
             return None
-        merged = self._merge(a, b)
+        merged, undo = self._merge(a, b), None
         if config.loop_ordering_after_fusion and (merged is None or self._walked_apart(merged, a, b)):
-            merged = self._merge_reordered(a, b) or merged
+            reordered, undo = self._merge_reordered(a, b)
+            merged = reordered or merged
         if merged is not None and merged.is_reduction() and merged.walks_transposed() and \
                 V.choices.keep_apart_for_memory(self._stored_anyway(merged, a, b)):
+            if undo:  # a pointwise group left permuted for a fusion that did not happen walks strided
+                undo()
             return None
         return merged
 
@@ -477,7 +480,8 @@ class Scheduler:
         return False
 
     def _merge_reordered(self, a: Group, b: Group):
-        """Fuse after permuting the loops of one side so that both walk a shared buffer alike."""
+        """Fuse after permuting the loops of one side so that both walk a shared buffer alike;
+        (the fused group, the undo of the permutation), or (None, None)."""
         shared = (a.read_names | a.write_names) & (b.read_names | b.write_names)
         shared = sorted(shared, key=lambda n: -self._bytes(n))
         for p, o in ((b, a), (a, b)):
@@ -487,9 +491,9 @@ class Scheduler:
             undo = loop_order.reorder(p, order)
             merged = self._merge(a, b)
             if merged is not None and not self._walked_apart(merged, a, b):
-                return merged
+                return merged, undo
             undo()
-        return None
+        return None, None
 
     @staticmethod
     def _walked_apart(merged: Group, a: Group, b: Group) -> bool:
