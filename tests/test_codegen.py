@@ -46,6 +46,20 @@ def test_softmax_one_kernel_and_looped_reduction(tmp_path):
     assert summary["kernels"][0]["persistent"] is False
 
 
+def test_a_rows_scalars_load_once_before_its_pass(tmp_path):
+    """In a looped row, values the same for every element of the row (a row statistic, a 0-d
+    tensor) are loaded as one [XBLOCK, 1] block before the loop, not per lane in every step."""
+    fn = lambda x, m, s: ((x - m[:, None]) * s).sum(1)  # noqa: E731
+    x, m, s = torch.randn(4, 300, device=DEVICE), torch.randn(4, device=DEVICE), torch.tensor(1.5, device=DEVICE)
+    out, dumps = compile_and_run(fn, x, m, s, tmp_path=tmp_path, persistent_reduction_max=64)
+    torch.testing.assert_close(out, fn(x, m, s))
+    summary, code = dumps.only()
+    assert summary["kernels"][0]["persistent"] is False
+    FileCheck().check("tl.load(ptr_arg0_1 + (xindex), xmask, other=0)").check(
+        "tl.load(ptr_arg2_1 + ((0) + tl.zeros([XBLOCK, 1], tl.int32)), xmask, other=0)").check(
+        "for roffset in range(0, rnumel, RBLOCK):").check("tl.load(ptr_arg1_1 + (rindex + 300*xindex)").run(code)
+
+
 def test_unlowered_op_is_an_extern_call(tmp_path):
     fn = lambda a, b: torch.mm(a, b).relu() + torch.sort(a, -1).values.sum()  # noqa: E731
     a, b = torch.randn(8, 8, device=DEVICE), torch.randn(8, 8, device=DEVICE)
