@@ -51,8 +51,22 @@ def _softmax_from_stats(log: bool):
     return decompose
 
 
+def _conv_backward_bias_apart(grad, x, weight, bias_sizes, stride, padding, dilation, transposed,
+                              output_padding, groups, output_mask):
+    """A convolution's bias gradient as the sum it is, over every dim but the channels: a
+    reduction we generate, fused with what produces the gradient, where aten spends a pass of
+    its own on it (a squeeze-excitation block's two 1x1 convolutions, per block)."""
+    if not output_mask[2]:
+        return NotImplemented
+    grad_x, grad_w, _ = aten.convolution_backward.default(
+        grad, x, weight, bias_sizes, stride, padding, dilation, transposed, output_padding, groups,
+        [output_mask[0], output_mask[1], False])
+    return grad_x, grad_w, aten.sum.dim_IntList(grad, [0, *range(2, grad.dim())])
+
+
 _OURS = {aten._softmax.default: _softmax_from_stats(log=False),
-         aten._log_softmax.default: _softmax_from_stats(log=True)}
+         aten._log_softmax.default: _softmax_from_stats(log=True),
+         aten.convolution_backward.default: _conv_backward_bias_apart}
 
 
 @functools.lru_cache(None)

@@ -1,6 +1,6 @@
 """Test set-up: Triton's interpreter when CUDA is absent (chosen before triton is imported),
 compile errors raised rather than hidden behind the aten fallback, a graph cache of this run's own,
-GPU tests skipped on CPU."""
+GPU tests skipped on CPU, no TF32 in fp32 comparisons."""
 import os
 import tempfile
 
@@ -28,3 +28,13 @@ def pytest_collection_modifyitems(config, items):
 def _reset_dynamo():
     torch._dynamo.reset()
     yield
+
+
+@pytest.fixture(autouse=True)
+def _exact_fp32():
+    """fp32 compared at fp32 tolerance: no TF32 in eager's or our convolutions and matmuls on GPU
+    (cuDNN allows it by default, and two layouts of one convolution pick different algorithms)."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved

@@ -712,7 +712,7 @@ CASES: list[OpCase] = [
     C("conv2d", "aten.convolution.default", lambda x, w, b: F.conv2d(x, w, b, padding=1), _conv2d, FL, grad=True, atol=1e-4, rtol=1e-4, aten=("aten.convolution.default",), aten_bw=("aten.convolution_backward.default",)),
     C("conv2d-groups", "aten.convolution.default", lambda x, w: F.conv2d(x, w, stride=(2, 1), dilation=(1, 2), groups=2),
       lambda dt: {"contig": (R(2, 4, 9, 10, dt=dt), R(6, 2, 3, 2, dt=dt, lo=-0.5, hi=0.5))}, FL, grad=True, atol=1e-4, rtol=1e-4, aten=("aten.convolution.default",), aten_bw=("aten.convolution_backward.default",)),
-    C("max_pool2d", "aten.max_pool2d_with_indices.default", lambda x: (F.max_pool2d(x, 2), F.max_pool2d(x, 3, stride=2, padding=1)), _pool, FL, v=("t",), grad=True, aten_bw=("aten.max_pool2d_with_indices_backward.default",)),
+    C("max_pool2d", "aten.max_pool2d_with_indices.default", lambda x: (F.max_pool2d(x, 2), F.max_pool2d(x, 3, stride=2, padding=1)), _pool, FL, v=("t",), grad=True),
     C("avg_pool2d", "aten.avg_pool2d.default", lambda x: (F.avg_pool2d(x, 2), F.avg_pool2d(x, 3, stride=2, padding=1, count_include_pad=False)), _pool, FL, grad=True, aten=("aten.avg_pool2d.default",), aten_bw=("aten.avg_pool2d_backward.default",)),
     C("adaptive_avg_pool2d", "aten._adaptive_avg_pool2d.default", lambda x: F.adaptive_avg_pool2d(x, (3, 2)), _pool, FL, grad=True, aten=("aten._adaptive_avg_pool2d.default",), aten_bw=("aten._adaptive_avg_pool2d_backward.default",)),
     C("upsample_nearest", "aten.upsample_nearest2d.vec", lambda x: F.interpolate(x, scale_factor=2, mode="nearest"), _pool, FL, grad=True),

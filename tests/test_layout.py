@@ -3,7 +3,9 @@ channels_last inputs and weights, their outputs and the BatchNorm / ReLU / resid
 buffers between them stay channels_last (no transposing copy between convolutions), graph outputs
 keep eager's strides, and the backward reads the forward's saved activations in their own layout.
 Also: convolution's generated `out=` overload (a copy after the op) is not used, and max-pool is
-lowered to our kernels, indices included."""
+lowered to our kernels, indices and backward included; a biased convolution's bias gradient is a
+generated sum."""
+import copy
 import re
 
 import pytest
@@ -155,8 +157,8 @@ def test_off_by_default_on_cpu(tmp_path):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("args", [(3, 2, 1), (2, 2, 0), ((3, 2), (1, 2), (1, 0))])
 def test_max_pool_values_and_indices(tmp_path, dtype, args):
-    """Ties (the first maximum wins), NaN (the last NaN wins), -inf beside padding, and a
-    channels_last input."""
+    """Ties (the first maximum wins), NaN (the last NaN wins), -inf beside padding, a channel of
+    -inf (whose index aten picks by device and layout), and a channels_last input."""
     x = torch.randint(-3, 3, (2, 3, 9, 10), device=DEVICE).to(dtype)
     x[0, 0, 1, 1], x[0, 0, 1, 2], x[1, 2, 3, 3] = float("nan"), float("nan"), float("nan")
     x[1, 1] = float("-inf")
@@ -168,3 +170,40 @@ def test_max_pool_values_and_indices(tmp_path, dtype, args):
         assert torch.equal(indices, ei)
         summary, _ = dumps.only()
         assert not summary["fallback_ops"], summary["fallback_ops"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("args", [(3, 2, 1), (2, 2, 0), ((3, 2), (1, 2), (1, 0)), (3, 2, 1, 1, True), (3, 1, 1, 2)])
+def test_max_pool_backward_gathers(tmp_path, dtype, args):
+    """The backward is a gather over the windows that may cover a position: overlapping windows
+    (a position taken by several), ceil_mode, dilation, channels_last and an unbatched input,
+    against aten given the same indices."""
+    x = torch.randn(2, 3, 9, 10, device=DEVICE).to(dtype)
+    kernel, stride, padding, dilation, ceil = (list(args) + [1, False])[:5]
+    for name, inp in (("nchw", x), ("nhwc", x.to(memory_format=torch.channels_last)), ("chw", x[0])):
+        _, indices = torch.ops.aten.max_pool2d_with_indices.default(inp, kernel, stride, padding, dilation, ceil)
+        grad = torch.randn(indices.shape, device=DEVICE).to(dtype)
+        fn = lambda g, t, i: torch.ops.aten.max_pool2d_with_indices_backward.default(  # noqa: E731
+            g, t, kernel, stride, padding, dilation, ceil, i)
+        out, dumps = compile_and_run(fn, grad, inp, indices, tmp_path=tmp_path / name)
+        # summed in fp32 and rounded once (aten's bf16 sums round at every add)
+        torch.testing.assert_close(out, fn(grad.float(), inp.float(), indices).to(dtype))
+        summary, _ = dumps.only()
+        assert not summary["fallback_ops"], summary["fallback_ops"]
+
+
+def test_conv_bias_gradient_is_our_reduction(tmp_path):
+    """A biased convolution's backward asks aten for the input and weight gradients only; the bias
+    gradient is a generated sum, and every gradient matches eager."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), nn.Hardswish(), nn.Conv2d(6, 4, 1)).to(DEVICE)
+    ref = copy.deepcopy(net)
+    x = torch.randn(2, 3, 8, 8, device=DEVICE)
+    out, dumps = compile_and_run(net, x, tmp_path=tmp_path)
+    out.square().sum().backward()
+    ref(x).square().sum().backward()
+    for (name, p), q in zip(net.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-4, rtol=1e-4, msg=name)
+    code = dumps.code(dumps.graphs()[1])
+    masks = re.findall(r"aten\.convolution_backward\.default\(.*(\[\w+, \w+, \w+\])\)", code)
+    assert sorted(masks) == ["[False, True, False]", "[True, True, False]"], masks

@@ -25,15 +25,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # configs only: nothing may be dow
 VOCAB, BATCH, SEQ = 100, 2, 8
 
 
-@pytest.fixture(autouse=True)
-def _exact_fp32():
-    """fp32 compared at fp32 tolerance: no TF32 in eager's or our convolutions and matmuls on GPU."""
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
-
-
 class Case(NamedTuple):
     model: nn.Module
     inputs: dict                      # keyword arguments of model(...)
