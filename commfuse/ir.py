@@ -486,6 +486,15 @@ def is_strided_over_contiguous(box: TensorBox) -> bool:
     return _view_affine(box, contiguous_layout(root.get_device(), root.get_dtype(), root.get_size())) is not None
 
 
+def is_reshape_of_root(box: TensorBox) -> bool:
+    """Does this view chain read its root's values in their row-major order (a reshape, or none)?"""
+    root = view_root(box)
+    affine = _view_affine(box, contiguous_layout(root.get_device(), root.get_dtype(), root.get_size()))
+    want = sizevars.contiguous_strides(box.get_size())
+    return affine is not None and sizevars.equal(affine[1], 0) and all(
+        sizevars.equal(a, b) for a, b, n in zip(affine[0], want, box.get_size()) if not sizevars.equal(n, 1))
+
+
 def as_strided_view(box: TensorBox) -> ReinterpretView | None:
     """If a view chain over a stored buffer is affine in its index, the strided view it is."""
     size = box.get_size()

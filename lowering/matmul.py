@@ -18,6 +18,7 @@ from commfuse.virtualized import V
 from . import register
 from .extern import realize_arg
 from .views import constant_pad_nd, permute, slice_
+from .views import view as reshape
 
 aten = torch.ops.aten
 
@@ -57,18 +58,33 @@ def aligned_mm(a, b, bias=None):
 def _zero_padded(x, pad):
     """x stored zero-padded, in its order in memory (`w.t()` stays transposed: a copy that streams;
     transposing GPT-2's head took 317 µs against 52), one copy for every matmul that pads the same
-    stored value alike (`g @ w` for K, `gᵀ @ h` for M); an operand already aligned as it is."""
-    view = ir.as_strided_view(x) if any(pad) and len(x.get_size()) == 2 else None
+    stored value alike (`g @ w` for K, `gᵀ @ h` for M); an operand already aligned as it is. A
+    value not yet stored is stored once, padded: its other readers (a bias gradient's sum) read
+    the copy's leading part (an LM head's vocabulary-wide gradient was computed and stored twice)."""
+    if not any(pad):
+        return realize_arg(x)
+    two_d, root = len(x.get_size()) == 2, ir.view_root(x)
+    if two_d and isinstance(root.data, ir.Pointwise) and ir.is_reshape_of_root(x):
+        (m, k), padded = x.get_size(), TensorBox(constant_pad_nd(x, pad).realize([0, 1]))
+        root.data = reshape(slice_(slice_(padded, 0, 0, m), 1, 0, k), root.get_size()).data
+        V.graph.padded_operands[_pad_key(ir.as_strided_view(x), x, pad)] = padded
+        return padded.realize()
+    view = ir.as_strided_view(x) if two_d else None
     if view is None:
-        return constant_pad_nd(x, pad).realize() if any(pad) else realize_arg(x)
-    transposed, stride = view.layout.stride_order() == [1, 0], view.layout.stride
+        return constant_pad_nd(x, pad).realize()
+    transposed = view.layout.stride_order() == [1, 0]
     if transposed:  # in memory order: the rows as stored
-        x, pad, stride = permute(x, [1, 0]), pad[2:] + pad[:2], stride[::-1]
-    key = (view.base.name, view.layout.offset, tuple(x.get_size()), tuple(stride), tuple(pad))
+        x, pad = permute(x, [1, 0]), pad[2:] + pad[:2]
+    key = _pad_key(view, x, pad, transposed)
     copies = V.graph.padded_operands
     if key not in copies:
         copies[key] = TensorBox(constant_pad_nd(x, pad).realize([0, 1]))
     return permute(copies[key], [1, 0]).realize() if transposed else copies[key].realize()
+
+
+def _pad_key(view, x, pad, transposed=False) -> tuple:
+    stride = view.layout.stride[::-1] if transposed else view.layout.stride
+    return view.base.name, view.layout.offset, tuple(x.get_size()), tuple(stride), tuple(pad)
 
 
 @register(aten.mm.default)

@@ -406,6 +406,27 @@ def test_transposed_left_operand_pads_m_and_shares_the_copy(tmp_path):
     FileCheck().check(f"aten.mm.out({padded}, buf").run(code)
 
 
+def test_a_computed_operand_is_stored_once_padded(tmp_path):
+    """A loss gradient (pointwise over the logits, here 3-D as a model has it) that `g @ w` pads:
+    one buffer stores it, zero-padded, and `gᵀ @ h` reads that copy, where each matmul had
+    computed and stored a padded copy of its own."""
+    x, w, h = (torch.randn(2, 16, 1001, device=DEVICE), torch.randn(1001, 64, device=DEVICE),
+               torch.randn(32, 64, device=DEVICE))
+
+    def fn(x, w, h):
+        g = (torch.sigmoid(x) * 3).reshape(32, 1001)
+        return g @ w, g.t() @ h, g.sum(0)
+    outs, dumps = compile_and_run(fn, x, w, h, tmp_path=tmp_path, pad_rows=True, pad_rows_min_bytes=0,
+                                  mm_template=False)
+    for got, want in zip(outs, fn(x, w, h)):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    code = dumps.only()[1]
+    padded = re.search(r"(buf\d+) = empty_strided\(\(32, 1004\), \(1004, 1\)", code).group(1)
+    count(code, "empty_strided((32, 1004)", 1)  # the gradient stored once, padded
+    FileCheck().check(f"aten.mm.out({padded}, buf").run(code)
+    FileCheck().check(f"aten.mm.out(reinterpret_tensor({padded}, (1004, 32), (1, 1004), 0), arg").run(code)
+
+
 def test_as_strided_over_padded_rows_reads_eager_storage(tmp_path):
     """GPT-2's qkv split reaches lowering as `as_strided` with strides that count in eager's
     storage of the matmul's output (102 wide); ours has padded rows (104): it is stored as eager
