@@ -28,6 +28,7 @@ HOST_HEADER = """\
 import torch
 from commfuse.runtime.support import empty_strided, reinterpret_tensor, cdiv, workspace, as_meta_layout
 from commfuse.runtime.launch import Launches, Site
+import commfuse.runtime.scatter  # noqa: F401  (registers torch.ops.commfuse.*: a graph from the cache runs first)
 aten = torch.ops.aten
 prims = torch.ops.prims
 constants = {}  # filled by the loader: tensor constants and non-tensor objects
