@@ -1,4 +1,4 @@
-"""Pooling: max_pool2d with its indices, and its backward, as pointwise gathers over windows."""
+"""Pooling: max_pool2d with its indices, avg_pool2d, and their backwards, as pointwise gathers over windows."""
 from __future__ import annotations
 
 import torch
@@ -30,8 +30,8 @@ def max_pool2d_with_indices(x, kernel_size, stride=(), padding=0, dilation=1, ce
     unless a NaN comes (then the last NaN); padding never wins. Two loops over the same loads,
     which fuse into one kernel (or the indices die, in inference)."""
     (kh, kw), (sh, sw), (ph, pw) = (_pair(v) for v in (kernel_size, stride or kernel_size, padding))
-    if ceil_mode or _pair(dilation) != [1, 1] or len(x.get_size()) != 4 or not x.get_dtype().is_floating_point:
-        raise ir.Unsupported("ceil_mode, dilation, an unbatched or integer input")
+    if _pair(dilation) != [1, 1] or len(x.get_size()) != 4 or not x.get_dtype().is_floating_point:
+        raise ir.Unsupported("dilation, an unbatched or integer input")
     H, W = x.get_size()[2:]
     load, dtype, i64 = x.make_loader(), x.get_dtype(), torch.int64
     size = [sizevars.from_torch(s) for s in V.graph.current_node.meta["val"][0].shape]
@@ -49,7 +49,7 @@ def max_pool2d_with_indices(x, kernel_size, stride=(), padding=0, dilation=1, ce
             ops.maximum(ops.index_expr(w0, i64), zero))
         best = ops.constant(float("-inf"), dtype)
         for h, w in ((h0 + i, w0 + j) for i in range(kh) for j in range(kw)):
-            mask = ops.logical_and(_inside(h, H), _inside(w, W)) if ph or pw else None
+            mask = ops.logical_and(_inside(h, H), _inside(w, W)) if ph or pw or ceil_mode else None
             v = load([n, c, h, w]) if mask is None else \
                 ops.masked(mask, lambda: load([n, c, h, w]), float("-inf"))
             take = ops.logical_or(ops.gt(v, best), ops.isnan(v))
@@ -59,45 +59,104 @@ def max_pool2d_with_indices(x, kernel_size, stride=(), padding=0, dilation=1, ce
                  for k, dt in ((False, dtype), (True, i64)))
 
 
+def _acc(dtype):
+    return torch.float32 if dtype.itemsize < 4 else dtype
+
+
+def _windows(pos, k, s, p, d, n):
+    """(window, whether it exists) for each tap of the k that may cover `pos` (an offset keeps
+    the numerator non-negative, so that // and % need no sign care)."""
+    i64, lift = torch.int64, -(-(k - 1) * d // s)
+    for i in range(k):
+        t = pos + p - i * d + s * lift
+        q = FloorDiv(t, s)
+        ok = ops.logical_and(ops.ge(ops.index_expr(q, i64), ops.constant(lift, i64)),
+                             ops.lt(ops.index_expr(q, i64), ops.index_expr(n + lift, i64)))
+        if s != 1:
+            ok = ops.logical_and(ok, ops.eq(ops.index_expr(Mod(t, s), i64), ops.constant(0, i64)))
+        yield q - lift, ok
+
+
+def _gather(grad, x, kernel, stride, padding, dilation, part):
+    """A pooling backward: each input position (h, w) sums part(window, h, w) over the windows
+    that cover it, in fp32 for 16-bit gradients. Tap i of window oh lies at oh * sh - ph + i * dh,
+    so (h, w) meets at most kh * kw windows: no atomics, and the result fuses with what reads it."""
+    dtype, (OH, OW) = grad.get_dtype(), grad.get_size()[-2:]
+    (kh, kw), (sh, sw), (ph, pw), (dh, dw) = kernel, stride, padding, dilation
+    if len(x.get_size()) not in (3, 4):
+        raise ir.Unsupported("a pooling backward of a non-3-D, non-4-D input")
+
+    def fn(idx):
+        *lead, h, w = idx
+        total = ops.constant(0, _acc(dtype))
+        for oh, ok_h in _windows(h, kh, sh, ph, dh, OH):
+            for ow, ok_w in _windows(w, kw, sw, pw, dw, OW):
+                total = ops.add(total, ops.masked(ops.logical_and(ok_h, ok_w),
+                                                  lambda at=[*lead, oh, ow]: part(at, h, w), 0))
+        return ops.to_dtype(total, dtype)
+    return TensorBox(Pointwise(x.get_device(), dtype, fn, list(x.get_size())))
+
+
 @register(aten.max_pool2d_with_indices_backward.default)
 def max_pool2d_with_indices_backward(grad, x, kernel_size, stride, padding, dilation, ceil_mode, indices):
-    """Each input position gathers the gradient of every window that took it as its max. Tap i of
-    window oh lies at oh * sh - ph + i * dh, so (h, w) meets at most kh * kw windows, each checked
-    against its saved index: no atomics, and the result fuses with what reads it."""
-    (kh, kw), (sh, sw), (ph, pw), (dh, dw) = (
-        _pair(v) for v in (kernel_size, stride or kernel_size, padding, dilation))
-    if len(x.get_size()) not in (3, 4):
-        raise ir.Unsupported("max_pool2d_with_indices_backward of a non-3-D, non-4-D input")
-    dtype, i64 = grad.get_dtype(), torch.int64
-    acc = torch.float32 if dtype.itemsize < 4 else dtype
-    H, W = x.get_size()[-2:]
-    OH, OW = grad.get_size()[-2:]
+    """Each input position gathers the gradient of every window that took it as its max, each
+    checked against its saved index."""
+    W, i64, acc = x.get_size()[-1], torch.int64, _acc(grad.get_dtype())
     load_grad, load_index = grad.make_loader(), indices.make_loader()
 
-    def windows(pos, k, s, p, d, n):
-        """(window, whether it exists) for each tap of the k that may cover `pos` (an offset
-        keeps the numerator non-negative, so that // and % need no sign care)."""
-        lift = -(-(k - 1) * d // s)
-        for i in range(k):
-            t = pos + p - i * d + s * lift
-            q = FloorDiv(t, s)
-            ok = ops.logical_and(ops.ge(ops.index_expr(q, i64), ops.constant(lift, i64)),
-                                 ops.lt(ops.index_expr(q, i64), ops.index_expr(n + lift, i64)))
-            if s != 1:
-                ok = ops.logical_and(ok, ops.eq(ops.index_expr(Mod(t, s), i64), ops.constant(0, i64)))
-            yield q - lift, ok
+    def picked(at, h, w):
+        return ops.where(ops.eq(load_index(at), ops.index_expr(h * W + w, i64)),
+                         ops.to_dtype(load_grad(at), acc), ops.constant(0, acc))
+    return _gather(grad, x, *(_pair(v) for v in (kernel_size, stride or kernel_size, padding, dilation)), picked)
 
-    def gather(idx):
-        *lead, h, w = idx
-        here = ops.index_expr(h * W + w, i64)
+
+def _avg(x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override):
+    """(kernel, stride, padding, divisor(oh, ow)) as aten's avg_pool2d divides window (oh, ow):
+    by the override; else by its size within the input plus padding, clipped to the input unless
+    count_include_pad (a constant kh * kw then, but for ceil_mode's windows past the padding)."""
+    if len(x.get_size()) not in (3, 4) or not x.get_dtype().is_floating_point:
+        raise ir.Unsupported("avg_pool2d of an integer or a non-3-D, non-4-D input")
+    k, s, p = (_pair(v) for v in (kernel_size, stride or kernel_size, padding))
+    acc, i64, fixed = _acc(x.get_dtype()), torch.int64, divisor_override or (
+        k[0] * k[1] if count_include_pad and not ceil_mode else None)
+
+    def divisor(*window):
+        if fixed:
+            return ops.constant(float(fixed), acc)
+        count = ops.constant(1, i64)
+        for o, kk, ss, pp, n in zip(window, k, s, p, x.get_size()[-2:]):
+            start = ops.index_expr(o * ss - pp, i64)
+            end = ops.minimum(ops.add(start, ops.constant(kk, i64)), ops.index_expr(n + pp, i64))
+            if not count_include_pad:
+                start, end = ops.maximum(start, ops.constant(0, i64)), ops.minimum(end, ops.index_expr(n, i64))
+            count = ops.mul(count, ops.sub(end, start))
+        return ops.to_dtype(count, acc)
+    return k, s, p, divisor
+
+
+@register(aten.avg_pool2d.default)
+def avg_pool2d(x, kernel_size, stride=(), padding=0, ceil_mode=False, count_include_pad=True, divisor_override=None):
+    """Each window's sum, row by row as aten adds (in fp32 for 16-bit inputs), over its divisor."""
+    (kh, kw), (sh, sw), (ph, pw), divisor = _avg(x, kernel_size, stride, padding, ceil_mode,
+                                                  count_include_pad, divisor_override)
+    (H, W), load, dtype, acc = x.get_size()[-2:], x.make_loader(), x.get_dtype(), _acc(x.get_dtype())
+    size = [sizevars.from_torch(s) for s in V.graph.current_node.meta["val"].shape]
+
+    def window(idx):
+        *lead, oh, ow = idx
         total = ops.constant(0, acc)
-        for oh, ok_h in windows(h, kh, sh, ph, dh, OH):
-            for ow, ok_w in windows(w, kw, sw, pw, dw, OW):
-                at = [*lead, oh, ow]
+        for h, w in ((oh * sh - ph + i, ow * sw - pw + j) for i in range(kh) for j in range(kw)):
+            tap = lambda at=[*lead, h, w]: ops.to_dtype(load(at), acc)  # noqa: E731
+            total = ops.add(total, ops.masked(ops.logical_and(_inside(h, H), _inside(w, W)), tap, 0)
+                            if ph or pw or ceil_mode else tap())
+        return ops.to_dtype(ops.truediv(total, divisor(oh, ow)), dtype)
+    return TensorBox(Pointwise(x.get_device(), dtype, window, size))
 
-                def picked(at=at):
-                    g = ops.to_dtype(load_grad(at), acc)
-                    return ops.where(ops.eq(load_index(at), here), g, ops.constant(0, acc))
-                total = ops.add(total, ops.masked(ops.logical_and(ok_h, ok_w), picked, 0))
-        return ops.to_dtype(total, dtype)
-    return TensorBox(Pointwise(x.get_device(), dtype, gather, list(x.get_size())))
+
+@register(aten.avg_pool2d_backward.default)
+def avg_pool2d_backward(grad, x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override):
+    """Each input position gathers grad / divisor from every window that covers it."""
+    k, s, p, divisor = _avg(x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
+    load, acc = grad.make_loader(), _acc(grad.get_dtype())
+    return _gather(grad, x, k, s, p, [1, 1], lambda at, h, w: ops.truediv(
+        ops.to_dtype(load(at), acc), divisor(*at[-2:])))

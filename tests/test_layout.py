@@ -155,10 +155,11 @@ def test_off_by_default_on_cpu(tmp_path):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("args", [(3, 2, 1), (2, 2, 0), ((3, 2), (1, 2), (1, 0))])
+@pytest.mark.parametrize("args", [(3, 2, 1), (2, 2, 0), ((3, 2), (1, 2), (1, 0)), (3, 2, 0, 1, True), (2, 2, 1, 1, True)])
 def test_max_pool_values_and_indices(tmp_path, dtype, args):
     """Ties (the first maximum wins), NaN (the last NaN wins), -inf beside padding, a channel of
-    -inf (whose index aten picks by device and layout), and a channels_last input."""
+    -inf (whose index aten picks by device and layout), ceil_mode's windows past the end, and a
+    channels_last input."""
     x = torch.randint(-3, 3, (2, 3, 9, 10), device=DEVICE).to(dtype)
     x[0, 0, 1, 1], x[0, 0, 1, 2], x[1, 2, 3, 3] = float("nan"), float("nan"), float("nan")
     x[1, 1] = float("-inf")
@@ -190,6 +191,28 @@ def test_max_pool_backward_gathers(tmp_path, dtype, args):
         torch.testing.assert_close(out, fn(grad.float(), inp.float(), indices).to(dtype))
         summary, _ = dumps.only()
         assert not summary["fallback_ops"], summary["fallback_ops"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("args", [(3, 2, 1, False, False, None), (2, 2, 0, False, True, None), (3, 2, 1, True, True, None),
+                                  ((3, 2), (1, 2), (1, 0), True, False, None), (3, 2, 0, True, True, None),
+                                  ((2, 3), (3, 1), (1, 1), True, False, 4)])
+def test_avg_pool_forward_and_backward(tmp_path, dtype, args):
+    """Divisors by aten's rules (padding counted or not, ceil_mode's windows past the padding, an
+    override), overlapping windows in the backward's gather; NCHW, channels_last and unbatched."""
+    x = torch.randn(2, 3, 9, 10, device=DEVICE).to(dtype)
+    kernel, stride, padding, ceil, include_pad, override = args
+    pool = lambda t: torch.ops.aten.avg_pool2d.default(t, kernel, stride, padding, ceil, include_pad, override)  # noqa: E731
+    back = lambda g, t: torch.ops.aten.avg_pool2d_backward.default(  # noqa: E731
+        g, t, kernel, stride, padding, ceil, include_pad, override)
+    for name, inp in (("nchw", x), ("nhwc", x.to(memory_format=torch.channels_last)), ("chw", x[0])):
+        grad = torch.randn(pool(inp).shape, device=DEVICE).to(dtype)
+        for fn, args_ in ((pool, (inp,)), (back, (grad, inp))):
+            out, dumps = compile_and_run(fn, *args_, tmp_path=tmp_path / name / str(fn is back))
+            # summed in fp32 and rounded once
+            torch.testing.assert_close(out, fn(*(a.float() for a in args_)).to(dtype))
+            summary, _ = dumps.only()
+            assert not summary["fallback_ops"], summary["fallback_ops"]
 
 
 def test_conv_bias_gradient_is_our_reduction(tmp_path):
