@@ -209,8 +209,9 @@ def test_avg_pool_forward_and_backward(tmp_path, dtype, args):
         grad = torch.randn(pool(inp).shape, device=DEVICE).to(dtype)
         for fn, args_ in ((pool, (inp,)), (back, (grad, inp))):
             out, dumps = compile_and_run(fn, *args_, tmp_path=tmp_path / name / str(fn is back))
-            # summed in fp32 and rounded once
-            torch.testing.assert_close(out, fn(*(a.float() for a in args_)).to(dtype))
+            # summed in fp32 and rounded once; the reference on NCHW tensors: aten's CUDA
+            # avg_pool2d_backward is wrong for channels_last inputs (torch 2.11)
+            torch.testing.assert_close(out, fn(*(a.float().contiguous() for a in args_)).to(dtype))
             summary, _ = dumps.only()
             assert not summary["fallback_ops"], summary["fallback_ops"]
 
