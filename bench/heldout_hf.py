@@ -1,0 +1,405 @@
+"""Hugging Face models that no test of ours is written for (not in tests/test_model_zoo.py),
+through commfuse on CPU (Triton interpreter), as a new user would run them.
+
+    python bench/heldout_hf.py --results bench/results/heldout_hf_cpu.json   # all, 2 worker processes
+    python bench/heldout_hf.py --one NAME      # one model in this process (what each worker runs)
+    python bench/heldout_hf.py --only A,B      # a subset
+
+Tiny random configs, eval mode, fp32. Per model: inference, forward + backward (the loss, or the
+main output against a fixed random tensor; every parameter gradient), and a call at other sizes
+(Dynamo's symbolic-size recompile), each against eager; graph breaks and per-graph fallbacks.
+Compile errors raise (COMMFUSE_FALLBACK_ON_ERROR=0). Each model runs in its own process with a
+timeout; the logs go to a temporary folder.
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+VOCAB, B, S = 100, 2, 8
+PAD = False  # set for the "+pad" variants
+
+# --------------------------------------------------------------------------------------------- models
+
+
+def _tok(*shape, low=3):
+    import torch
+    return torch.randint(low, VOCAB, shape or (B, S))
+
+
+def _padmask():
+    import torch
+    m = torch.ones(B, S, dtype=torch.long)
+    m[1, -3:] = 0
+    return m
+
+
+def _mlm_labels(ids):
+    import torch
+    lab = torch.full_like(ids, -100)
+    lab[:, 2:5] = ids[:, 2:5]
+    return lab
+
+
+def _causal(**cfg):
+    import torch
+    ids = _tok()
+    if PAD:  # left padding: row 1 starts with 3 pad tokens
+        mask = torch.ones(B, S, dtype=torch.long)
+        mask[1, :3] = 0
+        return dict(cfg=cfg, inputs={"input_ids": ids.masked_fill(mask == 0, 0), "attention_mask": mask,
+                                     "labels": ids.masked_fill(mask == 0, -100)}, main="logits", loss="loss")
+    return dict(cfg=cfg, inputs={"input_ids": ids, "labels": ids}, main="logits", loss="loss")
+
+
+def _mlm(pad_id=0, **cfg):
+    ids, mask = _tok(), _padmask()
+    ids = ids.masked_fill(mask == 0, pad_id)
+    return dict(cfg=cfg, inputs={"input_ids": ids, "attention_mask": mask, "labels": _mlm_labels(ids)},
+                main="logits", loss="loss")
+
+
+def spec(name):
+    import torch
+    enc = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+               intermediate_size=64, max_position_embeddings=32)
+    dec = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+               bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    if name == "DistilBertForMaskedLM":
+        return "DistilBertConfig", _mlm(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=2, hidden_dim=64,
+                                        max_position_embeddings=32, pad_token_id=0)
+    if name == "RobertaForMaskedLM":
+        return "RobertaConfig", _mlm(pad_id=1, **enc, pad_token_id=1)
+    if name == "AlbertForMaskedLM":
+        return "AlbertConfig", _mlm(**enc, embedding_size=16, pad_token_id=0)
+    if name == "ElectraForPreTraining":
+        s = _mlm(**enc, embedding_size=16, pad_token_id=0)
+        s["inputs"]["labels"] = torch.randint(0, 2, (B, S))
+        return "ElectraConfig", s
+    if name == "BartForConditionalGeneration":
+        ids, mask = _tok(), _padmask()
+        return "BartConfig", dict(cfg=dict(vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2,
+                                           encoder_attention_heads=2, decoder_attention_heads=2,
+                                           encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=32,
+                                           pad_token_id=1, bos_token_id=0, eos_token_id=2,
+                                           decoder_start_token_id=2, forced_eos_token_id=None),
+                                  inputs={"input_ids": ids.masked_fill(mask == 0, 1), "attention_mask": mask,
+                                          "labels": _tok(B, 6)}, main="logits", loss="loss")
+    if name == "MistralForCausalLM":
+        return "MistralConfig", _causal(**dec, sliding_window=4)
+    if name == "Gemma2ForCausalLM":
+        return "Gemma2Config", _causal(**dec, head_dim=8, sliding_window=4)
+    if name == "PhiForCausalLM":
+        return "PhiConfig", _causal(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                    num_attention_heads=4, partial_rotary_factor=0.5, max_position_embeddings=32,
+                                    bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    if name == "GPTNeoXForCausalLM":
+        return "GPTNeoXConfig", _causal(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, rotary_pct=0.25, max_position_embeddings=32,
+                                        bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    if name == "OPTForCausalLM":
+        return "OPTConfig", _causal(vocab_size=VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
+                                    num_attention_heads=2, max_position_embeddings=32, word_embed_proj_dim=32,
+                                    pad_token_id=1, bos_token_id=2, eos_token_id=2)
+    if name == "BloomForCausalLM":
+        return "BloomConfig", _causal(vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4,
+                                      bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    if name == "FalconForCausalLM":
+        return "FalconConfig", _causal(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                       bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    if name == "MixtralForCausalLM":
+        return "MixtralConfig", _causal(**dec, num_local_experts=4, num_experts_per_tok=2)
+    if name == "WhisperForConditionalGeneration":
+        return "WhisperConfig", dict(cfg=dict(vocab_size=VOCAB, num_mel_bins=16, d_model=32, encoder_layers=2,
+                                              decoder_layers=2, encoder_attention_heads=2, decoder_attention_heads=2,
+                                              encoder_ffn_dim=64, decoder_ffn_dim=64, max_source_positions=16,
+                                              max_target_positions=16, pad_token_id=0, bos_token_id=1,
+                                              eos_token_id=2, decoder_start_token_id=1,
+                                              suppress_tokens=None, begin_suppress_tokens=None),
+                                     inputs={"input_features": torch.randn(B, 16, 32), "labels": _tok(B, 6)},
+                                     main="logits", loss="loss")
+    if name == "CLIPModel":
+        ids = _tok()
+        ids[:, -1] = 2  # eos
+        return "CLIPConfig", dict(cfg=dict(text_config=dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                                            num_hidden_layers=2, num_attention_heads=2,
+                                                            max_position_embeddings=16, eos_token_id=2),
+                                           vision_config=dict(image_size=16, patch_size=8, hidden_size=32,
+                                                              intermediate_size=64, num_hidden_layers=2,
+                                                              num_attention_heads=2),
+                                           projection_dim=16),
+                                  inputs={"input_ids": ids, "pixel_values": torch.randn(B, 3, 16, 16),
+                                          "return_loss": True},
+                                  main="logits_per_image", loss="loss")
+    if name == "Swinv2Model":
+        return "Swinv2Config", dict(cfg=dict(image_size=32, patch_size=4, embed_dim=16, depths=[2, 2],
+                                             num_heads=[2, 2], window_size=4),
+                                    inputs={"pixel_values": torch.randn(B, 3, 32, 32)},
+                                    main="last_hidden_state", loss=None)
+    if name == "ConvNextModel":
+        return "ConvNextConfig", dict(cfg=dict(num_stages=2, hidden_sizes=[8, 16], depths=[1, 1], image_size=32),
+                                      inputs={"pixel_values": torch.randn(B, 3, 32, 32)},
+                                      main="last_hidden_state", loss=None)
+    if name == "DeiTForImageClassification":
+        return "DeiTConfig", dict(cfg=dict(image_size=16, patch_size=8, hidden_size=32, num_hidden_layers=2,
+                                           num_attention_heads=2, intermediate_size=64, num_labels=10),
+                                  inputs={"pixel_values": torch.randn(B, 3, 16, 16),
+                                          "labels": torch.randint(0, 10, (B,))},
+                                  main="logits", loss="loss")
+    if name == "SegformerForSemanticSegmentation":
+        return "SegformerConfig", dict(cfg=dict(num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1],
+                                                hidden_sizes=[16, 32], patch_sizes=[7, 3], strides=[4, 2],
+                                                num_attention_heads=[1, 2], mlp_ratios=[2, 2],
+                                                decoder_hidden_size=32, num_labels=3, image_size=32),
+                                       inputs={"pixel_values": torch.randn(B, 3, 32, 32),
+                                               "labels": torch.randint(0, 3, (B, 32, 32))},
+                                       main="logits", loss="loss")
+    if name == "Wav2Vec2Model":
+        return "Wav2Vec2Config", dict(cfg=dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                               intermediate_size=64, conv_dim=(16, 16), conv_stride=(5, 2),
+                                               conv_kernel=(10, 3), num_conv_pos_embeddings=16,
+                                               num_conv_pos_embedding_groups=2, vocab_size=VOCAB),
+                                      inputs={"input_values": torch.randn(B, 400)},
+                                      main="last_hidden_state", loss=None)
+    raise KeyError(name)
+
+
+MODELS = ["DistilBertForMaskedLM", "RobertaForMaskedLM", "AlbertForMaskedLM", "ElectraForPreTraining",
+          "BartForConditionalGeneration", "MistralForCausalLM", "Gemma2ForCausalLM", "PhiForCausalLM",
+          "GPTNeoXForCausalLM", "OPTForCausalLM", "BloomForCausalLM", "FalconForCausalLM", "MixtralForCausalLM",
+          "WhisperForConditionalGeneration", "CLIPModel", "Swinv2Model", "ConvNextModel",
+          "DeiTForImageClassification", "SegformerForSemanticSegmentation", "Wav2Vec2Model"]
+MODELS += [m + "+pad" for m in MODELS if m.endswith("ForCausalLM")]  # causal LMs over a left-padded batch
+
+# --------------------------------------------------------------------------------------------- one model
+
+
+def _tb_tail(e, n=12):
+    lines = traceback.format_exception(e)
+    text = "".join(lines).rstrip().splitlines()
+    # commfuse frames in the traceback, innermost last
+    cf_frames = [ln.strip() for ln in text if 'File "' in ln and "/work/main/" in ln and "/.scratch/" not in ln]
+    return {"type": type(e).__name__, "msg": str(e)[:2000], "tail": text[-n:], "commfuse_frames": cf_frames[-6:]}
+
+
+def _close(got, want):
+    import torch
+    got, want = got.detach().float(), want.detach().float()
+    if got.shape != want.shape:
+        return f"shape {tuple(got.shape)} vs {tuple(want.shape)}"
+    scale = max(1.0, want.abs().max().item() if want.numel() else 0.0)
+    try:
+        torch.testing.assert_close(got, want, atol=1e-4 * scale, rtol=1e-4)
+        return None
+    except AssertionError:
+        err = (got - want).abs()
+        nan = bool(torch.isnan(got).any()) and not bool(torch.isnan(want).any())
+        return f"max abs err {err.nan_to_num(float('inf')).max().item():.3g} (ref max {want.abs().max().item():.3g})" + \
+            (" NaN in compiled" if nan else "")
+
+
+def run_one(name):
+    os.environ["COMMFUSE_FALLBACK_ON_ERROR"] = "0"
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ.setdefault("COMMFUSE_CACHE_DIR", tempfile.mkdtemp(prefix="cf_sweep_"))
+    import copy
+    import torch
+    import commfuse  # noqa: F401
+    import commfuse.backend as cfb
+    import transformers
+    torch.set_num_threads(1)
+    global PAD, B, S
+    res = {"model": name, "transformers": transformers.__version__}
+    if name.endswith("+pad"):
+        PAD, name = True, name[:-4]
+    if not hasattr(transformers, name):
+        if name == "Gemma2ForCausalLM" and hasattr(transformers, "GemmaForCausalLM"):
+            name = "GemmaForCausalLM"
+        else:
+            res["result"] = "skipped (class missing)"
+            return res
+    torch.manual_seed(0)
+    cfg_cls, s = spec(name)
+    cfg_kwargs = s["cfg"]
+    try:
+        cfg = getattr(transformers, cfg_cls)(attn_implementation="sdpa", **cfg_kwargs)
+        model = getattr(transformers, name)(cfg)
+        res["attn"] = model.config._attn_implementation
+    except (ValueError, ImportError) as e:
+        res["sdpa_error"] = str(e)[:300]
+        cfg = getattr(transformers, cfg_cls)(**cfg_kwargs)
+        model = getattr(transformers, name)(cfg)
+        res["attn"] = getattr(model.config, "_attn_implementation", None)
+    model.eval()
+    ref = copy.deepcopy(model)
+    inputs = s["inputs"]
+    main, loss_key = s["main"], s["loss"]
+    try:
+        with torch.no_grad():
+            out_ref = ref(**inputs)
+    except Exception as e:
+        res["result"] = "setup error (eager fails)"
+        res["error"] = _tb_tail(e)
+        return res
+    probe = torch.randn(getattr(out_ref, main).shape, generator=torch.Generator().manual_seed(1))
+
+    def loss_of(out):
+        if loss_key:
+            return getattr(out, loss_key)
+        return (getattr(out, main) * probe).sum()
+
+    counters = torch._dynamo.utils.counters
+    res["phases"] = {}
+    for phase in ("inference", "training"):
+        ph = res["phases"][phase] = {}
+        torch._dynamo.reset()
+        counters.clear()
+        cfb.summaries.clear()
+        m = copy.deepcopy(model)  # fresh grads
+        r = copy.deepcopy(ref)
+        t0 = time.time()
+        try:
+            compiled = torch.compile(m, backend="commfuse")
+            if phase == "inference":
+                with torch.no_grad():
+                    out = compiled(**inputs)
+                    want = r(**inputs)
+                ph["mismatch"] = {k: v for k, v in {main: _close(getattr(out, main), getattr(want, main))}.items() if v}
+            else:
+                out = compiled(**inputs)
+                loss = loss_of(out)
+                loss.backward()
+                want = r(**inputs)
+                wloss = loss_of(want)
+                wloss.backward()
+                mm = {}
+                if (e := _close(getattr(out, main), getattr(want, main))):
+                    mm[main] = e
+                if (e := _close(loss, wloss)):
+                    mm["loss"] = e
+                refp = dict(r.named_parameters())
+                for pn, p in m.named_parameters():
+                    q = refp[pn]
+                    if q.grad is None and p.grad is not None and not p.grad.any():
+                        continue  # no gradient in eager, zeros through AOTAutograd (aot_eager's too)
+                    if (p.grad is None) != (q.grad is None):
+                        mm[pn + ".grad"] = f"grad None: compiled {p.grad is None} eager {q.grad is None}"
+                    elif p.grad is not None and (e := _close(p.grad, q.grad)):
+                        mm[pn + ".grad"] = e
+                ph["mismatch"] = mm
+            ph["status"] = "mismatch" if ph["mismatch"] else "ok"
+        except Exception as e:
+            ph["status"] = "error"
+            ph["error"] = _tb_tail(e)
+        ph["seconds"] = round(time.time() - t0, 1)
+        ph["graph_breaks"] = {k: v for k, v in counters["graph_break"].items()}
+        ph["graphs"] = [{"id": g.get("graph_id"), "compiled": g.get("compiled"),
+                         "kernels": len(g.get("kernels", []) or []),
+                         "fallback_reasons": g.get("fallback_reasons") or None,
+                         "fallback_reason": g.get("fallback_reason")} for g in cfb.summaries]
+    # a new user's second call at another batch size / sequence length: Dynamo recompiles with
+    # dynamic (symbolic) sizes ("automatic dynamic shapes"); outputs vs eager, inference
+    ph = res["phases"]["reshape"] = {}
+    torch._dynamo.reset()
+    counters.clear()
+    cfb.summaries.clear()
+    B, S = 3, 12
+    torch.manual_seed(0)
+    inputs2 = spec(name)[1]["inputs"]
+    B, S = 2, 8
+    t0 = time.time()
+    try:
+        m = copy.deepcopy(model)
+        compiled = torch.compile(m, backend="commfuse")
+        with torch.no_grad():
+            compiled(**inputs)
+            out = compiled(**inputs2)
+            want = copy.deepcopy(ref)(**inputs2)
+        e = _close(getattr(out, main), getattr(want, main))
+        ph["mismatch"] = {main: e} if e else {}
+        ph["status"] = "mismatch" if e else "ok"
+    except Exception as e:
+        ph["status"] = "error"
+        ph["error"] = _tb_tail(e)
+    ph["seconds"] = round(time.time() - t0, 1)
+    ph["graph_breaks"] = {k: v for k, v in counters["graph_break"].items()}
+    ph["recompiles"] = {k: v for k, v in counters["recompiles"].items()} if "recompiles" in counters else {}
+    ph["graphs"] = [{"id": g.get("graph_id"), "compiled": g.get("compiled"),
+                     "kernels": len(g.get("kernels", []) or []),
+                     "fallback_reasons": g.get("fallback_reasons") or None,
+                     "fallback_reason": g.get("fallback_reason")} for g in cfb.summaries]
+    st = [p["status"] for p in res["phases"].values()]
+    res["result"] = "error" if "error" in st else "mismatch" if "mismatch" in st else "ok"
+    return res
+
+
+# --------------------------------------------------------------------------------------------- driver
+
+
+def worker(name, timeout, outdir):
+    out = os.path.join(outdir, f"{name}.json")
+    log = os.path.join(outdir, f"{name}.log")
+    env = dict(os.environ, COMMFUSE_FALLBACK_ON_ERROR="0", HF_HUB_OFFLINE="1", PYTHONPATH=REPO,
+               OMP_NUM_THREADS="1", COMMFUSE_CACHE_DIR=tempfile.mkdtemp(prefix="cf_sweep_"))
+    t0 = time.time()
+    with open(log, "w") as f:
+        try:
+            p = subprocess.run([sys.executable, __file__, "--one", name, "--out", out], stdout=f,
+                               stderr=subprocess.STDOUT, env=env, timeout=timeout, cwd=REPO)
+            rc = p.returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    dt = round(time.time() - t0, 1)
+    if rc == "timeout":
+        res = {"model": name, "result": "timeout"}
+    elif os.path.exists(out):
+        with open(out) as f:
+            res = json.load(f)
+    else:
+        with open(log) as f:
+            tail = f.read().splitlines()[-15:]
+        res = {"model": name, "result": f"crash rc={rc}", "tail": tail}
+    res["wall"] = dt
+    print(f"[{dt:7.1f}s] {name}: {res['result']}", flush=True)
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--one")
+    ap.add_argument("--out")
+    ap.add_argument("--only")
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--timeout", type=int, default=600)
+    ap.add_argument("--results", help="write the results as JSON here")
+    a = ap.parse_args()
+    if a.one:
+        res = run_one(a.one)
+        text = json.dumps(res, indent=1, default=str)
+        if a.out:
+            with open(a.out, "w") as f:
+                f.write(text)
+        print(text)
+        return
+    names = a.only.split(",") if a.only else MODELS
+    outdir = tempfile.mkdtemp(prefix="heldout_hf_")
+    with cf.ThreadPoolExecutor(a.jobs) as ex:
+        results = list(ex.map(lambda n: worker(n, a.timeout, outdir), names))
+    if a.results:
+        with open(a.results, "w") as f:
+            json.dump(results, f, indent=1, default=str)
+    sys.exit(0 if all(r["result"] == "ok" for r in results) else 1)
+
+
+if __name__ == "__main__":
+    main()
