@@ -33,8 +33,14 @@ def _reset_dynamo():
 @pytest.fixture(autouse=True)
 def _exact_fp32():
     """fp32 compared at fp32 tolerance: no TF32 in eager's or our convolutions and matmuls on GPU
-    (cuDNN allows it by default, and two layouts of one convolution pick different algorithms)."""
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+    (cuDNN allows it by default, and two layouts of one convolution pick different algorithms).
+    cuDNN's flags through its context manager: OpInfo's test utilities forbid setting them."""
+    if not torch.cuda.is_available():
+        yield
+        return
+    cudnn, saved = torch.backends.cudnn, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    with cudnn.flags(enabled=cudnn.enabled, benchmark=cudnn.benchmark, deterministic=cudnn.deterministic,
+                     allow_tf32=False):
+        yield
+    torch.backends.cuda.matmul.allow_tf32 = saved
