@@ -12,6 +12,7 @@ from commfuse.virtualized import V, ops
 from . import register
 
 aten = torch.ops.aten
+prims = torch.ops.prims
 
 
 def _pair(v) -> list:
@@ -26,9 +27,19 @@ def _inside(i, n):
 
 @register(aten.max_pool2d_with_indices.default)
 def max_pool2d_with_indices(x, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
-    """Each window's max and where it is (h * W + w), found as aten finds them: the first maximum,
-    unless a NaN comes (then the last NaN); padding never wins. Two loops over the same loads,
-    which fuse into one kernel (or the indices die, in inference)."""
+    return _max_pool(x, kernel_size, stride, padding, dilation, ceil_mode, offsets=False)
+
+
+@register(prims._low_memory_max_pool_with_offsets.default)
+def max_pool2d_with_offsets(x, kernel_size, stride, padding, dilation, ceil_mode):
+    return _max_pool(x, kernel_size, stride, padding, dilation, ceil_mode, offsets=True)
+
+
+def _max_pool(x, kernel_size, stride, padding, dilation, ceil_mode, offsets: bool):
+    """Each window's max and where it is, h * W + w (or, with `offsets`, the tap's number i * kw + j
+    within the window, as int8), found as aten finds them: the first maximum, unless a NaN comes
+    (then the last NaN); padding never wins. Two loops over the same loads, which fuse into one
+    kernel (or the indices die, in inference)."""
     (kh, kw), (sh, sw), (ph, pw) = (_pair(v) for v in (kernel_size, stride or kernel_size, padding))
     if _pair(dilation) != [1, 1] or len(x.get_size()) != 4 or not x.get_dtype().is_floating_point:
         raise ir.Unsupported("dilation, an unbatched or integer input")
@@ -37,26 +48,41 @@ def max_pool2d_with_indices(x, kernel_size, stride=(), padding=0, dilation=1, ce
     size = [sizevars.from_torch(s) for s in V.graph.current_node.meta["val"][0].shape]
     # A window with nothing above -inf keeps its first index: the first tap inside, but 0 in
     # aten's CUDA kernel for channels_last inputs (eager's layout of the input decides).
-    first_is_zero = x.get_device().type == "cuda" and suggest_memory_format(
+    first_is_zero = not offsets and x.get_device().type == "cuda" and suggest_memory_format(
         V.graph.current_node.args[0].meta["val"]) == torch.channels_last
 
     def window(idx, want_index):
         n, c, oh, ow = idx
         h0, w0 = oh * sh - ph, ow * sw - pw
         zero = ops.constant(0, i64)
-        where = zero if first_is_zero else ops.add(
-            ops.mul(ops.maximum(ops.index_expr(h0, i64), zero), ops.index_expr(W, i64)),
-            ops.maximum(ops.index_expr(w0, i64), zero))
+        top, left = (ops.maximum(ops.index_expr(v, i64), zero) for v in ((-h0, -w0) if offsets else (h0, w0)))
+        where = zero if first_is_zero else ops.add(ops.mul(top, ops.index_expr(kw if offsets else W, i64)), left)
         best = ops.constant(float("-inf"), dtype)
-        for h, w in ((h0 + i, w0 + j) for i in range(kh) for j in range(kw)):
+        for i, j in ((i, j) for i in range(kh) for j in range(kw)):
+            h, w = h0 + i, w0 + j
             mask = ops.logical_and(_inside(h, H), _inside(w, W)) if ph or pw or ceil_mode else None
             v = load([n, c, h, w]) if mask is None else \
                 ops.masked(mask, lambda: load([n, c, h, w]), float("-inf"))
             take = ops.logical_or(ops.gt(v, best), ops.isnan(v))
-            best, where = ops.where(take, v, best), ops.where(take, ops.index_expr(h * W + w, i64), where)
-        return where if want_index else best
+            best, where = ops.where(take, v, best), ops.where(take, ops.index_expr(i * kw + j if offsets else h * W + w, i64), where)
+        return (ops.to_dtype(where, torch.int8) if offsets else where) if want_index else best
     return tuple(TensorBox(Pointwise(x.get_device(), dt, lambda idx, k=k: window(idx, k), list(size)))
-                 for k, dt in ((False, dtype), (True, i64)))
+                 for k, dt in ((False, dtype), (True, torch.int8 if offsets else i64)))
+
+
+@register(prims._low_memory_max_pool_offsets_to_indices.default)
+def max_pool_offsets_to_indices(offsets, kernel_size, input_size, stride, padding, dilation):
+    """The index h * W + w of each window's tap number i * kw + j."""
+    (kh, kw), (sh, sw), (ph, pw), (dh, dw) = (_pair(v) for v in (kernel_size, stride, padding, dilation))
+    load, i64, W = offsets.make_loader(), torch.int64, sizevars.from_torch(input_size[-1])
+
+    def index(idx):
+        *_, oh, ow = idx
+        tap = ops.to_dtype(load(idx), i64)
+        h = ops.add(ops.index_expr(oh * sh - ph, i64), ops.mul(ops.floordiv(tap, ops.constant(kw, i64)), ops.constant(dh, i64)))
+        w = ops.add(ops.index_expr(ow * sw - pw, i64), ops.mul(ops.remainder(tap, ops.constant(kw, i64)), ops.constant(dw, i64)))
+        return ops.add(ops.mul(h, ops.index_expr(W, i64)), w)
+    return TensorBox(Pointwise(offsets.get_device(), i64, index, list(offsets.get_size())))
 
 
 def _acc(dtype):

@@ -231,3 +231,18 @@ def test_conv_bias_gradient_is_our_reduction(tmp_path):
     code = dumps.code(dumps.graphs()[1])
     masks = re.findall(r"aten\.convolution_backward\.default\(.*(\[\w+, \w+, \w+\])\)", code)
     assert sorted(masks) == ["[False, True, False]", "[True, True, False]"], masks
+
+
+def test_max_pool_saves_int8_offsets_for_its_backward(tmp_path):
+    """The forward saves each window's int8 tap number, not int64 indices (8x the bytes); the
+    backward makes the indices from it, and the gradient matches eager's."""
+    x = torch.randn(2, 4, 16, 16, device=DEVICE, requires_grad=True)
+    fn = lambda t: F.max_pool2d(torch.relu(t), 3, 2, 1)  # noqa: E731
+    out, dumps = compile_and_run(fn, x, tmp_path=tmp_path)
+    out.square().sum().backward()
+    x2 = x.detach().clone().requires_grad_()
+    fn(x2).square().sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad)
+    forward = dumps.code(dumps.graphs()[0])
+    pooled = re.findall(r"empty_strided\(\(2, 4, 8, 8\), \([\d, ]+\), device=.*?, dtype=torch\.(\w+)\)", forward)
+    assert sorted(pooled) == ["float32", "int8"], pooled
