@@ -10,8 +10,9 @@ from torch._prims_common import suggest_memory_format
 
 aten = torch.ops.aten
 _prepare_softmax = torch.ops.prims.prepare_softmax_online.default
-_max_pool_offsets = torch.ops.prims._low_memory_max_pool_with_offsets.default
-_offsets_to_indices = torch.ops.prims._low_memory_max_pool_offsets_to_indices.default
+# torch's low-memory max-pool prims, by their current names (None in a torch without them)
+_max_pool_offsets = getattr(torch.ops.prims, "_low_memory_max_pool_with_offsets", None)
+_offsets_to_indices = getattr(torch.ops.prims, "_low_memory_max_pool_offsets_to_indices", None)
 
 # Composites that core ATen keeps but we would rather see as their parts.
 _EXTRA = [
@@ -75,10 +76,11 @@ def _max_pool_via_offsets(x, kernel_size, stride=(), padding=0, dilation=1, ceil
     k, d = (_pair(v) for v in (kernel_size, dilation))
     s, p = _pair(stride or kernel_size), _pair(padding)
     cuda_nhwc = x.is_cuda and suggest_memory_format(x) == torch.channels_last
-    if x.dim() != 4 or k[0] * k[1] > 127 or d != [1, 1] or cuda_nhwc or not x.dtype.is_floating_point:
+    if x.dim() != 4 or k[0] * k[1] > 127 or d != [1, 1] or cuda_nhwc or not x.dtype.is_floating_point \
+            or _offsets_to_indices is None:
         return NotImplemented
-    values, offsets = _max_pool_offsets(x, k, s, p, d, ceil_mode)
-    return values, _offsets_to_indices(offsets, k, x.shape[-2:], s, p, d)
+    values, offsets = _max_pool_offsets.default(x, k, s, p, d, ceil_mode)
+    return values, _offsets_to_indices.default(offsets, k, x.shape[-2:], s, p, d)
 
 
 def _pair(v) -> list:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import torch
+import torch._inductor.inductor_prims  # noqa: F401  (registers the low-memory max-pool prims)
 from torch._prims_common import suggest_memory_format
 
 from commfuse import ir, sizevars
@@ -30,7 +31,6 @@ def max_pool2d_with_indices(x, kernel_size, stride=(), padding=0, dilation=1, ce
     return _max_pool(x, kernel_size, stride, padding, dilation, ceil_mode, offsets=False)
 
 
-@register(prims._low_memory_max_pool_with_offsets.default)
 def max_pool2d_with_offsets(x, kernel_size, stride, padding, dilation, ceil_mode):
     return _max_pool(x, kernel_size, stride, padding, dilation, ceil_mode, offsets=True)
 
@@ -70,7 +70,6 @@ def _max_pool(x, kernel_size, stride, padding, dilation, ceil_mode, offsets: boo
                  for k, dt in ((False, dtype), (True, torch.int8 if offsets else i64)))
 
 
-@register(prims._low_memory_max_pool_offsets_to_indices.default)
 def max_pool_offsets_to_indices(offsets, kernel_size, input_size, stride, padding, dilation):
     """The index h * W + w of each window's tap number i * kw + j."""
     (kh, kw), (sh, sw), (ph, pw), (dh, dw) = (_pair(v) for v in (kernel_size, stride, padding, dilation))
@@ -83,6 +82,12 @@ def max_pool_offsets_to_indices(offsets, kernel_size, input_size, stride, paddin
         w = ops.add(ops.index_expr(ow * sw - pw, i64), ops.mul(ops.remainder(tap, ops.constant(kw, i64)), ops.constant(dw, i64)))
         return ops.add(ops.mul(h, ops.index_expr(W, i64)), w)
     return TensorBox(Pointwise(offsets.get_device(), i64, index, list(offsets.get_size())))
+
+
+for _name, _lowering in (("_low_memory_max_pool_with_offsets", max_pool2d_with_offsets),
+                         ("_low_memory_max_pool_offsets_to_indices", max_pool_offsets_to_indices)):
+    if hasattr(prims, _name):  # where this torch has them (commfuse/decompositions.py uses them then)
+        register(getattr(prims, _name).default)(_lowering)
 
 
 def _acc(dtype):
