@@ -10,9 +10,18 @@ from torch._prims_common import suggest_memory_format
 
 aten = torch.ops.aten
 _prepare_softmax = torch.ops.prims.prepare_softmax_online.default
-# torch's low-memory max-pool prims, by their current names (None in a torch without them)
-_max_pool_offsets = getattr(torch.ops.prims, "_low_memory_max_pool_with_offsets", None)
-_offsets_to_indices = getattr(torch.ops.prims, "_low_memory_max_pool_offsets_to_indices", None)
+
+
+def _prim(name: str, args: str):
+    """torch's prim `name` if this torch has it with these arguments, else None."""
+    op = getattr(torch.ops.prims, name, None)
+    return op if op is not None and [a.name for a in op.default._schema.arguments] == args.split() else None
+
+
+# torch's low-memory max-pool prims (older releases name them and their arguments otherwise)
+_max_pool_offsets = _prim("_low_memory_max_pool_with_offsets", "self kernel_size stride padding dilation ceil_mode")
+_offsets_to_indices = _prim("_low_memory_max_pool_offsets_to_indices",
+                            "self kernel_size input_size stride padding dilation")
 
 # Composites that core ATen keeps but we would rather see as their parts.
 _EXTRA = [
@@ -77,7 +86,7 @@ def _max_pool_via_offsets(x, kernel_size, stride=(), padding=0, dilation=1, ceil
     s, p = _pair(stride or kernel_size), _pair(padding)
     cuda_nhwc = x.is_cuda and suggest_memory_format(x) == torch.channels_last
     if x.dim() != 4 or k[0] * k[1] > 127 or d != [1, 1] or cuda_nhwc or not x.dtype.is_floating_point \
-            or _offsets_to_indices is None:
+            or _max_pool_offsets is None or _offsets_to_indices is None:
         return NotImplemented
     values, offsets = _max_pool_offsets.default(x, k, s, p, d, ceil_mode)
     return values, _offsets_to_indices.default(offsets, k, x.shape[-2:], s, p, d)
