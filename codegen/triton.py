@@ -320,6 +320,8 @@ class TritonKernel:
             return self._arg_reduction(src_dtype, rtype, value)
         if rtype == "softmax_sum":
             return self._softmax_sum(dtype, value)
+        if rtype == "welford_m2":
+            return self._welford_m2(dtype, value)
         acc_dtype = compute_dtype(dtype)
         tacc = triton_dtype(acc_dtype)
         ident = self._identity(rtype, acc_dtype if rtype not in ("any", "all") else torch.bool)
@@ -345,6 +347,7 @@ class TritonKernel:
         sec.init.writeline(f"{acc} = tl.full([XBLOCK, RBLOCK], {ident}, {tinit})")
         sec.body.writeline(f"{acc} = {combine.format(a=acc, b=src)}")
         sec.final.writeline(f"{out} = {reduce_fn.format(acc)}[:, None]")
+        sec.row_values[(rtype, src)] = out  # the same reduction of the same values: one accumulator
         return out
 
     def _arg_reduction(self, src_dtype, rtype, value: Var) -> Var:
@@ -359,21 +362,41 @@ class TritonKernel:
             sec.body.writeline(f"_, {out} = tl.reduce(({masked}, rindex + tl.zeros([XBLOCK, RBLOCK], tl.int32)), 1, {combine})")
         else:
             av, ai = f"{out}_val", f"{out}_idx"
-            self._carry_pair(sec, (av, f"tl.full([XBLOCK, RBLOCK], {ident}, {tacc})"),
-                             (ai, "tl.full([XBLOCK, RBLOCK], 2147483647, tl.int32)"),
-                             f"{combine}({av}, {ai}, {masked}, rindex + tl.zeros([XBLOCK, RBLOCK], tl.int32))")
+            self._carry(sec, [(av, f"tl.full([XBLOCK, RBLOCK], {ident}, {tacc})"),
+                              (ai, "tl.full([XBLOCK, RBLOCK], 2147483647, tl.int32)")],
+                        f"{combine}({av}, {ai}, {masked}, rindex + tl.zeros([XBLOCK, RBLOCK], tl.int32))")
             sec.final.writeline(f"_, {out} = tl.reduce(({av}, {ai}), 1, {combine})")
         self._finish(sec, f"{out} = {out}[:, None].to(tl.int64)")
         return out
 
     @staticmethod
-    def _carry_pair(sec: Section, a: tuple, b: tuple, update: str) -> None:
-        """Two per-lane accumulators (name, initial value) carried through a loop by `update`."""
-        for name, init in (a, b):
+    def _carry(sec: Section, accs: list, update: str) -> None:
+        """Per-lane accumulators (name, initial value) carried through a loop by `update`."""
+        for name, init in accs:
             sec.init.writeline(f"{name} = {init}")
-        sec.body.writeline(f"{a[0]}_n, {b[0]}_n = {update}")
-        sec.body.writeline(f"{a[0]} = {a[0]}_n")
-        sec.body.writeline(f"{b[0]} = {b[0]}_n")
+        sec.body.writeline(", ".join(f"{name}_n" for name, _ in accs) + f" = {update}")
+        for name, _ in accs:
+            sec.body.writeline(f"{name} = {name}_n")
+
+    def _welford_m2(self, dtype, value: Var) -> Var:
+        """sum((v - mean(v))**2) over the row in one pass (triton_helpers' Welford)."""
+        tacc = triton_dtype(compute_dtype(dtype))
+        sec = self.cur
+        src = str(value) if value.dtype == compute_dtype(dtype) else f"{value}.to({tacc})"
+        zeros = f"tl.zeros([XBLOCK, RBLOCK], {tacc})"
+        out = Var(f"tmp{next(self.tmp)}", dtype)
+        if self.persistent:  # the row is in registers: its mean, then the deviations from it
+            v = self.newvar(f"tl.where({self.mask()}, {src}, 0.0)", dtype)
+            count = self.newvar(f"tl.sum(tl.where({self.mask()}, 1.0, 0.0) + {zeros}, 1)[:, None]", dtype)
+            mean = self.newvar(f"tl.sum({v}, 1)[:, None] / tl.maximum({count}, 1.0)", dtype)
+            sec.body.writeline(f"{out} = tl.sum(tl.where({self.mask()}, ({v} - {mean}) * ({v} - {mean}), 0.0), 1)")
+        else:
+            mean, m2, count = f"{out}_mean", f"{out}_m2", f"{out}_count"
+            self._carry(sec, [(mean, zeros), (m2, zeros), (count, zeros)],
+                        f"triton_helpers.welford_update({mean}, {m2}, {count}, {src}, {self.mask()})")
+            sec.final.writeline(f"_, {out}, _ = tl.reduce(({mean}, {m2}, {count}), 1, triton_helpers.welford_combine)")
+        self._finish(sec, f"{out} = {out}[:, None]")
+        return out
 
     def _softmax_sum(self, dtype, value: Var) -> Var:
         """sum(exp(v - max(v))) over the row. A whole row in registers: its max, then the sum.
@@ -390,9 +413,9 @@ class TritonKernel:
             return self.newvar(f"tl.sum(triton_helpers.exp_shifted({v}, {m}), 1)[:, None]", dtype)
         out = Var(f"tmp{next(self.tmp)}", dtype)
         m, s = f"{out}_max", f"{out}_sum"
-        self._carry_pair(sec, (m, f"tl.full([XBLOCK, RBLOCK], float(\"-inf\"), {tacc})"),
-                         (s, f"tl.zeros([XBLOCK, RBLOCK], {tacc})"),
-                         f"triton_helpers.online_softmax_update({m}, {s}, {src})")
+        self._carry(sec, [(m, f"tl.full([XBLOCK, RBLOCK], float(\"-inf\"), {tacc})"),
+                          (s, f"tl.zeros([XBLOCK, RBLOCK], {tacc})")],
+                    f"triton_helpers.online_softmax_update({m}, {s}, {src})")
         rowmax = Var(f"{out}_rowmax", dtype)
         sec.final.writeline(f"{rowmax} = tl.reduce({m}, 1, triton_helpers.max_nan)[:, None]")
         sec.final.writeline(f"{out} = tl.sum(triton_helpers.online_softmax_rescale({s}, {m}, {rowmax}), 1)[:, None]")

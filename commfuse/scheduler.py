@@ -22,6 +22,7 @@ from .virtualized import V
 
 XSYM = index_symbol("x", 0)   # the kernel's row index
 RSYM = index_symbol("r", 0)   # the kernel's reduction (inner) index
+LANE_ACCUMULATORS = {"welford_m2": 3, "softmax_sum": 2, "argmax": 2, "argmin": 2}  # else 1
 
 
 class SchedulerNode:
@@ -173,6 +174,11 @@ class Group:
     def is_reduction(self):
         return self.R != 1
 
+    def lane_accumulators(self) -> int:
+        """Values each lane of a looped reduction carries through the loop (Welford: three)."""
+        return sum(LANE_ACCUMULATORS.get(n.buf.data.reduction_type, 1) for n in self.nodes
+                   if isinstance(getattr(n.buf, "data", None), ir.Reduction))
+
     @property
     def read_names(self):
         return set().union(*(n.read_names for n in self.nodes))
@@ -321,7 +327,7 @@ class Scheduler:
             kind = "persistent" if V.choices.is_persistent(int(R) if sizevars.is_static(R) else None, peers) \
                 else "looped"
         blocks = V.choices.comm_kernel_config(kind, int(X), int(R)) if peers else \
-            V.choices.kernel_config(kind, sizevars.hint(X), sizevars.hint(R))
+            V.choices.kernel_config(kind, sizevars.hint(X), sizevars.hint(R), g.lane_accumulators())
         return KernelShape(kind, X, R, blocks)
 
     def choose_tile(self, g: Group):

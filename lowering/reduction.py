@@ -6,6 +6,8 @@ rows, or over few columns, are split in two so that enough programs share the wo
 """
 from __future__ import annotations
 
+import math
+
 import sympy
 import torch
 
@@ -16,7 +18,7 @@ from commfuse.sizevars import index_symbol
 from commfuse.virtualized import V, ops
 
 from . import register
-from .common import broadcast_loader, canonical_dim, make_pointwise
+from .common import canonical_dim, make_pointwise
 from .views import view
 
 aten = torch.ops.aten
@@ -53,6 +55,8 @@ def reduce(x: TensorBox, dims, keepdim, reduction_type, dtype) -> TensorBox:
                 return ops.constant(0, torch.int64)
             if reduction_type in ("any", "all"):
                 return ops.ne(load(full), ops.constant(0, src))
+            if reduction_type == "welford_m2":  # one value deviates by nothing from its mean
+                return ops.constant(0, dtype)
             return ops.to_dtype(load(full), dtype)
         return TensorBox(Pointwise(x.get_device(), dtype, inner, out_size))
 
@@ -89,8 +93,10 @@ def _split_factor(node, rnumel) -> tuple[int, bool]:
             not (sizevars.is_static(xnumel) and sizevars.is_static(rnumel)):
         return 1, False
     columns = _reads_columns(node)
-    split = V.choices.reduction_split(int(xnumel), int(rnumel), columns, node.device)
-    return min(split, int(rnumel) // 2), columns  # parts of 2 or more: a part of 1 is no reduction
+    split = min(V.choices.reduction_split(int(xnumel), int(rnumel), columns, node.device), int(rnumel) // 2)
+    if node.reduction_type == "welford_m2":  # equal parts, none padded: a padded lane would count
+        split = math.gcd(split, int(rnumel))
+    return split, columns  # parts of 2 or more: a part of 1 is no reduction
 
 
 def _reads_columns(node) -> bool:
@@ -111,7 +117,7 @@ def _split_reduce(x, load, size, dims, kept, keepdim, out_size, red_sizes, reduc
     src = x.get_dtype()
     low, high = (float("-inf"), float("inf")) if src.is_floating_point else (False, True) if src == torch.bool \
         else (torch.iinfo(src).min, torch.iinfo(src).max)
-    ident = {**IDENTITY, "max": low, "min": high}[reduction_type]
+    ident = {**IDENTITY, "max": low, "min": high, "welford_m2": 0}[reduction_type]  # M2's parts are never padded
     partial_dtype = dtype if reduction_type not in ("sum", "prod") or not dtype.is_floating_point \
         else (torch.float32 if dtype.itemsize < 4 else dtype)
 
@@ -130,10 +136,35 @@ def _split_reduce(x, load, size, dims, kept, keepdim, out_size, red_sizes, reduc
                                  [sympy.Integer(chunk)], reduction_type, src))
     stage1.realize()
     load1 = stage1.make_loader()
+    if reduction_type == "welford_m2":
+        return _combine_m2(x, inner, part, out_size, split, chunk, load1, dtype)
     stage2 = TensorBox(Reduction(x.get_device(), dtype, lambda idx, ridx: load1(part(idx, ridx[0])),
                                  list(out_size), [sympy.Integer(split)], reduction_type, partial_dtype))
     stage2.realize()
     return stage2
+
+
+def _combine_m2(x, inner, part, out_size, split, chunk, load_m2, dtype):
+    """M2 of the whole row from its `split` parts of `chunk` values each (Chan): the parts' M2
+    plus chunk * (part mean - mean)**2 for each part. The parts' sums come from the same pass."""
+    dev, parts = x.get_device(), [sympy.Integer(split)]
+    sums = TensorBox(Reduction(dev, dtype, inner, part(out_size, parts[0]), [sympy.Integer(chunk)], "sum",
+                               x.get_dtype()))
+    sums.realize()
+    load_sum = sums.make_loader()
+    total = TensorBox(Reduction(dev, dtype, lambda idx, ridx: load_sum(part(idx, ridx[0])), list(out_size),
+                                parts, "sum", dtype))
+    total.realize()
+    load_total = total.make_loader()
+
+    def term(idx, ridx):
+        at = part(idx, ridx[0])
+        n_part, n = ops.constant(float(chunk), dtype), ops.constant(float(chunk * split), dtype)
+        d = ops.sub(ops.truediv(load_sum(at), n_part), ops.truediv(load_total(idx), n))
+        return ops.add(load_m2(at), ops.mul(n_part, _sq(d)))
+    m2 = TensorBox(Reduction(dev, dtype, term, list(out_size), parts, "sum", dtype))
+    m2.realize()
+    return m2
 
 
 def _sum_dtype(x, dtype):
@@ -231,12 +262,7 @@ def var(x, dims, correction=1, *, output_dtype=None):
     acc = torch.float32 if dtype.itemsize < 4 else dtype
     size = x.get_size()
     n = sizevars.product(size[d] for d in _dims(x, dims))
-    total = sum_(x, dims, True, dtype=acc)
-    m = make_pointwise(lambda s: ops.truediv(s, ops.index_expr(n, acc)), [total], compute_dtype=acc,
-                       out_dtype=acc)
-    lx, lm = broadcast_loader(x, size), broadcast_loader(m, size)
-    sq = TensorBox(Pointwise(x.get_device(), acc, lambda i: _sq(ops.sub(ops.to_dtype(lx(i), acc), lm(i))), size))
-    ss = sum_(sq, dims, False, dtype=acc)
+    ss = reduce(x, dims, False, "welford_m2", acc)  # one pass over x (codegen: Welford where looped)
     denom = sympy.Max(n - correction, 0)
     return make_pointwise(lambda s: ops.truediv(s, ops.index_expr(denom, acc)), [ss], out_dtype=dtype,
                           compute_dtype=acc)

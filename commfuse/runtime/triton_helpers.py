@@ -54,6 +54,25 @@ def online_softmax_update(m, s, v):
     return m_new, online_softmax_rescale(s, m, m_new) + exp_shifted(v, m_new)
 
 
+# Welford: the sum of squared deviations from the mean (M2) in one pass. Per lane a running mean,
+# M2 and count; lanes and parts are combined by Chan's formula. Two passes (the mean, then the
+# deviations) would read a looped row twice.
+@triton.jit
+def welford_update(mean, m2, count, v, valid):
+    count_new = tl.where(valid, count + 1.0, count)
+    delta = v - mean
+    mean_new = tl.where(valid, mean + delta / tl.maximum(count_new, 1.0), mean)
+    return mean_new, tl.where(valid, m2 + delta * (v - mean_new), m2), count_new
+
+
+@triton.jit
+def welford_combine(mean_a, m2_a, count_a, mean_b, m2_b, count_b):
+    count = count_a + count_b
+    delta = mean_b - mean_a
+    frac_b = tl.where(count == 0.0, 0.0, count_b / count)
+    return mean_a + delta * frac_b, m2_a + m2_b + delta * delta * count_a * frac_b, count
+
+
 @triton.jit
 def div_floor(a, b):
     """Python floor division of integers (Triton's `//` truncates)."""
