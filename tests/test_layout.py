@@ -235,7 +235,8 @@ def test_conv_bias_gradient_is_our_reduction(tmp_path):
 
 def test_max_pool_saves_int8_offsets_for_its_backward(tmp_path):
     """The forward saves each window's int8 tap number, not int64 indices (8x the bytes); the
-    backward makes the indices from it, and the gradient matches eager's."""
+    backward compares it with each window's tap number as it is (no indices made from it, no
+    division), and the gradient matches eager's."""
     x = torch.randn(2, 4, 16, 16, device=DEVICE, requires_grad=True)
     fn = lambda t: F.max_pool2d(torch.relu(t), 3, 2, 1)  # noqa: E731
     out, dumps = compile_and_run(fn, x, tmp_path=tmp_path)
@@ -246,3 +247,6 @@ def test_max_pool_saves_int8_offsets_for_its_backward(tmp_path):
     forward = dumps.code(dumps.graphs()[0])
     pooled = re.findall(r"empty_strided\(\(2, 4, 8, 8\), \([\d, ]+\), device=.*?, dtype=torch\.(\w+)\)", forward)
     assert sorted(pooled) == ["float32", "int8"], pooled
+    backward = dumps.code(next(g for g in dumps.graphs() if "backward" in g))
+    assert "div_floor" not in backward and "remainder_int" not in backward, backward
+    assert re.search(r"tmp\d+ = tl\.full\(\[XBLOCK\], 8, tl\.int32\)", backward), backward  # the last of 9 taps
