@@ -152,10 +152,10 @@ def max_pool2d_with_indices_backward(grad, x, kernel_size, stride, padding, dila
     W, i64, acc = x.get_size()[-1], torch.int64, _acc(grad.get_dtype())
     pooling = [_pair(v) for v in (kernel_size, stride or kernel_size, padding, dilation)]
     offsets = _saved_taps(indices, pooling)
-    load_grad, load_index = grad.make_loader(), (offsets or indices).make_loader()
+    load_grad, load_index = grad.make_loader(), (indices if offsets is None else offsets).make_loader()
 
     def picked(at, h, w, tap):
-        taken = ops.eq(ops.to_dtype(load_index(at), torch.int32), ops.constant(tap, torch.int32)) if offsets \
+        taken = ops.eq(ops.to_dtype(load_index(at), torch.int32), ops.constant(tap, torch.int32)) if offsets is not None \
             else ops.eq(load_index(at), ops.index_expr(h * W + w, i64))
         return ops.where(taken, ops.to_dtype(load_grad(at), acc), ops.constant(0, acc))
     return _gather(grad, x, *pooling, picked)
