@@ -378,8 +378,7 @@ class TritonKernel:
         for name, _ in accs:
             sec.body.writeline(f"{name} = {name}_n")
 
-    def _welford_m2(self, dtype, value: Var) -> Var:
-        """sum((v - mean(v))**2) over the row in one pass (triton_helpers' Welford)."""
+    def _welford_m2(self, dtype, value: Var) -> Var:  # sum((v - mean(v))**2) over the row, one pass
         tacc = triton_dtype(compute_dtype(dtype))
         sec = self.cur
         src = str(value) if value.dtype == compute_dtype(dtype) else f"{value}.to({tacc})"

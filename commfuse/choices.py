@@ -267,8 +267,8 @@ class Choices:
         return rows >= 16 and cols >= 16 and -(-cols // 32) < 65536
 
     def kernel_config(self, kind: str, xnumel: int, rnumel: int, accumulators: int = 1) -> dict:
-        """Blocks and warps of a kernel of this kind: pointwise, tiled, persistent or looped, whose
-        lanes carry `accumulators` values through a loop."""
+        """Blocks and warps of a kernel of this kind: pointwise, tiled, persistent or looped."""
+        # accumulators: the values each lane of a looped reduction carries through its loop
         if kind == "pointwise":
             block = min(config.max_block, next_pow2(max(xnumel, 1)))
             return {"XBLOCK": max(block, 16), "num_warps": 4 if block <= 512 else 8}

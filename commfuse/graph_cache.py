@@ -178,9 +178,7 @@ def _shape_env(example_inputs):
     def items(d):
         return sorted([str(k), str(v)] for k, v in d.items())
     # torch 2.13 renamed the hints (`var_to_val` is deprecated there and warns on every read)
-    hints = getattr(env, "backed_var_to_val", None)
-    if hints is None:
-        hints = env.var_to_val
+    hints = env.backed_var_to_val if hasattr(env, "backed_var_to_val") else env.var_to_val
     return {"ranges": items(env.var_to_range), "hints": items(hints),
             "replacements": items(env.replacements), "guards": [str(g.expr) for g in env.guards],
             "runtime_asserts": sorted(str(a.expr) for asserts in env.deferred_runtime_asserts.values()

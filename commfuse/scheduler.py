@@ -174,8 +174,7 @@ class Group:
     def is_reduction(self):
         return self.R != 1
 
-    def lane_accumulators(self) -> int:
-        """Values each lane of a looped reduction carries through the loop (Welford: three)."""
+    def lane_accumulators(self) -> int:  # values each lane of a looped reduction carries
         return sum(LANE_ACCUMULATORS.get(n.buf.data.reduction_type, 1) for n in self.nodes
                    if isinstance(getattr(n.buf, "data", None), ir.Reduction))
 

@@ -81,20 +81,15 @@ def max_pool_offsets_to_indices(offsets, kernel_size, input_size, stride, paddin
         h = ops.add(ops.index_expr(oh * sh - ph, i64), ops.mul(ops.floordiv(tap, ops.constant(kw, i64)), ops.constant(dh, i64)))
         w = ops.add(ops.index_expr(ow * sw - pw, i64), ops.mul(ops.remainder(tap, ops.constant(kw, i64)), ops.constant(dw, i64)))
         return ops.add(ops.mul(h, ops.index_expr(W, i64)), w)
-    indices = _TapIndices(offsets.get_device(), i64, index, list(offsets.get_size()))
+    indices = Pointwise(offsets.get_device(), i64, index, list(offsets.get_size()))
+    # the backward reads the taps themselves: no 64-bit division per window (on H100, ResNet-18's
+    # max-pool backward took 1371 µs through the indices)
     indices.taps = (offsets, [kh, kw], [sh, sw], [ph, pw], [dh, dw])
     return TensorBox(indices)
 
 
-class _TapIndices(Pointwise):
-    """Indices made from a max-pool's tap numbers (`taps`: the offsets and the pooling): its
-    backward compares the taps themselves, no 64-bit division per window (on H100, ResNet-18's
-    max-pool backward took 1371 µs through the indices)."""
-    taps: tuple = None
-
-
 def _saved_taps(indices, pooling):
-    """The offsets behind `indices`, where they are a max-pool's with this pooling."""
+    # the offsets behind `indices`, where they are a max-pool's with this pooling
     data = indices.data.data if isinstance(indices.data, ir.ComputedBuffer) else indices.data
     taps = getattr(data, "taps", None)
     return taps[0] if taps is not None and list(taps[1:]) == [list(v) for v in pooling] else None

@@ -145,8 +145,8 @@ def _split_reduce(x, load, size, dims, kept, keepdim, out_size, red_sizes, reduc
 
 
 def _combine_m2(x, inner, part, out_size, split, chunk, load_m2, dtype):
-    """M2 of the whole row from its `split` parts of `chunk` values each (Chan): the parts' M2
-    plus chunk * (part mean - mean)**2 for each part. The parts' sums come from the same pass."""
+    # M2 of the whole row from its `split` parts of `chunk` values each (Chan): the parts' M2 plus
+    # chunk * (part mean - mean)**2 for each part. The parts' sums come from the same pass.
     dev, parts = x.get_device(), [sympy.Integer(split)]
     sums = TensorBox(Reduction(dev, dtype, inner, part(out_size, parts[0]), [sympy.Integer(chunk)], "sum",
                                x.get_dtype()))
