@@ -386,8 +386,7 @@ class TritonKernel:
         out = Var(f"tmp{next(self.tmp)}", dtype)
         if self.persistent:  # the row is in registers: its mean, then the deviations from it
             v = self.newvar(f"tl.where({self.mask()}, {src}, 0.0)", dtype)
-            count = self.newvar(f"tl.sum(tl.where({self.mask()}, 1.0, 0.0) + {zeros}, 1)[:, None]", dtype)
-            mean = self.newvar(f"tl.sum({v}, 1)[:, None] / tl.maximum({count}, 1.0)", dtype)
+            mean = self.newvar(f"tl.sum({v}, 1)[:, None] / rnumel", dtype)  # every lane below rnumel counts
             sec.body.writeline(f"{out} = tl.sum(tl.where({self.mask()}, ({v} - {mean}) * ({v} - {mean}), 0.0), 1)")
         else:
             mean, m2, count = f"{out}_mean", f"{out}_m2", f"{out}_count"
