@@ -102,6 +102,18 @@ def test_bias_gradient_splits_in_backward(tmp_path):
     assert (2048, 128) in [tuple(n) for _, *n in _launches(backward)], backward  # 32 parts of 128 rows
 
 
+def test_column_tiles_follow_size_and_accumulators():
+    """Column-reduction tiles: 64 x 64 for one or two accumulators per lane, 32 x 32 for more (a
+    Welford lane carries three), and few-column blocks of a whole 512-row slice for a reduction
+    small enough to be latency-bound (a split's second stage)."""
+    from commfuse.choices import Choices
+    config = Choices().kernel_config
+    assert config("looped_tiles", 4096, 4096) == {"XBLOCK": 64, "RBLOCK": 64, "num_warps": 4}
+    assert config("looped_tiles", 4096, 4096, 2)["XBLOCK"] == 64
+    assert config("looped_tiles", 4096, 4096, 3) == {"XBLOCK": 32, "RBLOCK": 32, "num_warps": 4}
+    assert config("looped_tiles", 64, 512, 1) == {"XBLOCK": 8, "RBLOCK": 512, "num_warps": 4}
+
+
 @pytest.mark.parametrize("shape,dims,offset,passes", [
     ((4, 16, 32, 32), (0, 2, 3), 1e3, 1),  # BatchNorm's statistics: split columns of a channels-last map
     ((3, 20480), (-1,), 1e4, 1),            # long rows, looped, split
@@ -125,3 +137,5 @@ def test_variance_reads_its_input_once(tmp_path, shape, dims, offset, passes):
     kernels = code.split("# ---- host code")[0].split("@triton.jit")[1:]
     readers = [k for k in kernels if re.search(r"tl\.load\(ptr_arg0_1\b", k)]
     assert len(readers) == passes and any("triton_helpers.welford" in k for k in readers), code
+    if shape == (4, 16, 32, 32):  # the split's small second stage: blocks of 8 columns
+        assert re.search(r"Site\(cf_red\w*, dict\(XBLOCK=8, RBLOCK=\d+, num_warps=4\)\)", code), code
