@@ -144,17 +144,31 @@ def llama(cfg: Config, world: int, device, dtype=torch.float32, seed=0) -> Llama
     return model.to(dtype)
 
 
-def tp_llama(cfg: Config, world: int, device, dtype=torch.float32, seed=0) -> Llama:
-    """`llama`, parallelized over `world` ranks (each keeps its shard of the same weights)."""
+def tp_llama(cfg: Config, world: int, device, dtype=torch.float32, seed=0, sequence_parallel=False) -> Llama:
+    """`llama`, parallelized over `world` ranks (each keeps its shard of the same weights). With
+    `sequence_parallel`, torchtitan's plan: the residual stream and the norms sharded along the
+    sequence (all-gathered before each block's projections, reduce-scattered after), the embedding
+    and the head too (training only: a decode step has one position)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
     device = torch.device(device)
     model = llama(cfg, world, device, dtype, seed)
     mesh = init_device_mesh(device.type, (world,))
+    rows = RowwiseParallel(output_layouts=Shard(1)) if sequence_parallel else RowwiseParallel()
     plan = {"attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(),
+            "attention.wv": ColwiseParallel(), "attention.wo": rows,
             "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel()}
+            "feed_forward.w2": rows}
+    if sequence_parallel:
+        plan.update({"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel(),
+                     "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None, None),
+                                                     desired_input_layouts=(Replicate(), None, None, None)),
+                     "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))})
+        parallelize_module(model, mesh, {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(), "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())})
     for layer in model.layers:
         parallelize_module(layer, mesh, plan)
     return model

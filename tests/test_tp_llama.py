@@ -20,10 +20,10 @@ RANKS = 2
 CFG = Config(dim=32, n_heads=4, n_kv_heads=2, ffn=64, n_layers=2, max_batch=2, max_seq=16, vocab=64)
 
 
-def tp_llama():
+def tp_llama(sequence_parallel=False):
     """The model on this rank's device, its weights equal on every rank, parallelized over them."""
     import torch.distributed as dist
-    return build_tp_llama(CFG, dist.get_world_size(), device())
+    return build_tp_llama(CFG, dist.get_world_size(), device(), sequence_parallel=sequence_parallel)
 
 
 def _local(t):
@@ -52,10 +52,10 @@ def _mismatch(got, want, atol=1e-5, rtol=1e-5):
     return None
 
 
-def _train(rank, world, dump_dir):
+def _train(rank, world, dump_dir, sequence_parallel=False):
     """One fw+bw of the compiled TP model and of the same TP model run eagerly; returns what differs."""
     from commfuse import config
-    eager, compiled = tp_llama(), tp_llama()
+    eager, compiled = tp_llama(sequence_parallel), tp_llama(sequence_parallel)
 
     def step(model, tokens, targets):
         return F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
@@ -144,6 +144,20 @@ def test_tp_training_all_reduces_are_comm_kernels(train_run):
     _assert_comm_kernels(bw, bw_code, 5 * CFG.n_layers, norm_fused=False)
     if DEVICE == "cpu":  # in fp32 on CUDA, SDPA with grouped K/V is aten's math kernel, lowered by us
         assert any("scaled_dot_product" in c for c in fw["extern_calls"])
+
+
+def test_tp_sequence_parallel_training_matches_eager(tmp_path):
+    """torchtitan's plan: the residual stream, the norms, the embedding and the head sharded along
+    the sequence, with all-gathers and reduce-scatters around each block. The whole step is one
+    compiled graph pair, and the loss and every gradient match the same model run eagerly."""
+    results = run_ranks(_train, RANKS, args=(str(tmp_path), True))
+    for rank, bad in enumerate(results):
+        assert not bad, f"rank {rank}: loss or gradients differ from eager (max |diff|): {bad}"
+    graphs = _graphs(tmp_path)
+    assert [n.split("_")[1] for n, _, _ in graphs] == ["forward", "backward"], [n for n, _, _ in graphs]
+    assert all(s["compiled"] for _, s, _ in graphs)
+    forward = graphs[0][2]
+    assert "all_gather_into_tensor" in forward and "reduce_scatter_tensor" in forward
 
 
 def test_tp_decode_static_kv_cache_matches_eager(decode_run):
