@@ -138,10 +138,15 @@ def _split_reduce(x, load, size, dims, kept, keepdim, out_size, red_sizes, reduc
     load1 = stage1.make_loader()
     if reduction_type == "welford_m2":
         return _combine_m2(x, inner, part, out_size, split, chunk, load1, dtype)
-    stage2 = TensorBox(Reduction(x.get_device(), dtype, lambda idx, ridx: load1(part(idx, ridx[0])),
-                                 list(out_size), [sympy.Integer(split)], reduction_type, partial_dtype))
-    stage2.realize()
-    return stage2
+    return _reduce_parts(x.get_device(), load1, part, out_size, split, reduction_type, dtype, partial_dtype)
+
+
+def _reduce_parts(dev, load_part, part, out_size, split, reduction_type, dtype, part_dtype):
+    """A split reduction's second stage: each output reduces its `split` partials."""
+    box = TensorBox(Reduction(dev, dtype, lambda idx, ridx: load_part(part(idx, ridx[0])), list(out_size),
+                              [sympy.Integer(split)], reduction_type, part_dtype))
+    box.realize()
+    return box
 
 
 def _combine_m2(x, inner, part, out_size, split, chunk, load_m2, dtype):
@@ -152,10 +157,7 @@ def _combine_m2(x, inner, part, out_size, split, chunk, load_m2, dtype):
                                x.get_dtype()))
     sums.realize()
     load_sum = sums.make_loader()
-    total = TensorBox(Reduction(dev, dtype, lambda idx, ridx: load_sum(part(idx, ridx[0])), list(out_size),
-                                parts, "sum", dtype))
-    total.realize()
-    load_total = total.make_loader()
+    load_total = _reduce_parts(dev, load_sum, part, out_size, split, "sum", dtype, dtype).make_loader()
 
     def term(idx, ridx):
         at = part(idx, ridx[0])
