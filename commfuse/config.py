@@ -81,7 +81,7 @@ keep_padded_outputs: bool | None = None  # an output stored with padded rows (GP
                                          # strides; None: where rows are padded
 
 # Reductions.
-persistent_reduction_max = 4096   # rows up to this length are reduced in one block
+persistent_reduction_max = 8192   # rows up to this length are reduced in one block (one read of the row)
 split_reduction_programs: int | None = None  # a reduction launching fewer programs is split (None: 2 per SM)
 split_reduction_min = 8192        # ... into parts of at least this many elements per program
 online_softmax = True             # softmax's max and sum of exp in one pass over a looped row

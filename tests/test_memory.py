@@ -87,8 +87,8 @@ def test_in_place_in_tiled_and_multi_pass_kernels(tmp_path, case):
     fn, shapes = {
         "tiled": (lambda a, b, c: (a @ b) + c.t(), [(64, 32), (32, 64), (64, 64)]),
         # rows longer than persistent_reduction_max: the kernel reads the row in several passes
-        "looped_softmax": (lambda a, b, c: torch.softmax(a @ b, -1) + c, [(4, 32), (32, 6000), (1, 6000)]),
-        "looped_layer_norm": (lambda a, b, c: F.layer_norm(a @ b, (6000,)) * c, [(4, 32), (32, 6000), (1, 6000)]),
+        "looped_softmax": (lambda a, b, c: torch.softmax(a @ b, -1) + c, [(4, 32), (32, 9000), (1, 9000)]),
+        "looped_layer_norm": (lambda a, b, c: F.layer_norm(a @ b, (9000,)) * c, [(4, 32), (32, 9000), (1, 9000)]),
     }[case]
     args = [torch.randn(*s, device=DEVICE) for s in shapes]
     out, dumps = compile_and_run(fn, *args, tmp_path=tmp_path)
