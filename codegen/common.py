@@ -79,6 +79,17 @@ class ExprPrinter(StrPrinter):
 class TritonExprPrinter(ExprPrinter):
     MAX, MIN = "tl.maximum", "tl.minimum"
 
+    # Triton's // and % truncate toward zero: floor semantics where the numerator may be negative
+    def _print_FloorDiv(self, e):
+        if e.args[0].is_nonnegative:
+            return super()._print_FloorDiv(e)
+        return f"triton_helpers.div_floor({self._print(e.args[0])}, {self._print(e.args[1])})"
+
+    def _print_Mod(self, e):
+        if e.args[0].is_nonnegative:
+            return super()._print_Mod(e)
+        return f"triton_helpers.remainder_int({self._print(e.args[0])}, {self._print(e.args[1])})"
+
 
 pexpr = ExprPrinter().doprint
 texpr = TritonExprPrinter().doprint

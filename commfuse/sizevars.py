@@ -19,9 +19,12 @@ Expr = sympy.Expr
 
 
 class FloorDiv(sympy.Function):
-    """Integer floor division of non-negative index expressions."""
+    """Integer floor division (Python's //) by a positive divisor. Its numerator may be negative
+    in a lane that a mask discards, or once constant multiples are split off: (w - 1) // 4."""
     is_integer = True
-    is_nonnegative = True
+
+    def _eval_is_nonnegative(self):
+        return self.args[0].is_nonnegative
 
     @classmethod
     def eval(cls, a, b):
@@ -47,7 +50,7 @@ class FloorDiv(sympy.Function):
 
 
 class Mod(sympy.Function):
-    """Modulo of non-negative index expressions."""
+    """Python's modulo by a positive divisor: never negative."""
     is_integer = True
     is_nonnegative = True
 

@@ -66,3 +66,24 @@ def test_rms_norm_training_values(tmp_path):
     refs = torch.autograd.grad(rms_norm(x, w), (x, w), g)
     for a, b in zip(grads, refs):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_recomputed_gradient_through_pooling_taps(tmp_path):
+    """DenseNet's transition: avg-pool, train-mode BatchNorm, ReLU. The backward recomputes the
+    ReLU-masked gradient at each pooling tap, whose index ((w + 1) // 2 - 1) // 4 has a negative
+    numerator at the border: wrong in the last row while Triton's truncating // printed it."""
+    import torch.nn.functional as F
+
+    def f(x, w, b):
+        y = F.batch_norm(F.avg_pool2d(x, 2), None, None, w, b, training=True)
+        return F.relu(y).mean((2, 3)).pow(2).mean()
+    torch.manual_seed(0)
+    x = torch.randn(4, 4, 8, 8, device=DEVICE, requires_grad=True)
+    w = torch.ones(4, device=DEVICE, requires_grad=True)
+    b = torch.zeros(4, device=DEVICE, requires_grad=True)
+    out, dumps = compile_and_run(f, x, w, b, tmp_path=tmp_path)
+    grads = torch.autograd.grad(out, (x, w, b))
+    for a, r in zip(grads, torch.autograd.grad(f(x, w, b), (x, w, b))):
+        torch.testing.assert_close(a, r, atol=1e-5, rtol=1e-4)
+    backward = dumps.summary(dumps.graphs()[1])
+    assert backward["rematerialized"], "the case needs the recompute across kernels"

@@ -44,3 +44,19 @@ def test_split_and_merged_dims_fold_back():
     assert simplify(4 * Mod(FloorDiv(x, 4), 3) + Mod(x, 4)) == Mod(x, 12)
     assert simplify(3 * FloorDiv(x, 3) + Mod(x, 3)) == x
     assert simplify(2 * FloorDiv(x, 16 * v) + Mod(FloorDiv(x, v), 16)) != FloorDiv(x, v)  # not a merge
+
+
+def test_division_of_a_maybe_negative_numerator_is_floor_in_triton():
+    """Index expressions mean Python's // and %; Triton's truncate toward zero. A numerator that
+    may be negative ((w - 1) // 4, once a constant multiple is split off) is printed through the
+    floor helpers, and its quotient is not assumed non-negative (a Mod around it would drop the
+    helper)."""
+    import sympy
+    from codegen.common import texpr
+    from commfuse.sizevars import FloorDiv, Mod
+    w, h = (sympy.Symbol(s, integer=True, nonnegative=True) for s in "wh")
+    assert texpr(FloorDiv(w + 3, 4)) == "((w + 3) // (4))"
+    assert texpr(Mod(w, 4)) == "((w) % (4))"
+    assert "div_floor" in texpr(FloorDiv(w - 1, 4))
+    assert FloorDiv(w - 1, 4).is_nonnegative is not True
+    assert texpr(Mod(FloorDiv(w - 1, 4) + h, 4)).startswith("triton_helpers.remainder_int(")
