@@ -60,7 +60,7 @@ class TritonKernel:
         self.recompute = False
         self.uses_assert = False
         self.block_ptr_accesses: set[str] = set()
-        self.int64 = any(sizevars.hint(self._numel(n)) >= 2**31 for n in group.nodes)
+        self.int64 = self._needs_int64(group)
         self.comm = None                          # set by a peer read: the kernel synchronizes ranks
         self.published: set[str] = set()          # comm buffers this kernel wrote, then synchronized on
         self.reads_outside_peers = False          # peer reads of buffers earlier kernels wrote
@@ -68,8 +68,16 @@ class TritonKernel:
         self.new_section(loop=False)
 
     @staticmethod
-    def _numel(node):
-        return node.buf.layout.storage_numel()
+    def _needs_int64(group) -> bool:
+        # an index past int32 in a buffer it writes or reads (the last rows of a huge input lie
+        # beyond 2**31 however few elements the kernel computes)
+        sizes = [n.buf.layout.storage_numel() for n in group.nodes]
+        for name in group.read_names:
+            buf = V.graph.name_to_buffer.get(name) or V.graph.graph_inputs.get(name)
+            layout = getattr(buf, "layout", None)
+            if layout is not None and hasattr(layout, "storage_numel"):
+                sizes.append(layout.storage_numel())
+        return any(sizevars.hint(s) >= 2**31 for s in sizes)
 
     # ------------------------------------------------------------------ sections
     def new_section(self, loop: bool) -> Section:

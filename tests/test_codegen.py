@@ -454,3 +454,13 @@ def test_split_of_padded_matmul_output(tmp_path):
     for got, want in zip(out, fn(x, w, w2), strict=True):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     assert "aten.mm.out(" in dumps.only()[1]  # the padded path was taken
+
+
+def test_offsets_past_int32_in_a_read_buffer(tmp_path):
+    """A kernel computing 4 elements from the end of a 2**31 + 8 element input: its loads reach
+    past int32, so its indices are int64 (the interpreter refused the offset as an int32 scalar)."""
+    x = torch.zeros(2**31 + 8, dtype=torch.int8, device=DEVICE)
+    x[-4:] = torch.arange(1, 5, dtype=torch.int8, device=DEVICE)
+    out, dumps = compile_and_run(lambda t: (t * 2)[-4:], x, tmp_path=tmp_path)
+    assert out.tolist() == [2, 4, 6, 8]
+    assert "tl.program_id(0).to(tl.int64)" in dumps.only()[1]
