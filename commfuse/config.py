@@ -136,6 +136,42 @@ def _coerce(value: str, default: Any) -> Any:
     return value
 
 
+_POWERS_OF_TWO = ("max_block", "comm.block", "comm.bulk_block")  # block sizes of tl.arange
+_KINDS = ((bool, (bool,)), (int, (int,)), (float, (int, float)), (str, (str, os.PathLike)),
+          (list, (list, tuple, set)), (dict, (dict,)))
+
+
+# A value a compile would misread is refused, naming the option: the type of its default (or of its
+# annotation where the default is None), and the few options with a narrower range.
+def _check(name: str, value: Any) -> None:
+    default, (obj, attr) = _options()[name], _owner(name)
+    hint = str(getattr(obj, "__annotations__", {}).get(attr, ""))
+    if value is None and (default is None or "None" in hint):
+        return
+    for t, accepted in _KINDS:
+        if isinstance(default, t) if default is not None else t.__name__ in hint:
+            if not isinstance(value, accepted) or (t is not bool and isinstance(value, bool)):
+                raise TypeError(f"commfuse option {name}={value!r}: expected {t.__name__}"
+                                f"{' or None' if 'None' in hint else ''} (docs/config.md)")
+            break
+    if name in _POWERS_OF_TWO and not (value > 0 and value & (value - 1) == 0):
+        raise ValueError(f"commfuse option {name}={value!r}: a block size must be a power of 2")
+    if name == "fallback_ops":
+        for op in value:
+            if not _is_aten_op(op):
+                raise ValueError(f"commfuse option fallback_ops: {op!r} names no op; write an overload "
+                                 "('aten.native_layer_norm.default') or all of an op's ('aten.native_layer_norm')")
+
+
+def _is_aten_op(name: Any) -> bool:
+    import torch
+    parts = name.split(".") if isinstance(name, str) else []
+    if len(parts) not in (2, 3) or not hasattr(torch.ops, parts[0]):
+        return False
+    packet = getattr(getattr(torch.ops, parts[0]), parts[1], None)
+    return packet is not None and (len(parts) == 2 or parts[2] in packet.overloads())
+
+
 def _options() -> dict[str, Any]:
     """Every option by name; options of a section are named `section.option`."""
     mod = sys.modules[__name__]
@@ -168,7 +204,9 @@ def _load_env() -> None:
     for name, default in _options().items():
         env = os.environ.get(f"COMMFUSE_{name.replace('.', '_').upper()}")
         if env is not None:
-            _set(name, _coerce(env, default))
+            value = _coerce(env, default)
+            _check(name, value)
+            _set(name, value)
 
 
 def snapshot() -> dict[str, Any]:
@@ -181,6 +219,8 @@ class _Patch(contextlib.ContextDecorator):
         unknown = sorted(set(changes) - set(known))
         if unknown:
             raise ValueError(f"unknown commfuse option(s) {unknown}; known: {sorted(known)}")
+        for k, v in changes.items():
+            _check(k, v)
         self.changes = changes
         self.saved: list[dict[str, Any]] = []
 

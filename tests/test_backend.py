@@ -32,6 +32,23 @@ def test_unknown_option_is_a_clear_error():
         fn(torch.ones(3, device=DEVICE))
 
 
+@pytest.mark.parametrize("option, value, error", [
+    ("max_fusion_size", "lots", "max_fusion_size='lots': expected int"),
+    ("cuda_graphs", 1, "cuda_graphs=1: expected bool"),
+    ("max_block", 100, "max_block=100: a block size must be a power of 2"),
+    ("fallback_ops", ["aten.not_an_op"], "'aten.not_an_op' names no op"),
+])
+def test_a_bad_option_value_is_a_clear_error(option, value, error):
+    """Refused when set, naming the option: not taken, or failing later in a kernel."""
+    with pytest.raises((TypeError, ValueError), match=error):
+        config.patch({option: value})
+    fn = torch.compile(lambda x: x + 1, backend="commfuse", options={option: value})
+    with pytest.raises(Exception, match=option):
+        fn(torch.ones(3, device=DEVICE))
+    with config.patch({option: config.get(option)}):  # the defaults pass the same check
+        pass
+
+
 def test_compile_options_change_the_generated_code(tmp_path):
     fn = lambda x: ((x + 1) * 2).exp()  # noqa: E731
     x = torch.randn(64, device=DEVICE)
