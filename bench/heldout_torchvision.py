@@ -4,8 +4,10 @@
 
 Per model (random weights, eval mode, batch 2 at 224² (inception_v3: 299²), TF32 off): the
 compiled forward and the gradients of sum(y × g) for a fixed random g, against eager in the same
-dtype. fw_err: max |y - eager| / max |eager|; bw_err: the largest over the parameters of
-max |grad - eager's| / max(max |eager's|, 1e-3 × the largest gradient). `ok`: both below 1e-3.
+dtype. With `--train-bn`, BatchNorm runs in train mode (batch statistics, running stats updated;
+dropout stays off). fw_err: max |y - eager| / max |eager|, and the same of every float buffer (the
+running stats); bw_err: the largest over the parameters of max |grad - eager's| / max(max |eager's|,
+1e-3 × the largest gradient). `ok`: both below 1e-3.
 A compile error raises (COMMFUSE_FALLBACK_ON_ERROR=0) and is recorded with its traceback.
 `fallbacks`: aten ops run as externs, convolutions left out (aten's by design).
 """
@@ -33,13 +35,17 @@ def _rel(a, b):
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-6)).item()
 
 
-def check(name: str) -> dict:
+def check(name: str, train_bn: bool = False) -> dict:
     import torchvision
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     torch.manual_seed(0)
     kw = {"aux_logits": False, "init_weights": True} if name in ("googlenet", "inception_v3") else {}
     model = getattr(torchvision.models, name)(weights=None, **kw).cuda().eval()
+    if train_bn:
+        for m in model.modules():
+            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
+                m.train()
     ref = copy.deepcopy(model)
     size = 299 if name == "inception_v3" else 224
     x = torch.randn(2, 3, size, size, device="cuda")
@@ -57,6 +63,9 @@ def check(name: str) -> dict:
     for f in glob.glob(f"{dump}/rank0/*/summary.json"):
         fallbacks |= set(json.load(open(f)).get("fallback_ops", []))
     fw = _rel(y, ry)
+    for b, rb in zip(model.buffers(), ref.buffers()):  # running stats (train-mode BatchNorm)
+        if b.is_floating_point():
+            fw = max(fw, _rel(b, rb))
     return dict(ok=fw < 1e-3 and bw < 1e-3, fw_err=fw, bw_err=bw,
                 breaks=sum(torch._dynamo.utils.counters["graph_break"].values()),
                 fallbacks=sorted(f for f in fallbacks if "convolution" not in f))
@@ -66,13 +75,14 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default=MODELS)
     ap.add_argument("--out", help="write the results as JSON here")
+    ap.add_argument("--train-bn", action="store_true", help="BatchNorm in train mode (batch statistics)")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     results = {}
     for name in args.models.split(","):
         t0 = time.time()
         try:
-            results[name] = check(name)
+            results[name] = check(name, args.train_bn)
         except Exception as e:  # recorded, and the sweep goes on
             results[name] = dict(ok=False, error=f"{type(e).__name__}: {e}"[:600], tb=traceback.format_exc()[-2500:])
         results[name]["seconds"] = round(time.time() - t0, 1)
