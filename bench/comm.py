@@ -32,7 +32,7 @@ import commfuse  # noqa: E402,F401
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed._functional_collectives as funcol  # noqa: E402
-from commfuse.runtime.timing import cuda_graph_time_us, interleaved_times_us, loop_time_us  # noqa: E402
+from bench.timing import cuda_graph_time_us, interleaved_times_us, loop_time_us  # noqa: E402
 from commfuse.tune import ar_norm_step, rms_norm  # noqa: E402
 from commfuse.tuned_tables import FUSED_ALGORITHMS as FUSED  # noqa: E402
 

@@ -14,7 +14,7 @@ options={"cuda_graphs": True}; all share one model (its weights and its KV cache
 Workloads:
 - decode: B=8 sequences, one token each at position `pos`, over a static KV cache of 2048 positions
   (module buffers written in place by index_copy_; the mask is positions <= pos). GPU time per step:
-  10 steps captured in a CUDA graph and replayed (commfuse.runtime.timing.interleaved_times_us, variants in
+  10 steps captured in a CUDA graph and replayed (bench/timing.py: interleaved_times_us, variants in
   interleaved rounds); the self-graphing variants cannot be captured inside another graph, their
   per-call time is their graph time. Per call: CUDA events around a loop of calls, as a user loops it.
 - train: tensor-parallel forward + backward of B=2 x S=1024 tokens (loss: mean square of the output, taken
@@ -65,7 +65,7 @@ import torch.distributed as dist  # noqa: E402
 
 from bench.llama import Config, fsdp_llama, tp_llama  # noqa: E402
 from commfuse import backend  # noqa: E402
-from commfuse.runtime import timing  # noqa: E402
+from bench import timing  # noqa: E402
 
 VARIANTS = ("eager", "inductor", "inductor reduce-overhead", "commfuse", "commfuse cuda_graphs")
 SELF_GRAPHED = ("inductor reduce-overhead", "commfuse cuda_graphs")

@@ -27,7 +27,7 @@ Per model and mode, for Inductor and commfuse:
             per graph (each graph's summary); externs: commfuse's extern calls (aten ops run as
             they are); fallbacks: commfuse graphs that failed to compile and ran op by op through
             aten (fallback_on_error)
-  step      ms per step under CUDA graphs: commfuse.runtime.timing.interleaved_times_us captures each
+  step      ms per step under CUDA graphs: bench/timing.py: interleaved_times_us captures each
             backend's step after warm-up and replays them in interleaved rounds, best median of
             each: GPU time, without host overhead. Ratios t_other / t_commfuse: above 1, faster.
   peak      MiB, torch.cuda.max_memory_allocated over one step less what was allocated before it
@@ -62,7 +62,7 @@ from torch._inductor import metrics as inductor_metrics  # noqa: E402
 
 from bench.common import add_run_args, commfuse_options, run_meta, write_results  # noqa: E402
 from commfuse import backend as commfuse_backend  # noqa: E402
-from commfuse.runtime import timing  # noqa: E402
+from bench import timing  # noqa: E402
 
 COMPILED = ("inductor", "commfuse")
 MODES = ("inference", "training")

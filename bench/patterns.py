@@ -125,7 +125,7 @@ def time_ms(fn, device: str, warmup_ms: float, rep_ms: float) -> float:
     try:
         from triton.testing import do_bench
     except ImportError:  # commfuse's timer: a loop of calls between CUDA events
-        from commfuse.runtime.timing import loop_time_us
+        from bench.timing import loop_time_us
         return loop_time_us(fn, iters=max(1, int(rep_ms / 10)), reps=10, warmup=3) / 1e3
     return do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
 

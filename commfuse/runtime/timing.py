@@ -1,12 +1,10 @@
-"""Timers shared by the all-reduce tuner (`commfuse.tune`) and the benchmarks in bench/.
+"""Timers of the all-reduce tuner (`commfuse.tune`), which the benchmarks share (bench/timing.py).
 
-GPU times are medians of repetitions, taken between CUDA events: of a CUDA graph of many calls
-replayed (GPU time, no host overhead), or of a loop of plain calls (what a user's loop sees). When
+GPU times are medians of repetitions, taken between CUDA events (`median_us`): of a CUDA graph of
+many calls replayed (GPU time, no host overhead); bench/timing.py adds loops of plain calls. When
 a process group is up, the ranks meet at a barrier before each repetition, so that collectives are
 timed together rather than waiting for a late rank."""
 from __future__ import annotations
-
-import time
 
 import torch
 import torch.distributed as dist
@@ -22,17 +20,7 @@ def barrier() -> None:
         dist.barrier()
 
 
-def wall_time_s(fn, device) -> float:
-    """Seconds of one call of `fn`, its device work included (a first call: compile time)."""
-    sync(device)
-    barrier()
-    t0 = time.perf_counter()
-    fn()
-    sync(device)
-    return time.perf_counter() - t0
-
-
-def _median_us(run, iters: int, reps: int) -> float:
+def median_us(run, iters: int, reps: int) -> float:
     """Median over `reps` of the µs per call of `run()`, which makes `iters` calls, between events."""
     times = []
     for _ in range(reps):
@@ -45,17 +33,6 @@ def _median_us(run, iters: int, reps: int) -> float:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) * 1000 / iters)
     return sorted(times)[len(times) // 2]
-
-
-def loop_time_us(fn, iters=200, reps=5, warmup=5) -> float:
-    """Median µs per call of `fn` called in a loop of `iters`, as a user's loop calls it."""
-    for _ in range(warmup):
-        fn()
-
-    def run():
-        for _ in range(iters):
-            fn()
-    return _median_us(run, iters, reps)
 
 
 def capture(fn, iters=100):
@@ -76,7 +53,7 @@ def capture(fn, iters=100):
 
 def replay_time_us(graph, iters, reps=5) -> float:
     """Median µs per call of a graph of `iters` calls (`capture`), replayed `reps` times."""
-    return _median_us(graph.replay, iters, reps)
+    return median_us(graph.replay, iters, reps)
 
 
 def cuda_graph_time_us(fn, iters=100, reps=5) -> float:

@@ -1,0 +1,27 @@
+"""The benchmarks' timers: the all-reduce tuner's (commfuse.runtime.timing) and two of their own."""
+from __future__ import annotations
+
+import time
+
+from commfuse.runtime.timing import median_us, barrier, cuda_graph_time_us, interleaved_times_us, sync  # noqa: F401
+
+
+def wall_time_s(fn, device) -> float:
+    """Seconds of one call of `fn`, its device work included (a first call: compile time)."""
+    sync(device)
+    barrier()
+    t0 = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - t0
+
+
+def loop_time_us(fn, iters=200, reps=5, warmup=5) -> float:
+    """Median µs per call of `fn` called in a loop of `iters`, as a user's loop calls it."""
+    for _ in range(warmup):
+        fn()
+
+    def run():
+        for _ in range(iters):
+            fn()
+    return median_us(run, iters, reps)
