@@ -141,8 +141,8 @@ def _may_walk_both_ways(g) -> bool:
         for acc in [a for a in n.reads if a.name not in produced] + n.writes:
             if acc.indirect:
                 continue
-            at0 = acc.index.subs(origin)
-            steps = [acc.index.subs({**origin, v: 1}) - at0 for v in ivars]
+            at0 = acc.index.xreplace(origin)
+            steps = [acc.index.xreplace({**origin, v: 1}) - at0 for v in ivars]
             cols |= steps[-1] == 1
             rows |= steps[-1] not in (0, 1) and any(s == 1 for s in steps[:-1])
     return rows and cols
