@@ -110,7 +110,8 @@ def make_pointwise(fn: Callable, args: Sequence, kind=DEFAULT, out_dtype=None,
 
 
 def full(size, value, dtype, device) -> TensorBox:
-    return TensorBox(Pointwise(device, dtype, lambda index: ops.constant(value, dtype), list(size)))
+    # a symbolic value too: a size, or a SymFloat the wrapper computes at run time
+    return TensorBox(Pointwise(device, dtype, loader_of(value, size, dtype), list(size)))
 
 
 def to_size(sizes) -> list:

@@ -8,6 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.testing import FileCheck
 
+from commfuse import config
 from tests.common import DEVICE, compile_and_run, count
 
 
@@ -86,3 +87,18 @@ def test_dynamic_sizes_are_symbolic_in_the_code(tmp_path):
     FileCheck().check(f"empty_strided(({rows}, {cols}), ({cols}, 1)").check(f"(_stream, (cdiv({rows}, ").run(code)
     count(code, "cdiv(5,", 0)
     assert len(summary["kernels"]) == 1
+
+
+def test_a_float_of_the_sizes_is_a_scalar_the_wrapper_computes(tmp_path):
+    """x * (1 / (n - 1)) under dynamic shapes: the factor is a SymFloat, which aten turns into a
+    0-d tensor (scalar_tensor). That tensor failed to lower (a constant that is a symbol), and the
+    whole graph fell back to aten."""
+    fn = lambda x: x * (1.0 / (x.shape[0] - 1))  # noqa: E731
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="commfuse", dynamic=True)
+    with config.patch(dump_dir=str(tmp_path), fallback_on_error=False):
+        for n in (9, 5, 17):
+            x = torch.randn(n, 4, device=DEVICE, requires_grad=True)
+            y = compiled(x)
+            torch.testing.assert_close(y, fn(x))
+            torch.testing.assert_close(torch.autograd.grad(y.sum(), x)[0], torch.full_like(x, 1 / (n - 1)))
