@@ -75,9 +75,26 @@ class ExprPrinter(StrPrinter):
         return "*".join(f"({self._print(a)})" if a.is_Add else self._print(a) for a in e.args) \
             if not e.could_extract_minus_sign() else super()._print_Mul(e)
 
+    # torch's float steps in a size (interpolate by a scale factor: TruncToInt(2.0*ToFloat(s0))),
+    # computed on the host as torch computes them; a kernel gets such a size as its argument
+    FLOAT_STEPS = {"ToFloat": "float({})", "TruncToInt": "int({})", "FloorToInt": "math.floor({})",
+                   "CeilToInt": "math.ceil({})", "RoundToInt": "round({})", "FloatTrueDiv": "({} / {})",
+                   "IntTrueDiv": "({} / {})", "PowByNatural": "({} ** {})", "FloatPow": "({} ** {})"}
+
+    def _print_Function(self, e):
+        form = self.FLOAT_STEPS.get(type(e).__name__)
+        if form is None:
+            return super()._print_Function(e)
+        return form.format(*map(self._print, e.args))
+
 
 class TritonExprPrinter(ExprPrinter):
     MAX, MIN = "tl.maximum", "tl.minimum"
+
+    def _print_Function(self, e):
+        if type(e).__name__ in self.FLOAT_STEPS:  # a kernel takes such a size as an argument
+            raise ValueError(f"cannot print {e} in a kernel")
+        return super()._print_Function(e)
 
     # Triton's // and % truncate toward zero: floor semantics where the numerator may be negative
     def _print_FloorDiv(self, e):

@@ -25,6 +25,7 @@ import triton.language as tl
 from commfuse.runtime import triton_helpers
 """
 HOST_HEADER = """\
+import math
 import torch
 from commfuse.runtime.support import empty_strided, reinterpret_tensor, cdiv, workspace, as_meta_layout
 from commfuse.runtime.launch import Launches, Site
@@ -237,6 +238,13 @@ class WrapperCodegen:
                         if isinstance(e, sympy.Symbol) and e not in self.bound:
                             self.body.writeline(f"{e} = {name}.{what}({i})")
                             self.bound.add(e)
+        for e, sym in g.derived_sizes.items():  # sizes torch computes through floats, after the inputs'
+            if sym in self.bound:
+                continue
+            if not e.free_symbols <= self.bound:
+                raise ir.Unsupported(f"size {e}: its symbols are not among the inputs' sizes")
+            self.body.writeline(f"{sym} = {pexpr(e)}")
+            self.bound.add(sym)
 
     def last_uses(self) -> dict:
         last = {}

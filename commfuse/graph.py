@@ -56,6 +56,7 @@ class GraphLowering(torch.fx.Interpreter):
         self.fallback_ops: list[str] = []             # aten ops run as they are, in graph order
         self.fallback_reasons: dict[str, str] = {}    # ... and why each was not lowered
         self.scalar_nodes: list[tuple] = []           # (symbol, fn, args, kwargs) computed at run time
+        self.derived_sizes: dict = {}                 # torch's size with float steps -> its symbol (sizevars)
         self.device_types: set[str] = set()
         self.example_inputs = example_inputs
         self.size_hints = size_hints(gm, example_inputs)  # read by sizevars.hint, while lowering too

@@ -103,9 +103,26 @@ def _convert_torch_functions(e: Expr) -> Expr:
         return Mod(FloorDiv(args[0], args[1]), args[2])
     if name in ("PythonMod", "Mod") and type(e) is not Mod:
         return Mod(*args)
-    if name == "CeilDiv" or name == "CeilToInt":
-        return FloorDiv(args[0] + args[1] - 1, args[1]) if len(args) == 2 else e.func(*args)
+    if name == "CeilDiv":
+        return FloorDiv(args[0] + args[1] - 1, args[1])
+    if name in FLOAT_STEP_SIZES and V.graph is not None:
+        return _derived_size(e)
     return e.func(*args)
+
+
+FLOAT_STEP_SIZES = ("TruncToInt", "FloorToInt", "CeilToInt", "RoundToInt")  # int(2.0 * float(s0))
+
+
+def _derived_size(e: Expr) -> Expr:
+    """A size torch computes through floats (interpolate by a scale factor) becomes a symbol of its
+    own, which the wrapper computes on the host as torch does and kernels take as an argument:
+    rational arithmetic on it would round differently from torch's floats."""
+    sym = V.graph.derived_sizes.get(e)
+    if sym is None:
+        sym = index_symbol("fs", len(V.graph.derived_sizes))
+        V.graph.derived_sizes[e] = sym
+        V.graph.size_hints[sym] = int(e.subs(V.graph.size_hints))
+    return sym
 
 
 def next_pow2(n: int) -> int:

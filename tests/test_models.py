@@ -3,6 +3,7 @@ import math
 import re
 import os
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -102,3 +103,20 @@ def test_a_float_of_the_sizes_is_a_scalar_the_wrapper_computes(tmp_path):
             y = compiled(x)
             torch.testing.assert_close(y, fn(x))
             torch.testing.assert_close(torch.autograd.grad(y.sum(), x)[0], torch.full_like(x, 1 / (n - 1)))
+
+
+@pytest.mark.parametrize("mode", ["nearest", "bilinear", "bicubic"])
+def test_sizes_torch_computes_through_floats(mode):
+    """interpolate by a scale factor under dynamic shapes: the output's size is
+    TruncToInt(1.5 * ToFloat(s0)), which the wrapper printed as is (a NameError at the first call)
+    and kernels could not print. It is now a size of its own, computed on the host as torch does."""
+    fn = lambda x: F.interpolate(x, scale_factor=1.5, mode=mode) * 2  # noqa: E731
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="commfuse", dynamic=True)
+    with config.patch(fallback_on_error=False):
+        for n in (7, 10):
+            x = torch.randn(1, 2, n, n + 1, device=DEVICE, requires_grad=True)
+            y = compiled(x)
+            torch.testing.assert_close(y, fn(x), atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(torch.autograd.grad(y.sum(), x)[0],
+                                       torch.autograd.grad(fn(x).sum(), x)[0], atol=1e-5, rtol=1e-5)
