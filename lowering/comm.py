@@ -70,7 +70,8 @@ def place_input(x: TensorBox, plan: CommPlan, through_views: bool = False) -> ir
         src = d if isinstance(d, ir.Pointwise) else Pointwise(x.get_device(), x.get_dtype(), loader, size)
         buf = V.graph.register_buffer(ir.ComputedBuffer, layout=layout, data=src)
         plan.copy_in = not isinstance(d, ir.Loops)  # the value was not ours to place
-        x.data = buf
+        if not plan.copy_in:  # the value's other users read it stored; a copied buffer stays itself
+            x.data = buf      # (a graph input that the graph then writes back must stay the input)
     plan.buffer = buf.name
     return buf
 

@@ -216,6 +216,29 @@ def test_inplace_all_reduce_has_no_copy(tmp_path):
     check_reduced_in_place(code0, buf["name"], kernel["name"])
 
 
+def _all_reduce_into_the_input(rank, world):
+    """dist.all_reduce(x) on the compiled function's own input: the graph copies the input into a
+    comm buffer, reduces it, and writes the result back into the input. The write-back went to the
+    copy, so the caller's tensor stayed unreduced (the output was right)."""
+    import torch.distributed as dist
+
+    def fn(x):
+        dist.all_reduce(x)
+        return x * 2
+    torch._dynamo.reset()
+    x = torch.arange(8.0, device=device()) + 10 * rank
+    want_x = x.clone()
+    want_out = fn(want_x)
+    out = torch.compile(fn, backend="commfuse")(x)
+    torch.testing.assert_close(out, want_out)
+    torch.testing.assert_close(x, want_x)
+    return True
+
+
+def test_all_reduce_into_the_input_updates_it():
+    assert run_ranks(_all_reduce_into_the_input, WORLD) == [True] * WORLD
+
+
 def test_dtensor_tp_mlp_forward_backward(tmp_path):
     assert run_ranks(_tp_mlp, WORLD, args=(str(tmp_path),)) == [True] * WORLD
     summaries = {s["graph_id"].split("_")[1]: s for s in _summaries(tmp_path, 0)}
