@@ -107,6 +107,8 @@ def _divergent(rank, world, mode):
             (lambda x: funcol.all_reduce(x[:16] * 2, "sum", g))
     elif mode == "algorithm":  # same graph and buffers; the ranks' configs pick different kernels
         fn = lambda x: funcol.all_reduce(x * 2, "sum", g)  # noqa: E731
+    elif mode == "constant":  # a rank-dependent constant (a vocabulary shard's offset): same collectives
+        fn = lambda x: funcol.all_reduce(x * 2 - 12 * rank, "sum", g) + 1  # noqa: E731
     else:  # the other ranks take a branch with no collective at all
         fn = (lambda x: funcol.all_reduce(x * 2, "sum", g)) if rank == 0 else (lambda x: x * 2)
     algorithm = ("one_shot", "two_shot")[rank % 2] if mode == "algorithm" else "auto"
@@ -125,6 +127,13 @@ def test_rank_divergent_branch_fails_on_every_rank():
         assert status == "error"
         assert "ranks disagree on the comm-buffer plan" in message and "buf" in message, message
         assert seconds < 30
+
+
+def test_a_rank_dependent_constant_is_no_disagreement():
+    """The graphs differ in a constant, their collectives do not: the check compared the graphs'
+    code and refused a correct SPMD program."""
+    for status, message, _ in run_ranks(_divergent, WORLD, args=("constant",)):
+        assert status == "ok", message
 
 
 def test_ranks_running_different_comm_kernels_fail_before_any_barrier():

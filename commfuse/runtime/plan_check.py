@@ -3,7 +3,8 @@
 Every rank publishes its plan under a per-group sequence number in the c10d store and reads the
 others'. Plans are deterministic functions of the graph and config, so they must be equal; if a rank
 compiled another graph (a rank-dependent branch) or another config, every rank raises an error that
-names the graph and the first differing buffer. A rank that never arrives (it took a branch with no
+names the graph and the first differing buffer. The graphs themselves may differ where the plans
+agree: a rank-dependent constant (a vocabulary shard's offset) changes a graph, not its collectives. A rank that never arrives (it took a branch with no
 collective) is reported after `comm.plan_check_timeout_s`, instead of a hang in the pool rendezvous.
 """
 from __future__ import annotations
@@ -50,16 +51,23 @@ def check_plans_agree(graph_id: str, pools: dict, buffers: list, groups: dict, p
                 f"are running different programs (e.g. a rank-dependent branch)") from e
         for r in ranks:
             theirs = store.get(f"{prefix}/{r}").decode()
-            if theirs != mine:
+            if _collectives(theirs) != _collectives(mine):
                 raise RuntimeError(f"commfuse: ranks disagree on the comm-buffer plan of graph {graph_id} "
                                    f"(group {group_name}): {_first_difference(me, mine, r, theirs)}. The ranks "
                                    "compiled different programs (e.g. a rank-dependent branch or config)")
 
 
+def _collectives(plan: str) -> dict:
+    return {k: v for k, v in json.loads(plan).items() if k != "graph"}
+
+
 def _first_difference(me: int, mine: str, other: int, theirs: str) -> str:
     a, b = json.loads(mine), json.loads(theirs)
-    if a["graph"] != b["graph"]:
-        return f"rank {me} runs graph {a['graph']}, rank {other} runs {b['graph']}"
+    graphs = f"rank {me} runs graph {a['graph']}, rank {other} runs {b['graph']}: " if a["graph"] != b["graph"] else ""
+    return graphs + _plan_difference(me, a, other, b)
+
+
+def _plan_difference(me: int, a: dict, other: int, b: dict) -> str:
     for x, y in zip(a["buffers"], b["buffers"]):
         if x != y:
             return f"first differing buffer {x[0]}: rank {me} has {x}, rank {other} has {y}"
