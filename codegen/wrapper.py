@@ -9,7 +9,7 @@ import re
 import sympy
 import torch
 
-from commfuse import ir, memory, sizevars
+from commfuse import config, ir, memory, sizevars
 from commfuse.runtime.compile_worker import HOST_CODE
 from commfuse.virtualized import V
 
@@ -450,7 +450,8 @@ class WrapperCodegen:
             code.writeline(f"_comm = CommState({self.graph.graph_id!r}, {pools!r}, [")
             with code.indent():
                 code.writelines(f"{b}," for b in bufs)
-            code.writeline(f"], {self.comm_protocol!r})")
+            # the check runs at the first call, outside the compile's options: it takes its timeout now
+            code.writeline(f"], {self.comm_protocol!r}, timeout_s={config.comm.plan_check_timeout_s!r})")
         return code
 
     def comm_kernel(self, buf: ir.CommKernel, step: int, pool):

@@ -23,7 +23,8 @@ def _describe(plan: dict) -> list:
     return [(b["name"], b["pool"], b["offset"], b["bytes"], str(b["dtype"]), list(b["size"])) for b in plan["buffers"]]
 
 
-def check_plans_agree(graph_id: str, pools: dict, buffers: list, groups: dict, protocol: list = ()) -> None:
+def check_plans_agree(graph_id: str, pools: dict, buffers: list, groups: dict, protocol: list = (),
+                      timeout_s: float | None = None) -> None:
     """`groups`: the process group of each group name in `pools`. `protocol`: each comm kernel's
     [name, algorithm, programs, barriers] in launch order; ranks that differ there (another
     algorithm, grid or prologue, from a differing config or table) would wait at barriers the
@@ -31,6 +32,7 @@ def check_plans_agree(graph_id: str, pools: dict, buffers: list, groups: dict, p
     from torch.distributed.distributed_c10d import _get_default_store  # c10d internals: only when checking
     plan = {"graph": graph_id.split("_", 1)[1], "buffers": buffers,
             "pools": {k: [g, n] for k, (g, _d, n) in pools.items()}}
+    timeout_s = config.comm.plan_check_timeout_s if timeout_s is None else timeout_s  # the compile's option
     mine = json.dumps({"graph": plan["graph"], "buffers": _describe(plan), "pools": plan["pools"],
                        "protocol": [list(p) for p in protocol]})
     for group_name in sorted({g for g, _, _ in pools.values()}):
@@ -42,12 +44,12 @@ def check_plans_agree(graph_id: str, pools: dict, buffers: list, groups: dict, p
         store.set(f"{prefix}/{me}", mine)
         keys = [f"{prefix}/{r}" for r in ranks]
         try:
-            store.wait(keys, datetime.timedelta(seconds=config.comm.plan_check_timeout_s))
+            store.wait(keys, datetime.timedelta(seconds=timeout_s))
         except Exception as e:
             missing = [r for r in ranks if not store.check([f"{prefix}/{r}"])]
             raise RuntimeError(
                 f"commfuse: rank(s) {missing} did not reach the comm-buffer plan check of graph {graph_id} "
-                f"(group {group_name}, check #{seq}) within {config.comm.plan_check_timeout_s}s: the ranks "
+                f"(group {group_name}, check #{seq}) within {timeout_s}s: the ranks "
                 f"are running different programs (e.g. a rank-dependent branch)") from e
         for r in ranks:
             theirs = store.get(f"{prefix}/{r}").decode()

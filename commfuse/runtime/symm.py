@@ -158,10 +158,10 @@ class CommState:
     """A compiled graph's view of its comm buffers: checked across ranks at the first call, then
     the same tensors (same pool, same offsets) on every call."""
 
-    def __init__(self, graph_id: str, pools: dict, buffers: list, protocol: list = ()):
+    def __init__(self, graph_id: str, pools: dict, buffers: list, protocol: list = (), timeout_s=None):
         self.graph_id, self.pools_needed, self.buffers = graph_id, pools, buffers
         groups = {g: group_of(g) for g, _, _ in pools.values()}
-        check_plans_agree(graph_id, pools, buffers, groups, list(protocol))
+        check_plans_agree(graph_id, pools, buffers, groups, list(protocol), timeout_s)
         self.refresh()
 
     def refresh(self):
