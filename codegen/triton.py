@@ -465,7 +465,8 @@ class TritonKernel:
         consts = ["XBLOCK: tl.constexpr"] + (["RBLOCK: tl.constexpr"] if self.is_red else [])
         code = IndentedBuffer()
         code.writeline("@triton.jit" + ("(debug=True)" if self.uses_assert else ""))
-        code.writeline(f"def {self.name}({', '.join(params + consts)}):")
+        typed = [f"{p}: tl.float64" if sympy.Symbol(p) in V.graph.float_scalars else p for p in params]
+        code.writeline(f"def {self.name}({', '.join(typed + consts)}):")
         with code.indent():
             if self.is_red:
                 code.writeline("rbase = tl.arange(0, RBLOCK)[None, :]")

@@ -9,8 +9,9 @@ import torch
 
 from commfuse import config
 from commfuse.runtime.loader import interpreting
+from commfuse.virtualized import V
 
-from .common import compute_dtype, literal, triton_dtype
+from .common import compute_dtype, literal, texpr, triton_dtype
 
 
 @dataclasses.dataclass
@@ -71,8 +72,11 @@ class TritonOps:
         return self.k.newvar(f"tl.full({self.k.shape()}, {literal(value, cd)}, {triton_dtype(cd)})", dtype)
 
     def index_expr(self, expr, dtype):
-        cd = compute_dtype(dtype)
-        return self.k.newvar(f"({self.k.index_str(sympy.sympify(expr))}).to({triton_dtype(cd)})", dtype)
+        cd, expr = compute_dtype(dtype), sympy.sympify(expr)
+        if expr.free_symbols & V.graph.float_scalars:  # in fp64, as the wrapper computed it (broadcast
+            text = texpr(self.k.simplify_index(expr))    # over int zeros, Triton would make it fp32)
+            return self.k.newvar(f"(tl.full({self.k.shape()}, 0, tl.float64) + ({text})).to({triton_dtype(cd)})", dtype)
+        return self.k.newvar(f"({self.k.index_str(expr)}).to({triton_dtype(cd)})", dtype)
 
     def to_dtype(self, x, dtype, explicit=False):
         """`explicit`: a cast the program wrote (`.to(bf16)`), rounded as eager rounds it. The

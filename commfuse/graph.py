@@ -56,6 +56,7 @@ class GraphLowering(torch.fx.Interpreter):
         self.fallback_ops: list[str] = []             # aten ops run as they are, in graph order
         self.fallback_reasons: dict[str, str] = {}    # ... and why each was not lowered
         self.scalar_nodes: list[tuple] = []           # (symbol, fn, args, kwargs) computed at run time
+        self.float_scalars: set = set()               # ... those of them that are floats
         self.derived_sizes: dict = {}                 # torch's size with float steps -> its symbol (sizevars)
         self.device_types: set[str] = set()
         self.example_inputs = example_inputs
@@ -197,6 +198,8 @@ class GraphLowering(torch.fx.Interpreter):
         """A SymFloat/SymBool: the wrapper computes it at run time and passes it to kernels."""
         sym = sympy.Symbol(f"sv{len(self.scalar_nodes)}")
         self.scalar_nodes.append((sym, target, args, kwargs))
+        if isinstance(self.current_node.meta.get("val"), torch.SymFloat):
+            self.float_scalars.add(sym)  # a kernel takes it as fp64 (Triton would type a float fp32)
         return sym
 
     def _maybe_realize(self, node, result):

@@ -120,3 +120,15 @@ def test_sizes_torch_computes_through_floats(mode):
             torch.testing.assert_close(y, fn(x), atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(torch.autograd.grad(y.sum(), x)[0],
                                        torch.autograd.grad(fn(x).sum(), x)[0], atol=1e-5, rtol=1e-5)
+
+
+def test_a_float_of_the_sizes_keeps_float64():
+    """var's backward under dynamic shapes scales by 2 / (n - 1), a float the wrapper computes.
+    Passed to the kernel as Triton types a Python float (fp32), float64 gradients carried fp32
+    rounding (1.5e-8 relative)."""
+    x = torch.randn(11, 4, device=DEVICE, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(4, device=DEVICE, dtype=torch.float64)
+    torch._dynamo.reset()
+    got, = torch.autograd.grad(torch.compile(lambda t: t.var(0), backend="commfuse", dynamic=True)(x), x, g)
+    want, = torch.autograd.grad(x.var(0), x, g)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
