@@ -150,3 +150,25 @@ def test_missing_rank_is_reported_not_hung():
     assert s0 == "error" and "did not reach the comm-buffer plan check" in m0 and missing in m0, m0
     assert t0 < 30
     assert [s for s, _, _ in others] == ["ok"] * (WORLD - 1)
+
+
+def _two_levels(rank, world):
+    """All-reduces over a sub-group ({0, 1} / {2, 3}, a 2-D mesh's inner dim) and over WORLD in one
+    graph. The WORLD check compared every rank's pools, sub-group names included, which differ
+    between {0, 1} and {2, 3}: 'ranks disagree ... pools differ'."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    pair, _ = dist.new_subgroups(2)
+    torch.manual_seed(0)
+    w = torch.randn(8, 8, device=device())
+
+    def fn(x):
+        a = funcol.all_reduce(x @ w, "sum", pair)
+        return funcol.all_reduce(a @ w, "sum", dist.group.WORLD)
+    x = torch.randn(4, 8, device=device()) + rank
+    torch.testing.assert_close(torch.compile(fn, backend="commfuse")(x), fn(x), rtol=1e-4, atol=1e-4)
+    return True
+
+
+def test_sub_group_and_world_in_one_graph():
+    assert run_ranks(_two_levels, world=4) == [True] * 4

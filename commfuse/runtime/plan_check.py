@@ -30,12 +30,13 @@ def check_plans_agree(graph_id: str, pools: dict, buffers: list, groups: dict, p
     algorithm, grid or prologue, from a differing config or table) would wait at barriers the
     others never reach."""
     from torch.distributed.distributed_c10d import _get_default_store  # c10d internals: only when checking
-    plan = {"graph": graph_id.split("_", 1)[1], "buffers": buffers,
-            "pools": {k: [g, n] for k, (g, _d, n) in pools.items()}}
     timeout_s = config.comm.plan_check_timeout_s if timeout_s is None else timeout_s  # the compile's option
-    mine = json.dumps({"graph": plan["graph"], "buffers": _describe(plan), "pools": plan["pools"],
-                       "protocol": [list(p) for p in protocol]})
     for group_name in sorted({g for g, _, _ in pools.values()}):
+        # the ranks of a group compare that group's pools: a sub-group's name differs between the
+        # ranks of WORLD ({0, 1} and {2, 3} of a 2-D mesh), rightly
+        own = {k: [g, n] for k, (g, _d, n) in pools.items() if g == group_name}
+        mine = json.dumps({"graph": graph_id.split("_", 1)[1], "pools": own, "protocol": [list(p) for p in protocol],
+                           "buffers": _describe({"buffers": [b for b in buffers if b["pool"] in own]})})
         ranks = dist.get_process_group_ranks(groups[group_name])
         seq = _sequence[group_name] = _sequence.get(group_name, 0) + 1
         store = _get_default_store()
