@@ -228,6 +228,9 @@ class Group:
     def reads_peers(self) -> bool:
         return any(a.peer for n in self.nodes for a in n.reads)
 
+    def peer_groups(self) -> set:  # the process groups whose ranks' copies the kernel reads
+        return {V.graph.comm_plan(a.name).group for n in self.nodes for a in n.reads if a.peer}
+
     def walks_transposed(self) -> bool:
         """Does some access move along rows (stride 1 in x) but jump along the reduction axis?"""
         return any(sizevars.walks_columns(index, XSYM, RSYM) for _, _, _, index in self.kernel_accesses())
@@ -484,6 +487,8 @@ class Scheduler:
         if not ok:
             return None
         if self._path_between(a, b) or self._path_between(b, a):
+            return None
+        if len(a.peer_groups() | b.peer_groups()) > 1:  # a kernel meets the ranks of one group
             return None
         merged, undo = self._merge(a, b), None
         if config.loop_ordering_after_fusion and (merged is None or self._walked_apart(merged, a, b)):

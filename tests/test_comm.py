@@ -235,6 +235,28 @@ def _all_reduce_into_the_input(rank, world):
     return True
 
 
+def _two_groups_chained(rank, world):
+    """An all-reduce over one group feeding one over another (two dims of a mesh): the scheduler
+    fused both peer reads into one kernel, which meets the ranks of one group only; the compile
+    failed and the whole graph ran through aten."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    from commfuse import backend
+    other = dist.new_group(list(range(world)))  # the same ranks, another group
+
+    def fn(x):
+        return funcol.all_reduce(funcol.all_reduce(x * 2, "sum", other) + 1, "sum", dist.group.WORLD)
+    torch._dynamo.reset()
+    before = len(backend.summaries)
+    x = torch.randn(4, 8, device=device()) + rank
+    torch.testing.assert_close(torch.compile(fn, backend="commfuse")(x), fn(x))
+    return [s["compiled"] for s in backend.summaries[before:]]
+
+
+def test_all_reduces_over_two_groups_compile():
+    assert run_ranks(_two_groups_chained, WORLD) == [[True]] * WORLD
+
+
 def test_all_reduce_into_the_input_updates_it():
     assert run_ranks(_all_reduce_into_the_input, WORLD) == [True] * WORLD
 
