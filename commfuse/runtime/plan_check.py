@@ -4,8 +4,9 @@ Every rank publishes its plan under a per-group sequence number in the c10d stor
 others'. Plans are deterministic functions of the graph and config, so they must be equal; if a rank
 compiled another graph (a rank-dependent branch) or another config, every rank raises an error that
 names the graph and the first differing buffer. The graphs themselves may differ where the plans
-agree: a rank-dependent constant (a vocabulary shard's offset) changes a graph, not its collectives. A rank that never arrives (it took a branch with no
-collective) is reported after `comm.plan_check_timeout_s`, instead of a hang in the pool rendezvous.
+agree: a rank-dependent constant (a vocabulary shard's offset) changes a graph, not its
+collectives. A rank that never arrives (it took a branch with no collective) is reported after
+`comm.plan_check_timeout_s`, instead of a hang in the pool rendezvous.
 """
 from __future__ import annotations
 
