@@ -71,13 +71,10 @@ class TritonKernel:
     def _needs_int64(group) -> bool:
         # an index past int32 in a buffer it writes or reads (the last rows of a huge input lie
         # beyond 2**31 however few elements the kernel computes)
-        sizes = [n.buf.layout.storage_numel() for n in group.nodes]
-        for name in group.read_names:
-            buf = V.graph.name_to_buffer.get(name) or V.graph.graph_inputs.get(name)
-            layout = getattr(buf, "layout", None)
-            if layout is not None and hasattr(layout, "storage_numel"):
-                sizes.append(layout.storage_numel())
-        return any(sizevars.hint(s) >= 2**31 for s in sizes)
+        bufs = [n.buf for n in group.nodes] + [V.graph.name_to_buffer.get(r) or V.graph.graph_inputs.get(r)
+                                               for r in group.read_names]
+        return any(sizevars.hint(b.layout.storage_numel()) >= 2**31 for b in bufs
+                   if hasattr(getattr(b, "layout", None), "storage_numel"))
 
     # ------------------------------------------------------------------ sections
     def new_section(self, loop: bool) -> Section:

@@ -39,7 +39,8 @@ _EXTRA = [
 # Ops we lower better ourselves than their decompositions would, and ops whose decomposition is
 # wrong for us: the CPU flash attention's is for export only (its second output is not the
 # logsumexp its backward reads, so gradients through it would be silently wrong).
-_KEEP = {aten.addmm.default, aten._scaled_dot_product_flash_attention_for_cpu.default}
+_KEEP = {aten.addmm.default, aten._scaled_dot_product_flash_attention_for_cpu.default,
+         aten._unsafe_index.Tensor}  # lowered without bounds asserts
 
 
 def _softmax_from_stats(log: bool):

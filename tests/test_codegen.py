@@ -464,3 +464,17 @@ def test_offsets_past_int32_in_a_read_buffer(tmp_path):
     out, dumps = compile_and_run(lambda t: (t * 2)[-4:], x, tmp_path=tmp_path)
     assert out.tolist() == [2, 4, 6, 8]
     assert "tl.program_id(0).to(tl.int64)" in dumps.only()[1]
+
+
+@pytest.mark.parametrize("mode", ["nearest", "bilinear"])
+def test_upsampling_indexes_without_device_asserts(tmp_path, mode):
+    """Upsampling gathers through aten._unsafe_index, whose indices are in bounds by construction.
+    Decomposed into aten.index, it got a bounds assert per load, which compiles the kernel in
+    Triton's debug mode."""
+    fn = lambda x: F.interpolate(x, scale_factor=2, mode=mode) * 3  # noqa: E731
+    x = torch.randn(1, 2, 5, 6, device=DEVICE)
+    out, dumps = compile_and_run(fn, x, tmp_path=tmp_path)
+    torch.testing.assert_close(out, fn(x))
+    summary, code = dumps.only()
+    assert "device_assert" not in code and "debug=True" not in code
+    assert summary["fallback_ops"] == []
