@@ -105,7 +105,7 @@ class TritonExprPrinter(ExprPrinter):
     def _print_Mod(self, e):
         if e.args[0].is_nonnegative:
             return super()._print_Mod(e)
-        return f"triton_helpers.remainder_int({self._print(e.args[0])}, {self._print(e.args[1])})"
+        return f"triton_helpers.remainder({self._print(e.args[0])}, {self._print(e.args[1])})"
 
 
 pexpr = ExprPrinter().doprint

@@ -148,14 +148,12 @@ class TritonOps:
     def truncdiv(self, a, b):
         return self._bin("{a} // {b}", a, b)
 
+    # Triton's % is C's fmod, exact for floats too (a - b * trunc(a / b) lost up to all of b:
+    # fmod(1.0, 0.1) gave 0.0 for 0.0999...)
     def remainder(self, a, b):
-        if _promote(a, b).is_floating_point:
-            return self._bin("{a} - {b} * tl.floor({a} / {b})", a, b)
-        return self._bin("triton_helpers.remainder_int({a}, {b})", a, b)
+        return self._bin("triton_helpers.remainder({a}, {b})", a, b)
 
     def fmod(self, a, b):
-        if _promote(a, b).is_floating_point:
-            return self._bin("{a} - {b} * triton_helpers.trunc({a} / {b})", a, b)
         return self._bin("{a} % {b}", a, b)
 
     def pow(self, a, b):

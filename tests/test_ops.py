@@ -275,3 +275,13 @@ def test_declared_ops_are_exercised():
         else:
             missing.append(f"{case.name}: {case.op} not in {sorted(str(t) for t in seen)}")
     assert not missing, "\n".join(missing)
+
+
+@pytest.mark.parametrize("op", [torch.fmod, torch.remainder])
+def test_float_remainders_are_exact(op):
+    """fmod and remainder of floats are exact in IEEE arithmetic. As a - b * trunc(a / b) they lost
+    up to the whole divisor: fmod(1.0, 0.1) gave 0.0 for 0.0999..., and the error grew with a / b."""
+    a = torch.tensor([1.0, -5.5, 1e12, -2.0999999999999996, 7.25, -1e9 - 0.3], dtype=torch.float64)
+    b = torch.tensor([0.1, 2.0, 0.7, 0.7, -0.5, 0.7], dtype=torch.float64)
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(op, backend="commfuse")(a, b), op(a, b), rtol=0, atol=0)

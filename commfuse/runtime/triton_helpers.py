@@ -81,7 +81,7 @@ def div_floor(a, b):
 
 
 @triton.jit
-def remainder_int(a, b):
+def remainder(a, b):  # Python's %, of integers or floats (Triton's % truncates, as C's fmod)
     r = a % b
     return tl.where((r != 0) & ((r < 0) != (b < 0)), r + b, r)
 
