@@ -285,3 +285,12 @@ def test_float_remainders_are_exact(op):
     b = torch.tensor([0.1, 2.0, 0.7, 0.7, -0.5, 0.7], dtype=torch.float64)
     torch._dynamo.reset()
     torch.testing.assert_close(torch.compile(op, backend="commfuse")(a, b), op(a, b), rtol=0, atol=0)
+
+
+def test_integer_overflow_wraps_as_in_eager():
+    """An int32 hash (x * 1000003 + 7) wraps in eager. Under Triton's interpreter, the debug mode
+    our bounds asserts need also checked every integer op for overflow, and raised."""
+    x = torch.tensor([2**30, 123456789, -5, 2**31 - 1], dtype=torch.int32)
+    fn = lambda t: t * 1000003 + 7  # noqa: E731
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(fn, backend="commfuse")(x), fn(x), rtol=0, atol=0)

@@ -49,12 +49,13 @@ def _interpret_triton_library() -> None:
 
 
 def _interpreter_asserts() -> None:
-    """Our only device asserts are index bounds checks: let the interpreter raise them."""
+    """Our only device asserts are index bounds checks: let the interpreter raise them. Not its
+    integer overflow checks, which debug mode also turns on: eager wraps (an int32 hash)."""
     import dataclasses
     from triton.runtime import interpreter
     builder = interpreter.interpreter_builder
-    if not builder.options.debug:
-        builder.options = dataclasses.replace(builder.options, debug=True)
+    if not builder.options.debug or builder.options.sanitize_overflow:
+        builder.options = dataclasses.replace(builder.options, debug=True, sanitize_overflow=False)
 
 
 def load_module(source: str, constants: dict):
