@@ -7,6 +7,7 @@ calling the aten op, so anything we do not understand still runs.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import operator
 from typing import Any
@@ -144,6 +145,8 @@ class GraphLowering(torch.fx.Interpreter):
     def call_function(self, target, args, kwargs):
         node = self.current_node
         val = node.meta.get("val")
+        if val is None and isinstance(target, torch._ops.HigherOrderOperator):
+            val = node.meta["val"] = _fake_value(node)  # checkpointed RNG (run_and_save_rng_state) has none
         if isinstance(val, torch.SymInt) or (isinstance(val, (int, bool)) and target is not operator.getitem):
             return sizevars.from_torch(val) if isinstance(val, torch.SymInt) else val
         if isinstance(val, (torch.SymFloat, torch.SymBool)):
@@ -241,6 +244,12 @@ class GraphLowering(torch.fx.Interpreter):
                 value = realize_output(value, None if node in self.free_outputs else meta)
             self.graph_outputs.append(value)
         return self.graph_outputs
+
+
+def _fake_value(node: torch.fx.Node):  # its value on fake tensors, from its arguments' values
+    args, kwargs = torch.utils._pytree.tree_map_only(torch.fx.Node, lambda n: n.meta.get("val"), (node.args, node.kwargs))
+    with torch._guards.detect_fake_mode(torch.utils._pytree.tree_leaves((args, kwargs))) or contextlib.nullcontext():
+        return node.target(*args, **kwargs)
 
 
 def size_hints(gm, example_inputs) -> dict:

@@ -113,10 +113,10 @@ def _convert_torch_functions(e: Expr) -> Expr:
 FLOAT_STEP_SIZES = ("TruncToInt", "FloorToInt", "CeilToInt", "RoundToInt")  # int(2.0 * float(s0))
 
 
+# A size torch computes through floats (interpolate by a scale factor) becomes a symbol of its own,
+# which the wrapper computes on the host as torch does and kernels take as an argument: rational
+# arithmetic on it would round differently from torch's floats.
 def _derived_size(e: Expr) -> Expr:
-    """A size torch computes through floats (interpolate by a scale factor) becomes a symbol of its
-    own, which the wrapper computes on the host as torch does and kernels take as an argument:
-    rational arithmetic on it would round differently from torch's floats."""
     sym = V.graph.derived_sizes.get(e)
     if sym is None:
         sym = index_symbol("fs", len(V.graph.derived_sizes))

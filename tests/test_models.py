@@ -132,3 +132,23 @@ def test_a_float_of_the_sizes_keeps_float64():
     got, = torch.autograd.grad(torch.compile(lambda t: t.var(0), backend="commfuse", dynamic=True)(x), x, g)
     want, = torch.autograd.grad(x.var(0), x, g)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+
+
+def test_checkpointed_dropout_compiles_and_replays_its_mask():
+    """Dropout inside checkpoint(use_reentrant=False): AOTAutograd saves the RNG state around the
+    random op (run_and_save_rng_state, replayed by run_with_rng_state in the backward). Those
+    nodes carry no value, so their outputs were lost and both graphs fell back to aten whole."""
+    from torch.utils.checkpoint import checkpoint
+    from commfuse import backend
+
+    def fn(x):
+        return checkpoint(lambda y: F.dropout(y * 2.0, 0.5, True).sin(), x, use_reentrant=False)
+    x = torch.randn(64, 64, device=DEVICE, dtype=torch.float64, requires_grad=True)
+    torch._dynamo.reset()
+    before = len(backend.summaries)
+    y = torch.compile(fn, backend="commfuse")(x)
+    grad, = torch.autograd.grad(y.sum(), x)
+    assert [s["compiled"] for s in backend.summaries[before:]] == [True, True]
+    kept = y != 0  # the backward replays the forward's mask
+    assert 0.3 < kept.double().mean().item() < 0.7
+    torch.testing.assert_close(grad, torch.where(kept, torch.cos(4 * x) * 4, torch.zeros_like(x)))

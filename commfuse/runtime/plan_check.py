@@ -67,11 +67,8 @@ def _collectives(plan: str) -> dict:
 
 def _first_difference(me: int, mine: str, other: int, theirs: str) -> str:
     a, b = json.loads(mine), json.loads(theirs)
-    graphs = f"rank {me} runs graph {a['graph']}, rank {other} runs {b['graph']}: " if a["graph"] != b["graph"] else ""
-    return graphs + _plan_difference(me, a, other, b)
-
-
-def _plan_difference(me: int, a: dict, other: int, b: dict) -> str:
+    if a["graph"] != b["graph"]:  # named with what differs in their collectives
+        me, other = f"{me} (graph {a['graph']})", f"{other} (graph {b['graph']})"
     for x, y in zip(a["buffers"], b["buffers"]):
         if x != y:
             return f"first differing buffer {x[0]}: rank {me} has {x}, rank {other} has {y}"
