@@ -60,6 +60,17 @@ def _returns_alias(op) -> bool:
         r.alias_info is not None for r in op._schema.returns)
 
 
+# An aliasing op (a view aten runs) returns strides that follow its input's, and the kernels reading
+# it are built for the strides the graph's meta gives: its input is stored in the meta's order (a
+# channels_last value we stored contiguous was read at channels_last strides).
+def _in_meta_order(x: TensorBox):
+    want = V.graph.current_node.args[0].meta.get("val")
+    if not isinstance(want, torch.Tensor) or want.dim() != len(x.get_size()) or want.dim() < 2:
+        return x
+    order = sorted(range(want.dim()), key=lambda d: -sizevars.hint(sizevars.from_torch(want.stride(d))))
+    return x.realize_in_order(order)
+
+
 def fallback(op, args, kwargs, meta):
     """Run `op` through aten; returns what the FX node's value is made of: TensorBox(es) over its
     tensor outputs, in the structure of `meta` (the op's own meta result: tuples, lists, None,
@@ -67,6 +78,8 @@ def fallback(op, args, kwargs, meta):
     if V.graph.channels_last and op in CONVOLUTIONS:  # 4-D operands (input, weight, grad) as cudnn wants
         args = [a.realize_in_order(ir.CHANNELS_LAST) if isinstance(a, TensorBox) and len(a.get_size()) == 4
                 else a for a in args]
+    if _returns_alias(op) and args and isinstance(args[0], TensorBox):
+        args = [_in_meta_order(args[0])] + list(args[1:])
     args, kwargs = pytree.tree_map(realize_arg, (args, kwargs))
     if V.graph.channels_last:
         meta = _meta_for_layouts(op, args, kwargs, meta)

@@ -293,3 +293,19 @@ def test_backward_leaves_forward_outputs_alone_with_effect_tokens(tmp_path):
     before = lu.detach().clone()
     lu.backward(torch.ones(5, 5, device=DEVICE))
     torch.testing.assert_close(lu.detach(), before)
+
+
+def test_a_view_run_by_aten_sees_the_strides_the_graph_meant():
+    """A reshape commfuse does not lower (splitting a dynamic channel count: s // 2 * 2 == s
+    cannot be proven) runs as aten.view, whose output strides follow its input's. The input, a
+    channels_last value, had been stored contiguous, and the kernel reading the view was built
+    for channels_last strides: a wrong sum (and wrong gradients in a max-pool backward)."""
+    w = torch.randn(4, 8, 1, 1, dtype=torch.float64, device=DEVICE)
+
+    def fn(x):
+        y = x * 2
+        return F.conv2d(y, w), y.view(y.shape[0], 2, y.shape[1] // 2, y.shape[2], y.shape[3]).sum(1)
+    x = torch.randn(2, 8, 5, 5, dtype=torch.float64, device=DEVICE).to(memory_format=torch.channels_last)
+    torch._dynamo.reset()
+    for got, want in zip(torch.compile(fn, backend="commfuse", dynamic=True)(x), fn(x)):
+        torch.testing.assert_close(got, want)
