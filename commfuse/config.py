@@ -143,8 +143,8 @@ _KINDS = ((bool, (bool,)), (int, (int,)), (float, (int, float)), (str, (str, os.
 
 # A value a compile would misread is refused, naming the option: the type of its default (or of its
 # annotation where the default is None), and the few options with a narrower range.
-def _check(name: str, value: Any) -> None:
-    default, (obj, attr) = _options()[name], _owner(name)
+def _check(name: str, value: Any, default: Any) -> None:
+    obj, attr = _owner(name)
     hint = str(getattr(obj, "__annotations__", {}).get(attr, ""))
     if value is None and (default is None or "None" in hint):
         return
@@ -205,7 +205,7 @@ def _load_env() -> None:
         env = os.environ.get(f"COMMFUSE_{name.replace('.', '_').upper()}")
         if env is not None:
             value = _coerce(env, default)
-            _check(name, value)
+            _check(name, value, default)
             _set(name, value)
 
 
@@ -220,7 +220,7 @@ class _Patch(contextlib.ContextDecorator):
         if unknown:
             raise ValueError(f"unknown commfuse option(s) {unknown}; known: {sorted(known)}")
         for k, v in changes.items():
-            _check(k, v)
+            _check(k, v, known[k])
         self.changes = changes
         self.saved: list[dict[str, Any]] = []
 

@@ -64,7 +64,8 @@ def _returns_alias(op) -> bool:
 # it are built for the strides the graph's meta gives: its input is stored in the meta's order (a
 # channels_last value we stored contiguous was read at channels_last strides).
 def _in_meta_order(x: TensorBox):
-    want = V.graph.current_node.args[0].meta.get("val")
+    arg = V.graph.current_node.args[0] if V.graph.current_node is not None and V.graph.current_node.args else None
+    want = arg.meta.get("val") if isinstance(arg, torch.fx.Node) else None
     if not isinstance(want, torch.Tensor) or want.dim() != len(x.get_size()) or want.dim() < 2:
         return x
     order = sorted(range(want.dim()), key=lambda d: -sizevars.hint(sizevars.from_torch(want.stride(d))))
