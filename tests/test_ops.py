@@ -138,7 +138,7 @@ def _no_further_than_eager(actual, expected, reference):
             torch.equal(a[a.isinf()], e[e.isinf()]), f"result {k}: not finite where eager is, or the other way"
         finite = e.isfinite() & r.isfinite()
         err_a, err_e = (torch.cat([(x.detach().double() - r.detach().double())[finite].abs().flatten(),
-                                   torch.zeros(1, dtype=torch.float64)]).max().item() for x in (a, e))
+                                   torch.zeros(1, dtype=torch.float64, device=x.device)]).max().item() for x in (a, e))
         assert err_a <= 2 * err_e + TOL[e.dtype][0], \
             f"result {k}: {err_a:.3g} from an fp32 run where eager is {err_e:.3g} from it"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.common import compile_and_run
+from tests.common import DEVICE, compile_and_run
 
 
 def sliced_mm(x, z, w):
@@ -17,11 +17,11 @@ def test_hints_are_this_graphs_while_lowering(tmp_path):
     is copied out (its rows) or read from the whole value stored (when the slice is most of it).
     The hints were a global set after lowering, so this decision saw the previous graph's sizes
     (or none): here the whole 64 x 8 value was stored to pass 5 of its rows."""
-    w = torch.randn(8, 3)
-    x = torch.randn(4, 8)
-    compile_and_run(sliced_mm, x, torch.randn(4), w, tmp_path=tmp_path / "a", dynamic=True)
-    x = torch.randn(64, 8)
-    z = torch.randn(5)
+    w = torch.randn(8, 3, device=DEVICE)
+    x = torch.randn(4, 8, device=DEVICE)
+    compile_and_run(sliced_mm, x, torch.randn(4, device=DEVICE), w, tmp_path=tmp_path / "a", dynamic=True)
+    x = torch.randn(64, 8, device=DEVICE)
+    z = torch.randn(5, device=DEVICE)
     out, dumps = compile_and_run(sliced_mm, x, z, w, tmp_path=tmp_path / "b", dynamic=True)
     torch.testing.assert_close(out, sliced_mm(x, z, w))
     summary, code = dumps.only()
