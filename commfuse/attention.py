@@ -7,6 +7,13 @@ and are written and read once per call (in decode: the whole KV cache, every ste
 the unrepeated K/V with `enable_gqa=True` and maps query head h to K/V head h // group, which is
 exactly what both repeats compute, so the rewrite is exact; aten then picks a kernel that reads K/V
 in place (flash on CPU and CUDA) or repeats them itself where none can.
+
+Masks: CUDA's fused attention kernels read the mask's rows as contiguous, so aten falls back to
+its math kernel (fp32 scores written out, softmax, a second matmul) when the mask's last dim has
+another stride. Models build such masks: T5's position bias is gathered [q, k, heads] and permuted,
+HF's bidirectional mask broadcasts along the keys. The mask is made contiguous first, which
+changes no value; the kernel that computes it then writes it in rows (with one exception,
+handled in `contiguous_masks`).
 """
 from __future__ import annotations
 
@@ -15,6 +22,7 @@ import logging
 import torch
 import torch.fx
 import torch.nn.functional as F
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .fx_rewrite import erase_unused, finish
 
@@ -62,6 +70,47 @@ def repeated_heads(node):
             return None
         return (unsq, 2), group, [node, expand]
     return None
+
+
+def _open_rows(graph, mask, boolean):
+    """(which queries have a key left to attend, the mask with the others' rows open, contiguous)."""
+    kept = mask if boolean else graph.call_function(torch.gt, (mask, float("-inf")))
+    live = graph.call_method("any", (kept, -1), {"keepdim": True})
+    if boolean:
+        opened = graph.call_function(torch.logical_or, (mask, graph.call_function(torch.logical_not, (live,))))
+    else:
+        opened = graph.call_function(torch.where, (live, mask, 0.0))
+    return live, graph.call_method("contiguous", (opened,))
+
+
+def contiguous_masks(gm: torch.fx.GraphModule) -> int:
+    """Give each SDPA whose mask's last dim is strided a contiguous mask; returns how many changed.
+
+    Exact against the math kernel eager ran: where a query's keys are all masked, the math kernel
+    gives 0 and the fused ones do not. Such rows are unmasked in the mask passed, and their output
+    is set to 0 after; their gradients are then 0 too, as the math kernel's are."""
+    changed, done = 0, {}  # mask -> (its rows with a key left, the mask passed): layers share one mask
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in _SDPA:
+            continue
+        bound = dict(zip(_SDPA_ARGS, node.args)) | dict(node.kwargs)
+        mask = bound.get("attn_mask")
+        value = mask.meta.get("example_value") if isinstance(mask, torch.fx.Node) else None
+        if not isinstance(value, torch.Tensor) or value.dim() == 0 \
+                or statically_known_true(value.size(-1) == 1) or statically_known_true(value.stride(-1) == 1):
+            continue
+        if mask not in done:  # before its first SDPA, which any other follows
+            with graph.inserting_before(node):
+                done[mask] = _open_rows(graph, mask, value.dtype == torch.bool)
+        live, bound["attn_mask"] = done[mask]
+        node.args = tuple(bound.pop(n) for n in _SDPA_ARGS[:3])
+        node.kwargs = bound
+        with graph.inserting_after(node):
+            out = graph.call_function(torch.where, (live, node, 0.0))
+        node.replace_all_uses_with(out, delete_user_cb=lambda user: user is not out)
+        changed += 1
+    return finish(gm, changed)
 
 
 def use_sdpa_gqa(gm: torch.fx.GraphModule) -> int:

@@ -16,13 +16,14 @@ import weakref
 
 import torch
 from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.compile_utils import fx_graph_cse
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from commfuse.codegen.wrapper import WrapperCodegen
 
 from . import choices, config, dump, graph_cache, ir, sizevars
-from .attention import use_sdpa_gqa
+from .attention import contiguous_masks, use_sdpa_gqa
 from .decompositions import decomposition_table
 from .graph import GraphLowering
 from .host_scalars import scalars_to_device
@@ -53,6 +54,7 @@ def commfuse_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | N
         precompile.warm()  # the workers start while AOTAutograd traces the graph
     if settings["sdpa_gqa"]:
         use_sdpa_gqa(gm)
+    contiguous_masks(gm)
 
     def compiler(kind):
         def compile_fn(graph_module, inputs):
@@ -170,6 +172,9 @@ def _aten_fallback(gm):
 
 def _compile(gm, example_inputs, graph_id, kind="inference", donated=frozenset(), saved=()):
     t0 = time.time()
+    if kind == "inference":  # the partitioner does this for training graphs
+        gm.graph = fx_graph_cse(gm.graph)  # layers that each compute the same mask: one buffer
+        gm.recompile()
     scalars_to_device(gm)
     reinplace_input_updates(gm)
     sum_one_hot(gm)

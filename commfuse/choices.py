@@ -27,6 +27,13 @@ COMM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 COMM_REDUCE_OPS = ("sum", "avg", "max", "min")
 MM_TEMPLATE_DTYPES = (torch.bfloat16, torch.float16)
 CONVOLUTIONS = (torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default)
+# aten's fused attention kernels read the mask (attn_bias: which argument) in rows that start at
+# multiples of 16 elements; eager pads the mask so, and a mask we store is laid out so too
+ATTENTION_BIAS_ARG = {torch.ops.aten._scaled_dot_product_efficient_attention.default: 3,
+                      torch.ops.aten._scaled_dot_product_efficient_attention_backward.default: 4,
+                      torch.ops.aten._scaled_dot_product_cudnn_attention.default: 3,
+                      torch.ops.aten._scaled_dot_product_cudnn_attention_backward.default: 8}
+ATTENTION_BIAS_ALIGN = 16
 DEFAULT_SMS = 132  # H100 / H200
 POW_MULTIPLY_MAX = 32
 SMALL_TILED_REDUCTION = 1 << 17  # elements of a column reduction too small to be bandwidth-bound

@@ -120,7 +120,8 @@ def row_padded(layout: Layout, multiple: int) -> Layout:
     """`layout` (row-major) with each row's stride rounded up to a multiple of `multiple` elements:
     the same values, rows starting aligned."""
     *outer, row = layout.size
-    return dataclasses.replace(layout, stride=sizevars.contiguous_strides([*outer, -(-row // multiple) * multiple]))
+    padded = multiple * sizevars.FloorDiv(row + multiple - 1, multiple)
+    return dataclasses.replace(layout, stride=sizevars.contiguous_strides([*outer, padded]))
 
 
 def is_row_padded(layout: Layout) -> bool:
@@ -456,6 +457,23 @@ class TensorBox(IRNode):
             return stored
         copy = Pointwise(stored.get_device(), stored.get_dtype(), stored.make_loader(), list(stored.get_size()))
         return TensorBox(copy).realize(order)
+
+    def realize_rows_aligned(self, multiple: int) -> Buffer | ReinterpretView:
+        """Stored with rows that start at multiples of `multiple` elements: loops stored so (rows
+        padded where they are not that long), a value stored otherwise copied."""
+        d = self.data
+        if not isinstance(d, Loops):
+            stored = self.realize()
+            st = stored.layout.stride
+            if not st or st[-1] == 1 and all(sizevars.is_static(x) and int(x) % multiple == 0 for x in st[:-1]):
+                return stored
+            d = Pointwise(stored.get_device(), stored.get_dtype(), stored.make_loader(), list(stored.get_size()))
+        size = d.get_size()
+        layout = row_padded(ordered_layout(d.device, d.dtype, size, range(len(size))), multiple)
+        buf = V.graph.register_buffer(ComputedBuffer, layout=layout, data=d)
+        if d is self.data:
+            self.data = buf
+        return buf
 
 
 

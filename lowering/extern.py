@@ -11,7 +11,7 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from commfuse import ir, sizevars
-from commfuse.choices import CONVOLUTIONS, MATMULS
+from commfuse.choices import ATTENTION_BIAS_ALIGN, ATTENTION_BIAS_ARG, CONVOLUTIONS, MATMULS
 from commfuse.ir import TensorBox, meta_layout
 from commfuse.virtualized import V
 
@@ -81,6 +81,10 @@ def fallback(op, args, kwargs, meta):
                 else a for a in args]
     if _returns_alias(op) and args and isinstance(args[0], TensorBox):
         args = [_in_meta_order(args[0])] + list(args[1:])
+    bias = ATTENTION_BIAS_ARG.get(op)
+    if bias is not None and bias < len(args) and isinstance(args[bias], TensorBox):
+        args = list(args)
+        args[bias] = args[bias].realize_rows_aligned(ATTENTION_BIAS_ALIGN)
     args, kwargs = pytree.tree_map(realize_arg, (args, kwargs))
     if V.graph.channels_last:
         meta = _meta_for_layouts(op, args, kwargs, meta)

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from commfuse.attention import use_sdpa_gqa
+from commfuse.attention import contiguous_masks, use_sdpa_gqa
 from tests.common import DEVICE, compile_and_run, count
 
 
@@ -67,12 +67,12 @@ def test_gqa_passes_kv_unrepeated(tmp_path, repeat):
     assert _allocated(copied) - _allocated(summaries) >= 2 * kv_copy, (_allocated(copied), _allocated(summaries))
 
 
-def _rewrites(fn, inputs) -> int:
-    """How many SDPA calls the rewrite changes in the graph Dynamo captures of fn."""
+def _rewrites(fn, inputs, rewrite=use_sdpa_gqa) -> int:
+    """How many SDPA calls `rewrite` changes in the graph Dynamo captures of fn."""
     counts = []
 
     def backend(gm, example_inputs):
-        counts.append(use_sdpa_gqa(gm))
+        counts.append(rewrite(gm))
         return gm
     torch._dynamo.reset()
     torch.compile(fn, backend=backend)(*inputs)
@@ -88,6 +88,93 @@ def test_gqa_rewrite_leaves_other_attention_alone():
     assert _rewrites(lambda q, k, v: F.scaled_dot_product_attention(q, k, v), (q, k4, v4)) == 0
     assert _rewrites(lambda q, k, v: F.scaled_dot_product_attention(q, k.repeat_interleave(1, dim=2), v), (q, k4, v4)) == 0
     assert _rewrites(lambda q, k, v: F.scaled_dot_product_attention(q, repeat_kv(k, 4), v), (q, k, v4)) == 0
+
+
+def t5_bias(q, k, v, table):
+    """T5's relative position bias: gathered [q, k, heads], permuted to the heads' dim, a learned
+    float mask whose last dim has stride `heads`."""
+    s = q.shape[2]
+    pos = torch.arange(s, device=q.device)
+    bias = table[(pos[None, :] - pos[:, None]).clamp(-3, 3) + 3].permute(2, 0, 1)[None]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+
+
+def keys_broadcast(q, k, v, keep):
+    """A bool mask that varies along the queries only: stride 0 in its last dim."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None, :, None].expand(-1, 1, -1, k.shape[2]))
+
+
+def rows_of_minus_inf(q, k, v, keep):
+    """The same as a float mask: the masked queries' rows are all -inf."""
+    bias = torch.where(keep, 0.0, float("-inf")).to(q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias[:, None, :, None].expand(-1, 1, -1, k.shape[2]))
+
+
+@pytest.mark.parametrize("fn", [t5_bias, keys_broadcast, rows_of_minus_inf])
+@pytest.mark.parametrize("seq", [32, 9])
+def test_strided_masks_reach_sdpa_in_rows(tmp_path, fn, seq):
+    """A mask whose last dim is strided made CUDA's aten pick its math attention (fp32 scores
+    written out) over a fused kernel. It reaches SDPA contiguous; on CUDA the compiled graph runs
+    a fused kernel, forward and backward, its mask stored in rows aligned as the kernel needs (9
+    keys: rows padded to 16). A query whose keys are all masked gets 0, as from the math kernel
+    (a fused one gives other values there)."""
+    q, k, v = _inputs(heads=4, kv_heads=4, seq=seq)
+    extra = (torch.randn(7, 4, device=DEVICE, dtype=DTYPE, requires_grad=True) if fn is t5_bias else
+             torch.rand(2, seq, device=DEVICE) > 0.2)
+    assert _rewrites(fn, (q, k, v, extra), contiguous_masks) == 1
+    assert _rewrites(lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m),
+                     (q, k, v, torch.zeros(seq, seq, device=DEVICE, dtype=DTYPE)), contiguous_masks) == 0
+    inputs = (q, k, v, extra)
+    want = fn(*inputs)
+    want.backward(torch.ones_like(want))
+    want_grads = [t.grad for t in inputs]
+    for t in inputs:
+        t.grad = None
+    got, grads, summaries = _run(fn, inputs, tmp_path)
+    for a, e in zip([got, *grads], [want, *want_grads]):  # bf16: the fused kernel rounds otherwise
+        if e is not None:   # than the math kernel, and the bias's gradient sums many products
+            torch.testing.assert_close(a, e, rtol=TOL["rtol"], atol=TOL["atol"] * max(1.0, e.abs().max().item()))
+    if DEVICE == "cuda":  # aten's math attention is decomposed: no attention op is left to call
+        calls = [c for s in summaries for c in s["extern_calls"]]
+        assert sum("attention" in c for c in calls) == 2, calls  # forward and backward
+
+
+def test_layers_sharing_a_mask_share_its_contiguous_copy():
+    """T5 passes one position bias to every layer: one copy of it, not one per layer."""
+    q, k, v = (t.detach() for t in _inputs(heads=4, kv_heads=4, seq=16))
+    table = torch.randn(7, 4, device=DEVICE, dtype=DTYPE)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        contiguous_masks(gm)
+        graphs.append(gm)
+        return gm
+
+    def two_layers(q, k, v, table):
+        pos = torch.arange(16, device=q.device)
+        bias = table[(pos[None, :] - pos[:, None]).clamp(-3, 3) + 3].permute(2, 0, 1)[None]
+        h = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        return F.scaled_dot_product_attention(h, k, v, attn_mask=bias)
+    torch._dynamo.reset()
+    got = torch.compile(two_layers, backend=backend)(q, k, v, table)
+    torch.testing.assert_close(got, two_layers(q, k, v, table), **TOL)
+    copies = [n for n in graphs[0].graph.nodes if n.op == "call_method" and n.target == "contiguous"]
+    assert len(copies) == 1, graphs[0].code
+
+
+def test_layers_recomputing_one_mask_store_it_once(tmp_path):
+    """Layers that each compute the same mask from the same inputs (HF T5 adds the padding mask to
+    the position bias in every layer): an inference graph stores it once, not once per layer, all
+    alive from the kernel that computes them together."""
+    q, k, v = (t.detach() for t in _inputs(heads=4, kv_heads=4, seq=16))
+    table = torch.randn(7, 4, device=DEVICE, dtype=DTYPE)
+    with torch.no_grad():
+        got, dumps = compile_and_run(lambda q, k, v, t: t5_bias(t5_bias(q, k, v, t), k, v, t), q, k, v, table,
+                                     tmp_path=tmp_path)
+    torch.testing.assert_close(got, t5_bias(t5_bias(q, k, v, table), k, v, table), **TOL)
+    mask_bytes = 4 * 16 * 16 * DTYPE.itemsize
+    stored = [b["bytes"] for b in dumps.summary(dumps.graphs()[0])["buffers"]]
+    assert stored.count(mask_bytes) == 1, stored
 
 
 def test_attention_output_feeds_a_fused_kernel(tmp_path):
