@@ -16,7 +16,7 @@ import weakref
 
 import torch
 from torch._dynamo.backends.common import aot_autograd
-from torch._functorch.compile_utils import fx_graph_cse
+from torch._functorch.compile_utils import fx_graph_cse, rand_ops
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch.multiprocessing.reductions import StorageWeakRef
 
@@ -69,7 +69,7 @@ def commfuse_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | N
         fw_compiler=compiler("forward"), bw_compiler=compiler("backward"),
         inference_compiler=compiler("inference"),
         decompositions=decomposition_table(tuple(sorted(settings["fallback_ops"]))),
-        partition_fn=min_cut_rematerialization_partition,
+        partition_fn=_partition,
         keep_inference_input_mutations=True,
     )(gm, example_inputs)
 
@@ -103,6 +103,18 @@ class CompiledGraph:
         if self.pending is not None:
             self.pending = self.pending.wait()
         return self.call(args)
+
+
+def _cse_would_merge_draws(gm: torch.fx.GraphModule) -> bool:
+    """torch's common-subexpression pass keeps apart only the random ops of its own list: two
+    `randn_like(x)` (or `uniform_`, `normal_`, `exponential_` of fresh tensors) become one draw."""
+    return any(isinstance(n.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in n.target.tags
+               and n.target.overloadpacket not in rand_ops for n in gm.graph.nodes)
+
+
+def _partition(joint, inputs, **kwargs):
+    with torch._functorch.config.patch(cse=not _cse_would_merge_draws(joint)):
+        return min_cut_rematerialization_partition(joint, inputs, **kwargs)
 
 
 def compile_graph(gm: torch.fx.GraphModule, example_inputs, kind: str = "inference"):
@@ -172,7 +184,7 @@ def _aten_fallback(gm):
 
 def _compile(gm, example_inputs, graph_id, kind="inference", donated=frozenset(), saved=()):
     t0 = time.time()
-    if kind == "inference":  # the partitioner does this for training graphs
+    if kind == "inference" and not _cse_would_merge_draws(gm):  # as the partitioner for training
         gm.graph = fx_graph_cse(gm.graph)  # layers that each compute the same mask: one buffer
         gm.recompile()
     scalars_to_device(gm)

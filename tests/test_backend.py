@@ -125,3 +125,27 @@ def test_inference_mode_and_no_grad():
     torch._dynamo.reset()
     with torch.inference_mode():
         torch.testing.assert_close(fn(x), F.gelu(x) * x.sum())
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_twin_random_draws_stay_two(train):
+    """Two draws of the same kind from the same arguments are two draws: common-subexpression
+    elimination (AOTAutograd's partitioner for training, commfuse's for inference) merged those
+    its list of random ops misses, and `randn_like(x) - randn_like(x)` was all zeros."""
+    draws = {
+        "randn_like": lambda x: torch.randn_like(x) - torch.randn_like(x),
+        "randint_like": lambda x: (torch.randint_like(x, 100) - torch.randint_like(x, 100)).float(),
+        "uniform_": lambda x: torch.empty_like(x).uniform_() - torch.empty_like(x).uniform_(),
+        "normal_": lambda x: torch.empty_like(x).normal_() - torch.empty_like(x).normal_(),
+        "exponential_": lambda x: torch.empty_like(x).exponential_() - torch.empty_like(x).exponential_(),
+    }
+    x = torch.randn(32, 32, device=DEVICE, requires_grad=train)
+    for name, draw in draws.items():
+        torch._dynamo.reset()
+        fn = torch.compile(lambda x: draw(x) * x, backend="commfuse")
+        with torch.set_grad_enabled(train):
+            out = fn(x)
+        assert (out != 0).float().mean() > 0.9, name
+        if train:
+            out.sum().backward()
+
