@@ -107,9 +107,19 @@ class CompiledGraph:
 
 def _cse_would_merge_draws(gm: torch.fx.GraphModule) -> bool:
     """torch's common-subexpression pass keeps apart only the random ops of its own list: two
-    `randn_like(x)` (or `uniform_`, `normal_`, `exponential_` of fresh tensors) become one draw."""
-    return any(isinstance(n.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in n.target.tags
-               and n.target.overloadpacket not in rand_ops for n in gm.graph.nodes)
+    `randn_like(x)` (or `uniform_`, `normal_`, `exponential_` of fresh tensors) become one draw.
+    Attention is tagged random for its dropout; with `dropout_p` 0 it draws nothing."""
+    def draws(n):
+        op = n.target
+        if not isinstance(op, torch._ops.OpOverload) or torch.Tag.nondeterministic_seeded not in op.tags \
+                or op.overloadpacket in rand_ops:
+            return False
+        names = [a.name for a in op._schema.arguments]
+        if "dropout_p" not in names:
+            return True
+        i = names.index("dropout_p")
+        return (n.args[i] if i < len(n.args) else n.kwargs.get("dropout_p", 0.0)) != 0
+    return any(draws(n) for n in gm.graph.nodes)
 
 
 def _partition(joint, inputs, **kwargs):
@@ -203,7 +213,9 @@ def _compile(gm, example_inputs, graph_id, kind="inference", donated=frozenset()
     module, path = load_module(gen.source, gen.constants)
     pending = precompile.start(module)  # lowering the next graph overlaps with these compiles
     if config.cuda_graphs and gen.device_types == {"cuda"}:
-        module.call = CudaGraphed(module.call, graph_id, input_roles(gm, kind), choices.current().cuda_graph_captures())
+        launches = len(gen.summary["kernels"]) + len(gen.summary["extern_calls"])
+        module.call = CudaGraphed(module.call, graph_id, input_roles(gm, kind), choices.current().cuda_graph_captures(),
+                                  choices.current().cuda_graph_copy_limit(launches))
     summary = {"graph_id": graph_id, **gen.summary, "compile_seconds": round(time.time() - t0, 3),
                "cache_hit": hit, "cache_key": key}
     if skipped:

@@ -162,13 +162,15 @@ def test_layers_sharing_a_mask_share_its_contiguous_copy():
     assert len(copies) == 1, graphs[0].code
 
 
-def test_layers_recomputing_one_mask_store_it_once(tmp_path):
+@pytest.mark.parametrize("train", [False, True])
+def test_layers_recomputing_one_mask_store_it_once(tmp_path, train):
     """Layers that each compute the same mask from the same inputs (HF T5 adds the padding mask to
-    the position bias in every layer): an inference graph stores it once, not once per layer, all
-    alive from the kernel that computes them together."""
-    q, k, v = (t.detach() for t in _inputs(heads=4, kv_heads=4, seq=16))
+    the position bias in every layer) store it once, not once per layer, all alive from the kernel
+    that computes them together: common subexpressions are eliminated (by AOTAutograd's
+    partitioner in training, by commfuse in inference), attention without dropout included."""
+    q, k, v = (t.detach().requires_grad_(train) for t in _inputs(heads=4, kv_heads=4, seq=16))
     table = torch.randn(7, 4, device=DEVICE, dtype=DTYPE)
-    with torch.no_grad():
+    with torch.set_grad_enabled(train):
         got, dumps = compile_and_run(lambda q, k, v, t: t5_bias(t5_bias(q, k, v, t), k, v, t), q, k, v, table,
                                      tmp_path=tmp_path)
     torch.testing.assert_close(got, t5_bias(t5_bias(q, k, v, table), k, v, table), **TOL)
