@@ -160,6 +160,13 @@ class Choices:
         parameters (reloaded weights; layers sharing compiled code, or FSDP2's, move every call)."""
         return 3
 
+    def cuda_graph_copy_limit(self, launches: int) -> int:
+        """Bytes of a replay's inputs copied into the graph's static copies above which the graph
+        is not worth replaying: a replay saves about 5 µs of host time per launch; a copy costs its
+        bytes twice at about 1.5 TB/s. Saved activations that reach a backward at new addresses
+        each step (FSDP2, TP training) cost more than the launches they save."""
+        return launches * (8 << 20)
+
     # ------------------------------------------------------------------------- layout
     def conv_layout(self, gm) -> bool:
         """Run this graph's 2-D convolutions channels_last (their inputs, weights and outputs)?

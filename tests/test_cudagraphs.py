@@ -99,10 +99,10 @@ def test_a_graph_whose_parameters_keep_moving_stops_capturing(monkeypatch, caplo
         self.graph, self.inputs, self.outputs = _FakeCapture(), list(args), []
         self.static_ptrs = [(0, args[0].data_ptr())]
         self.copy_in, self.copy_back, self.aliases, self.cloned = [], [], {}, set()
-        self.captured_signature = None
+        self.captured_signature, self.out_bytes = None, 0
     monkeypatch.setattr(CudaGraphed, "_capture", capture)
     graphed = CudaGraphed(lambda args: calls.append(1) or [], "g", InputRoles(frozenset({0}), frozenset(), False),
-                          max_captures=2)
+                          max_captures=2, copy_limit=1 << 30)
     weights = [torch.randn(4) for _ in range(6)]  # all alive: six addresses
     with caplog.at_level("WARNING", logger="commfuse"):
         for w in weights:
@@ -112,6 +112,30 @@ def test_a_graph_whose_parameters_keep_moving_stops_capturing(monkeypatch, caplo
     assert "runs without a CUDA graph" in caplog.text
     graphed([weights[-1]])
     assert len(calls) == 5 and captures == [1, 1]
+
+
+@pytest.mark.parametrize("size,out_bytes,replayed", [(64, 0, 7), (4096, 0, 2), (64, 1 << 20, 2)])
+def test_a_graph_whose_copies_cost_more_than_its_launches_stops_replaying(monkeypatch, caplog, size, out_bytes,
+                                                                          replayed):
+    """An activation at a new address each call is copied into the graph's static copy, and the
+    outputs out of the graph's. Where those copies are above the limit at 3 replays in a row (a
+    backward's saved activations; a forward's, returned), the graph runs plainly from then on;
+    small inputs (token ids) keep being copied and replayed."""
+    calls, replays = [], []
+
+    def capture(self, args):
+        self.graph, self.inputs, self.outputs = _FakeCapture(), [a.clone() for a in args], []
+        self.static_ptrs, self.copy_in, self.copy_back, self.aliases, self.cloned = [], [0], [], {}, set()
+        self.captured_signature, self.out_bytes = None, out_bytes
+        self.graph.replay = lambda: replays.append(1)
+    monkeypatch.setattr(CudaGraphed, "_capture", capture)
+    graphed = CudaGraphed(lambda args: calls.append(1) or [], "g", InputRoles(frozenset(), frozenset(), False),
+                          max_captures=3, copy_limit=1024 * 4)
+    with caplog.at_level("WARNING", logger="commfuse"):
+        for _ in range(8):
+            graphed([torch.randn(size)])  # a new tensor each call
+    assert len(replays) == replayed and len(calls) == 8 - replayed
+    assert ("runs without a CUDA graph" in caplog.text) == (replayed < 7)
 
 
 def test_host_scalars_are_made_on_the_device_that_reads_them():

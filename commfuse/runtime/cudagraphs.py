@@ -7,7 +7,10 @@ ranks, compiles the kernels); the second captures the call into a graph. Inputs 
   stats updated by the graph are updated for the caller, with no copy. Should one move, the graph
   is captured again, up to `Choices.cuda_graph_captures()` times (then it runs without one).
 - the others (activations, token ids, positions): copied into a static copy before each replay
-  when their address differs from it, and copied back after it when the graph writes them.
+  when their address differs from it, and copied back after it when the graph writes them. A
+  graph that copies more than `Choices.cuda_graph_copy_limit` bytes (these inputs, and its
+  outputs) at each of 3 replays in a row runs without a graph from then on: a training step's
+  saved activations cost more to copy than the launches save.
 Outputs are returned as copies, since the next replay rewrites the graph's own (a saved activation
 or a logits tensor may outlive it), except views of static inputs: taken on this call's input (an
 address is reused: FSDP2's next layer's weights land where the last one's were). A graph with
@@ -38,10 +41,16 @@ class InputRoles:
 
 
 class CudaGraphed:
-    def __init__(self, call, graph_id: str, roles: InputRoles, max_captures: int):
+    def __init__(self, call, graph_id: str, roles: InputRoles, max_captures: int, copy_limit: int):
         self.call, self.graph_id, self.roles, self.max_captures = call, graph_id, roles, max_captures
-        self.calls = self.captures = 0
+        self.copy_limit = copy_limit
+        self.calls = self.captures = self.costly = 0
         self.graph = None
+
+    def _stop(self, why: str):
+        self.captures = self.max_captures + 1
+        self.graph = self.inputs = self.outputs = None  # its memory back
+        log.warning("commfuse: graph %s: %s: it runs without a CUDA graph from now on", self.graph_id, why)
 
     def __call__(self, args):
         self.calls += 1
@@ -50,18 +59,21 @@ class CudaGraphed:
         if self.graph is None or not self._static_in_place(args):
             self.captures += 1
             if self.captures > self.max_captures:
-                self.graph = self.inputs = self.outputs = None  # its memory back
-                log.warning("commfuse: graph %s: its parameters or buffers moved at %d captures (one "
-                            "compiled code run by several layers, or FSDP's gathered parameters): it "
-                            "runs without a CUDA graph from now on", self.graph_id, self.max_captures)
+                self._stop(f"its parameters or buffers moved at {self.max_captures} captures (one compiled "
+                           "code run by several layers, or FSDP's gathered parameters)")
                 return self.call(args)
             self._capture(args)
         if self.roles.dynamic and self._signature(args) != self.captured_signature:
             return self.call(args)
-        for i in self.copy_in:
-            a, static = args[i], self.inputs[i]
-            if isinstance(a, torch.Tensor) and a.data_ptr() != static.data_ptr():
-                static.copy_(a)
+        moved = [i for i in self.copy_in if args[i].data_ptr() != self.inputs[i].data_ptr()]
+        copied = sum(args[i].nbytes for i in moved) + self.out_bytes
+        self.costly = self.costly + 1 if copied > self.copy_limit else 0
+        if self.costly == 3:
+            self._stop(f"each replay copied {copied >> 20} MiB (inputs that came at new addresses, "
+                       "outputs), more than its launches cost")
+            return self.call(args)
+        for i in moved:
+            self.inputs[i].copy_(args[i])
         back = [(args[i], self.inputs[i]) for i in self.copy_back]
         caller = {j: args[j] for j in set(self.aliases.values())}
         args.clear()
@@ -103,6 +115,7 @@ class CudaGraphed:
                                "Run it with options={'cuda_graphs': False}") from e
         self.aliases = static_aliases(self.outputs, self.inputs, self.roles.static)
         self.cloned = {i for i, o in enumerate(self.outputs) if isinstance(o, torch.Tensor)} - set(self.aliases)
+        self.out_bytes = sum(self.outputs[i].nbytes for i in self.cloned)
         log.info("commfuse: captured graph %s in a CUDA graph", self.graph_id)
 
 
