@@ -161,10 +161,11 @@ class Choices:
         return 3
 
     def cuda_graph_copy_limit(self, launches: int) -> int:
-        """Bytes of a replay's inputs copied into the graph's static copies above which the graph
-        is not worth replaying: a replay saves about 5 µs of host time per launch; a copy costs its
-        bytes twice at about 1.5 TB/s. Saved activations that reach a backward at new addresses
-        each step (FSDP2, TP training) cost more than the launches they save."""
+        """Bytes a replay copies (inputs into the graph's static copies, outputs out of its own)
+        above which the graph is not worth replaying: a replay saves about 5 µs of host time per
+        launch; a copy costs its bytes twice at about 1.5 TB/s. A training step's saved
+        activations, returned by its forward and reaching its backward at new addresses, cost
+        more than the launches they save."""
         return launches * (8 << 20)
 
     # ------------------------------------------------------------------------- layout
