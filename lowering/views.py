@@ -184,21 +184,33 @@ def slice_scatter(x, src, dim=0, start=None, end=None, step=1):
 
 
 def _slice_bounds(n, start, end, step):
-    """(start, length) with python slice semantics; symbolic bounds are taken as in range."""
+    """(start, length) with python slice semantics. A symbolic bound is wrapped and clamped as its
+    hint says: torch made those comparisons when it traced the slice, and Dynamo guards them
+    (HF's sliding-window cache slices from `-window + 1`)."""
     start = sizevars.from_torch(0 if start is None else start)
     end = sizevars.from_torch(n if end is None else end)
     if end.is_number and int(end) >= 2**62:
         end = n
-    if start.is_number and int(start) < 0:
-        start = n + start
-    if end.is_number and int(end) < 0:
-        end = n + end
     if n.is_number and start.is_number and end.is_number:
-        lo = min(max(int(start), 0), int(n))
-        hi = min(max(int(end), lo), int(n))
+        start, end = (int(n) + int(i) if int(i) < 0 else int(i) for i in (start, end))
+        lo = min(max(start, 0), int(n))
+        hi = min(max(end, lo), int(n))
         return sympy.Integer(lo), sympy.Integer((hi - lo + step - 1) // step)
+    start, end = _in_range_by_hint(start, n), _in_range_by_hint(end, n)
     length = end - start if step == 1 else FloorDiv(end - start + step - 1, step)
     return start, length
+
+
+def _negative(i) -> bool:
+    """By its hint, where it has one (a symbol without, such as an unbacked one, is taken as >= 0)."""
+    return i.free_symbols <= set(V.graph.size_hints) and sizevars.hint(i) < 0
+
+
+def _in_range_by_hint(i, n):
+    i = n + i if _negative(i) else i
+    if _negative(i):
+        return sympy.Integer(0)
+    return n if _negative(n - i) else i
 
 
 @register(aten.select.int, aten.select_copy.int)
@@ -206,7 +218,7 @@ def select(x, dim, index):
     size = list(x.get_size())
     dim = canonical_dim(dim, len(size))
     index = sizevars.from_torch(index)
-    if index.is_number and int(index) < 0:
+    if _negative(index):  # a symbolic one too, as torch took it (guarded)
         index = size[dim] + index
     new = size[:dim] + size[dim + 1:]
     return make_view(x, new, lambda idx: list(idx[:dim]) + [index] + list(idx[dim:]))

@@ -60,3 +60,24 @@ def test_division_of_a_maybe_negative_numerator_is_floor_in_triton():
     assert "div_floor" in texpr(FloorDiv(w - 1, 4))
     assert FloorDiv(w - 1, 4).is_nonnegative is not True
     assert texpr(Mod(FloorDiv(w - 1, 4) + h, 4)).startswith("triton_helpers.remainder(")
+
+
+def test_a_negative_symbolic_slice_start_counts_from_the_end():
+    """`full[:, -w + 1:]` with w symbolic (dynamic=True; HF's sliding-window cache slices so):
+    torch wraps the start by the dim's size, as the hint says it is negative (Dynamo guards it).
+    The start was taken as it is: the view's offset was negative, and a kernel reading the slice
+    made it 11 rows long instead of 3."""
+    def view(a, b, w):
+        full = torch.cat([a, b], dim=1)
+        return full, full[:, -w + 1:]
+
+    def read(a, b, w):
+        full = torch.cat([a, b], dim=1)
+        return full[:, -w + 1:] * 2, full.select(1, -w)
+    for fn in (view, read):
+        torch._dynamo.reset()
+        compiled = torch.compile(fn, backend="commfuse", dynamic=True)
+        for w in (4, 5):
+            a, b = torch.randn(2, 7, 3, device=DEVICE), torch.randn(2, 1, 3, device=DEVICE)
+            for got, want in zip(compiled(a, b, w), fn(a, b, w)):
+                assert got.shape == want.shape and torch.equal(got, want), (fn.__name__, w)
