@@ -259,3 +259,37 @@ def test_decode_updates_the_static_cache_in_place(tmp_path):
     count(code, "copy_", 0)
     if DEVICE == "cpu":  # fp32 on CUDA: aten's math kernel, lowered by us
         assert any("scaled_dot_product" in c for c in summary["extern_calls"])
+
+
+@pytest.fixture
+def efficient_attention_on_cpu():
+    """CUDA's memory-efficient attention stood in for on CPU, checking what the CUDA kernel
+    checks of its mask: unit stride along rows, rows starting at multiples of 16 elements."""
+    lib = torch.library.Library("aten", "IMPL")
+    masks = []
+
+    def efficient(q, k, v, bias, compute_log_sumexp, dropout_p=0.0, is_causal=False, scale=None):
+        masks.append(bias.stride())
+        assert bias.stride(-1) == 1 and all(s % 16 == 0 for s in bias.stride()[:-1]), bias.stride()
+        b, h, n, d = q.shape
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
+        seed = torch.empty((), dtype=torch.int64)
+        return (out.transpose(1, 2).contiguous().transpose(1, 2), q.new_empty(b, h, 0), seed, seed.clone())
+    lib.impl("_scaled_dot_product_efficient_attention", efficient, "CPU")
+    yield masks
+    lib._destroy()
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_the_efficient_kernels_mask_is_stored_in_aligned_rows(efficient_attention_on_cpu, tmp_path, dynamic):
+    """A mask of 9 keys computed in the graph is stored with rows 16 elements apart for the
+    efficient kernel (it refuses others; eager pads them so), static sizes or symbolic."""
+    if DEVICE != "cpu":
+        pytest.skip("the stand-in kernel is a CPU one; tests/test_model_zoo.py's tiny T5 covers CUDA")
+
+    def fn(q, bias):
+        return torch.ops.aten._scaled_dot_product_efficient_attention(q, q, q, bias * 2, False)[0]
+    q, bias = torch.randn(2, 4, 9, 16), torch.randn(2, 4, 9, 9)
+    got, _ = compile_and_run(fn, q, bias, tmp_path=tmp_path, dynamic=dynamic)
+    torch.testing.assert_close(got, F.scaled_dot_product_attention(q, q, q, attn_mask=bias * 2))
+    assert efficient_attention_on_cpu and efficient_attention_on_cpu[-1][-2] == 16
