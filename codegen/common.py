@@ -45,7 +45,7 @@ class ExprPrinter(StrPrinter):
     def _print_Mod(self, e):
         return f"(({self._print(e.args[0])}) % ({self._print(e.args[1])}))"
 
-    MAX, MIN = "max", "min"  # the functions Max / Min print as
+    MAX, MIN, ABS = "max", "min", "abs"  # the functions Max / Min / Abs print as
 
     def _fold(self, fn, e):
         out = self._print(e.args[0])
@@ -58,6 +58,9 @@ class ExprPrinter(StrPrinter):
 
     def _print_Min(self, e):
         return self._fold(self.MIN, e)
+
+    def _print_Abs(self, e):
+        return f"{self.ABS}({self._print(e.args[0])})"
 
     def _print_Pow(self, e):
         base, exp = e.args
@@ -89,7 +92,7 @@ class ExprPrinter(StrPrinter):
 
 
 class TritonExprPrinter(ExprPrinter):
-    MAX, MIN = "tl.maximum", "tl.minimum"
+    MAX, MIN, ABS = "tl.maximum", "tl.minimum", "tl.abs"
 
     def _print_Function(self, e):
         if type(e).__name__ in self.FLOAT_STEPS:  # a kernel takes such a size as an argument

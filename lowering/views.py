@@ -197,6 +197,7 @@ def _slice_bounds(n, start, end, step):
         hi = min(max(end, lo), int(n))
         return sympy.Integer(lo), sympy.Integer((hi - lo + step - 1) // step)
     start, end = _in_range_by_hint(start, n), _in_range_by_hint(end, n)
+    end = start if _negative(end - start) else end  # x[a:b] with a > b: empty
     length = end - start if step == 1 else FloorDiv(end - start + step - 1, step)
     return start, length
 

@@ -81,3 +81,25 @@ def test_a_negative_symbolic_slice_start_counts_from_the_end():
             a, b = torch.randn(2, 7, 3, device=DEVICE), torch.randn(2, 1, 3, device=DEVICE)
             for got, want in zip(compiled(a, b, w), fn(a, b, w)):
                 assert got.shape == want.shape and torch.equal(got, want), (fn.__name__, w)
+
+
+def test_an_empty_symbolic_slice_is_empty():
+    """`x[:, a:b]` with a > b, both symbolic: torch takes it as empty (guarded). Its length was
+    b - a, negative: an allocation failed, and a `cat` with it read garbage, silently."""
+    def fn(x, y, a, b):
+        return torch.cat([x[:, a:b], y], 1) * 2, x[:, a:b] + 1
+    compiled = torch.compile(fn, backend="commfuse", dynamic=True)
+    for a, b, n in ((2, 5, 8), (5, 2, 8), (7, 3, 10)):
+        x, y = torch.randn(3, n, device=DEVICE), torch.ones(3, 2, device=DEVICE)
+        for got, want in zip(compiled(x, y, a, b), fn(x, y, a, b)):
+            assert got.shape == want.shape and torch.equal(got, want), (a, b)
+
+
+def test_abs_of_a_symbolic_size_prints():
+    """`abs()` of a SymInt in a size reached the host code as sympy's `Abs`, an undefined name."""
+    def fn(x, s):
+        return x.narrow(0, s, x.shape[0] - abs(s)).sum(0)
+    compiled = torch.compile(fn, backend="commfuse", dynamic=True)
+    for n, s in ((8, 2), (10, 3)):
+        x = torch.arange(3.0 * n, device=DEVICE).reshape(n, 3)
+        torch.testing.assert_close(compiled(x, s), fn(x, s))
