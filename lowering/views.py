@@ -28,7 +28,7 @@ def _infer_size(size, numel):
     size = to_size(size)
     if any(s == -1 for s in size):
         known = sizevars.product(s for s in size if s != -1)
-        size = [sympy.simplify(numel / known) if s == -1 else s for s in size]
+        size = [FloorDiv(numel, known) if s == -1 else s for s in size]  # exact: numel // known
     return size
 
 

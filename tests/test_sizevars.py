@@ -103,3 +103,15 @@ def test_abs_of_a_symbolic_size_prints():
     for n, s in ((8, 2), (10, 3)):
         x = torch.arange(3.0 * n, device=DEVICE).reshape(n, 3)
         torch.testing.assert_close(compiled(x, s), fn(x, s))
+
+
+def test_a_view_inferring_a_dim_from_a_symbolic_one_compiles(tmp_path):
+    """`x.view(-1, w)` with w symbolic: the inferred dim is numel // w, an exact division. It was
+    numel / w, which no kernel or host code can print: the whole graph fell back to aten."""
+    def fn(x, w):
+        return x.view(-1, w) * 2
+    for i, (shape, w) in enumerate((((4, 6), 3), ((3, 10), 5))):
+        x = torch.arange(float(shape[0] * shape[1]), device=DEVICE).reshape(shape)
+        out, dumps = compile_and_run(fn, x, w, tmp_path=tmp_path / str(i), dynamic=True)
+        torch.testing.assert_close(out, fn(x, w))
+        assert all(dumps.summary(g)["compiled"] for g in dumps.graphs())
