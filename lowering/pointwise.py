@@ -320,9 +320,11 @@ def arange(*args, **kwargs):
         start, end, step = args[0], args[1], (args[2] if len(args) > 2 else 1)
     if any(isinstance(v, float) for v in (start, end, step)) or meta.dtype.is_floating_point:
         dtype = meta.dtype
+
+        def scalar(v):  # a symbolic int bound (dynamic shapes) is an index expression
+            return ops.constant(v, dtype) if isinstance(v, (int, float)) else ops.index_expr(sizevars.from_torch(v), dtype)
         return TensorBox(Pointwise(meta.device, dtype, lambda i: ops.add(
-            ops.constant(start, dtype), ops.mul(ops.index_expr(i[0], dtype), ops.constant(step, dtype))),
-            to_size(meta.shape)))
+            scalar(start), ops.mul(ops.index_expr(i[0], dtype), scalar(step))), to_size(meta.shape)))
     dtype = meta.dtype
     return TensorBox(Pointwise(meta.device, dtype, lambda i: ops.index_expr(start + i[0] * step, dtype),
                                to_size(meta.shape)))

@@ -1,7 +1,9 @@
-"""Size hints: the concrete sizes behind symbolic ones, for heuristics. Each graph has its own,
-taken from its example inputs before lowering starts."""
+"""Symbolic sizes: their hints (the concrete sizes behind them, each graph its own, taken from its
+example inputs before lowering starts), index arithmetic, and lowerings that take symbolic bounds
+(slices, views, arange) under dynamic shapes."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.common import DEVICE, compile_and_run
@@ -114,4 +116,19 @@ def test_a_view_inferring_a_dim_from_a_symbolic_one_compiles(tmp_path):
         x = torch.arange(float(shape[0] * shape[1]), device=DEVICE).reshape(shape)
         out, dumps = compile_and_run(fn, x, w, tmp_path=tmp_path / str(i), dynamic=True)
         torch.testing.assert_close(out, fn(x, w))
+        assert all(dumps.summary(g)["compiled"] for g in dumps.graphs())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_float_arange_with_symbolic_bounds_compiles(tmp_path, dtype):
+    """`torch.arange(-a, n - a, dtype=float)` and `arange(0, n * w, w)` with a, w symbolic: a float
+    arange took its start and step as literals, which a symbol is not: the graph fell back whole."""
+    def fn(x, a, w):
+        n = x.shape[0]
+        return x[:, None] * torch.arange(-a, n - a, dtype=dtype, device=x.device) + \
+            torch.arange(0, n * w, w, dtype=dtype, device=x.device)[:, None]
+    for i, (n, a, w) in enumerate(((4, 2, 3), (5, 3, 2))):
+        x = torch.arange(float(n), dtype=dtype, device=DEVICE)
+        out, dumps = compile_and_run(fn, x, a, w, tmp_path=tmp_path / str(i), dynamic=True)
+        torch.testing.assert_close(out, fn(x, a, w))
         assert all(dumps.summary(g)["compiled"] for g in dumps.graphs())
