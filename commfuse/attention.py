@@ -32,6 +32,19 @@ _SDPA = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attenti
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 
+def _sdpa_calls(gm: torch.fx.GraphModule):
+    """(node, its arguments by name) for each SDPA call, in graph order."""
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target in _SDPA:
+            yield node, dict(zip(_SDPA_ARGS, node.args)) | dict(node.kwargs)
+
+
+def _call_with(node, bound: dict) -> None:
+    """Give the call these arguments: q, k, v positional, the rest by name."""
+    node.args = tuple(bound.pop(n) for n in _SDPA_ARGS[:3])
+    node.kwargs = bound
+
+
 def _shape(node) -> tuple | None:
     v = node.meta.get("example_value") if isinstance(node, torch.fx.Node) else None
     return tuple(v.shape) if isinstance(v, torch.Tensor) else None
@@ -91,10 +104,7 @@ def contiguous_masks(gm: torch.fx.GraphModule) -> int:
     is set to 0 after; their gradients are then 0 too, as the math kernel's are."""
     changed, done = 0, {}  # mask -> (its rows with a key left, the mask passed): layers share one mask
     graph = gm.graph
-    for node in list(graph.nodes):
-        if node.op != "call_function" or node.target not in _SDPA:
-            continue
-        bound = dict(zip(_SDPA_ARGS, node.args)) | dict(node.kwargs)
+    for node, bound in _sdpa_calls(gm):
         mask = bound.get("attn_mask")
         value = mask.meta.get("example_value") if isinstance(mask, torch.fx.Node) else None
         if not isinstance(value, torch.Tensor) or value.dim() == 0 \
@@ -104,8 +114,7 @@ def contiguous_masks(gm: torch.fx.GraphModule) -> int:
             with graph.inserting_before(node):
                 done[mask] = _open_rows(graph, mask, value.dtype == torch.bool)
         live, bound["attn_mask"] = done[mask]
-        node.args = tuple(bound.pop(n) for n in _SDPA_ARGS[:3])
-        node.kwargs = bound
+        _call_with(node, bound)
         with graph.inserting_after(node):
             out = graph.call_function(torch.where, (live, node, 0.0))
         node.replace_all_uses_with(out, delete_user_cb=lambda user: user is not out)
@@ -116,10 +125,7 @@ def contiguous_masks(gm: torch.fx.GraphModule) -> int:
 def use_sdpa_gqa(gm: torch.fx.GraphModule) -> int:
     """Pass unrepeated K/V to SDPA with `enable_gqa=True`; returns how many calls changed."""
     changed = 0
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target not in _SDPA:
-            continue
-        bound = dict(zip(_SDPA_ARGS, node.args)) | dict(node.kwargs)
+    for node, bound in _sdpa_calls(gm):
         q = _shape(bound["query"])
         k, v = repeated_heads(bound["key"]), repeated_heads(bound["value"])
         if bound.get("enable_gqa") or q is None or k is None or v is None or k[1] != v[1] or len(q) != 4:
@@ -129,8 +135,7 @@ def use_sdpa_gqa(gm: torch.fx.GraphModule) -> int:
                 if isinstance(src, tuple):  # x[:, :, None] of the repeat: squeeze the None back out
                     src = gm.graph.call_function(torch.squeeze, src)
                 bound[name] = src
-        node.args = tuple(bound.pop(n) for n in _SDPA_ARGS[:3])
-        node.kwargs = {**bound, "enable_gqa": True}
+        _call_with(node, {**bound, "enable_gqa": True})
         erase_unused(gm.graph, k[2] + v[2])  # each repeat's nodes, users first
         changed += 1
     if changed:
