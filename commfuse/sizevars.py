@@ -268,9 +268,23 @@ def _affine_terms(expr: Expr, vars: Sequence[sympy.Symbol]):
 
 
 def walks_columns(index: Expr | None, x: sympy.Symbol, r: sympy.Symbol) -> bool:
-    """Does an access move by 1 along the rows `x` but jump along the reduction `r` (a column)?"""
-    aff = index is not None and affine_coefficients(index, [x, r])
-    return bool(aff) and aff[0][0] == 1 and aff[0][1] not in (0, 1)
+    """Does an access move by 1 along the rows `x` but jump along the reduction `r` (a column)?
+    An index that is not affine (a concatenation's rows, `Mod(x, n)`) is judged by its steps at
+    the origin: where the first rows are, so are the rest, for coalescing."""
+    if index is None:
+        return False
+    aff = affine_coefficients(index, [x, r])
+    steps = aff[0] if aff else _steps_at_origin(index, [x, r])
+    return steps is not None and steps[0] == 1 and steps[1] not in (0, 1)
+
+
+def _steps_at_origin(expr: Expr, vars: Sequence[sympy.Symbol]):
+    """How far `expr` moves for a step of 1 along each var from 0 (the others at 0); None unless
+    every step is a number."""
+    origin = {v: 0 for v in vars}
+    base = expr.subs(origin)
+    steps = [simplify(expr.subs({**origin, v: 1}) - base) for v in vars]
+    return steps if all(s.is_number for s in steps) else None
 
 
 def ravel(index: Sequence[Expr], sizes: Sequence[Expr]) -> Expr:
