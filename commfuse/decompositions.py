@@ -40,7 +40,8 @@ _EXTRA = [
 # wrong for us: the CPU flash attention's is for export only (its second output is not the
 # logsumexp its backward reads, so gradients through it would be silently wrong).
 _KEEP = {aten.addmm.default, aten._scaled_dot_product_flash_attention_for_cpu.default,
-         aten._unsafe_index.Tensor}  # lowered without bounds asserts
+         aten._unsafe_index.Tensor,  # lowered without bounds asserts
+         aten.select_scatter.default}  # its source read only where it lands
 
 
 def _softmax_from_stats(log: bool):

@@ -183,6 +183,18 @@ def slice_scatter(x, src, dim=0, start=None, end=None, step=1):
     return TensorBox(Pointwise(x.get_device(), x.get_dtype(), inner, size))
 
 
+@register(aten.select_scatter.default)
+def select_scatter(x, src, dim, index):
+    """x with src at `index` along dim (the backward of a select, as for a fused q/k/v
+    projection's bias): src is read only where it lands, where the decomposition (a `where`
+    over the whole of x) would read it, and every other source, at every element."""
+    dim = canonical_dim(dim, len(x.get_size()))
+    index = sizevars.from_torch(index)
+    if _negative(index):
+        index = x.get_size()[dim] + index
+    return slice_scatter(x, unsqueeze(src, dim), dim, index, index + 1)
+
+
 def _slice_bounds(n, start, end, step):
     """(start, length) with python slice semantics. A symbolic bound is wrapped and clamped as its
     hint says: torch made those comparisons when it traced the slice, and Dynamo guards them
