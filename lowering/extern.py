@@ -12,7 +12,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from commfuse import ir, sizevars
 from commfuse.choices import ATTENTION_BIAS_ALIGN, ATTENTION_BIAS_ARG, CONVOLUTIONS, MATMULS
-from commfuse.ir import TensorBox, meta_layout
+from commfuse.ir import TensorBox, meta_layout, ordered_layout
 from commfuse.virtualized import V
 
 
@@ -36,10 +36,36 @@ def out_overload(op):
     return out if base == rest else None
 
 
-def realize_arg(a):
+def realize_arg(a, traced=None):
+    """Stored for aten; a value not stored yet in the dim order of `traced` (its value in the
+    graph, which eager passed and the op's meta result assumes) where that is a dense order."""
     if isinstance(a, TensorBox):
-        return a.realize()
+        return a.realize(_dense_order(traced, len(a.get_size())))
     return a
+
+
+def _dense_order(val, dims: int):
+    """The dims of a dense tensor `val`, outermost first; None if it is not dense or not static."""
+    if not isinstance(val, torch.Tensor) or val.dim() != dims or dims < 2 or not all(
+            isinstance(x, int) for x in (*val.shape, *val.stride())):
+        return None
+    order = sorted(range(dims), key=lambda d: -val.stride(d))
+    dense = ordered_layout(None, None, list(val.shape), order).stride
+    return order if all(n == 1 or s == int(d) for n, s, d in zip(val.shape, val.stride(), dense)) else None
+
+
+def _traced_leaves(args, kwargs) -> list:
+    """The graph's values for the leaves of (args, kwargs), as traced; None where unknown."""
+    node, leaves = V.graph.current_node, pytree.tree_leaves((args, kwargs))
+    traced = [] if node is None else pytree.tree_leaves(pytree.tree_map_only(
+        torch.fx.Node, lambda n: n.meta.get("val"), (node.args, node.kwargs)))
+    return traced if len(traced) == len(leaves) else [None] * len(leaves)
+
+
+def _traced_layouts_differ(leaves, traced) -> bool:
+    return any(isinstance(a, (ir.Buffer, ir.ReinterpretView)) and isinstance(t, torch.Tensor)
+               and not a.layout.has_strides([sizevars.from_torch(x) for x in t.stride()])
+               for a, t in zip(leaves, traced))
 
 
 def _mutated_args(op, args, kwargs):
@@ -85,8 +111,11 @@ def fallback(op, args, kwargs, meta):
     if bias is not None and bias < len(args) and isinstance(args[bias], TensorBox):
         args = list(args)
         args[bias] = args[bias].realize_rows_aligned(ATTENTION_BIAS_ALIGN)
-    args, kwargs = pytree.tree_map(realize_arg, (args, kwargs))
-    if V.graph.channels_last:
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    traced = _traced_leaves(args, kwargs)
+    leaves = [realize_arg(a, t) for a, t in zip(leaves, traced)]
+    args, kwargs = pytree.tree_unflatten(leaves, spec)
+    if V.graph.channels_last or _traced_layouts_differ(leaves, traced):
         meta = _meta_for_layouts(op, args, kwargs, meta)
     mutates = _mutated_args(op, args, kwargs)
     graph = V.graph
@@ -125,8 +154,9 @@ def fallback(op, args, kwargs, meta):
 
 def _meta_for_layouts(op, args, kwargs, meta):
     """The op's meta result for its arguments as they are laid out here, where the graph was
-    traced with others (channels_last values, traced contiguous): outputs follow their inputs'
-    layout (a conv's, a max-pool's and their backwards'). Static layouts only; else `meta`."""
+    traced with others (channels_last values, traced contiguous; values stored before in another
+    order): outputs follow their inputs' layout (a conv's, a max-pool's, attention's). Static
+    layouts only; else `meta`."""
     def fake(a):
         if isinstance(a, (ir.Buffer, ir.ReinterpretView)):
             lay = a.layout
