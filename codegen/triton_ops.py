@@ -124,6 +124,11 @@ class TritonOps:
         other_v = self.constant(other, result.dtype)
         return k.newvar(f"tl.where({mask}, {result}, {other_v})", result.dtype, cache=False)
 
+    def random(self, key, counter, normal: bool):
+        """A uniform [0, 1) or standard normal fp32 draw: Philox keyed by `key` at `counter`."""
+        fn = "tl.randn" if normal else "tl.rand"
+        return self.k.newvar(f"{fn}({key}, ({counter}).to(tl.uint32))", torch.float32)
+
     def where(self, c, a, b):
         return self._op(f"tl.where({c}, {a}, {b})", _promote(a, b))
 

@@ -60,6 +60,8 @@ class GraphLowering(torch.fx.Interpreter):
         self.float_scalars: set = set()               # ... those of them that are floats
         self.derived_sizes: dict = {}                 # torch's size with float steps -> its symbol (sizevars)
         self.device_types: set[str] = set()
+        self.random_seeds: dict = {}                  # device -> this call's seed (lowering/random.py)
+        self.random_streams = 0                       # random ops lowered: each draws its own stream
         self.example_inputs = example_inputs
         self.size_hints = size_hints(gm, example_inputs)  # read by sizevars.hint, while lowering too
         self.current_node = None

@@ -41,7 +41,7 @@ V = _Context()
 # codegen/triton_ops.TritonOps) implement these names, and `ops` refuses any other.
 OPS = frozenset("""
     load store store_reduction reduction peer_reduce index_expr indirect_indexing masked
-    constant to_dtype where
+    constant to_dtype where random
     add sub mul truediv floordiv truncdiv remainder fmod pow neg abs square maximum minimum
     fmax fmin relu sign copysign signbit hypot atan2
     eq ne lt le gt ge logical_and logical_or logical_xor logical_not isnan isinf

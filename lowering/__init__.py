@@ -9,7 +9,8 @@ import torch
 
 lowerings: dict = {}
 
-FAMILIES = ("pointwise", "reduction", "pooling", "softmax", "views", "indexing", "comm", "matmul", "extern")  # random ops fall back to aten
+FAMILIES = ("pointwise", "reduction", "pooling", "softmax", "views", "indexing", "comm", "matmul", "extern",
+            "random")
 
 
 def register(*ops, name: str | None = None, with_op: bool = False) -> Callable:

@@ -203,12 +203,12 @@ def test_program_order_kept_without_reordering(tmp_path):
 
 def test_random_ops_keep_their_order(tmp_path):
     # drawing ra first would lower the peak (rb is big and read last), but must not change
-    # which numbers each draw gets
+    # which numbers each draw gets from aten (fp64 draws are aten's; others are keyed streams)
     def fn(x, w):
-        rb = torch.rand(M, 4 * M, device=x.device)
-        ra = torch.rand(M, M, device=x.device)
+        rb = torch.rand(M, 4 * M, device=x.device, dtype=x.dtype)
+        ra = torch.rand(M, M, device=x.device, dtype=x.dtype)
         return (x @ w * ra).sum(1) + rb.sum(1)
-    x, w = torch.randn(M, M, device=DEVICE), torch.randn(M, M, device=DEVICE)
+    x, w = (torch.randn(M, M, device=DEVICE, dtype=torch.float64) for _ in range(2))
     torch.manual_seed(1)
     ref = fn(x, w)
     torch.manual_seed(1)
