@@ -25,8 +25,9 @@ from commfuse.runtime.symm import group_of, signal_stride
 from .common import IndentedBuffer
 from .triton_ops import store_text
 
-COMBINE = {"sum": "{a} + {b}", "avg": "{a} + {b}", "max": "tl.maximum({a}, {b})",
-           "min": "tl.minimum({a}, {b})"}
+# max / min propagate NaN, as torch.maximum does (tl.maximum drops it: a rank's NaN vanished)
+COMBINE = {"sum": "{a} + {b}", "avg": "{a} + {b}", "max": "triton_helpers.max_nan({a}, {b})",
+           "min": "triton_helpers.min_nan({a}, {b})"}
 
 
 BARRIER_STEP = "epoch += 1"  # one per barrier in a kernel's source (the plan check counts them)

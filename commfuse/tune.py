@@ -24,7 +24,7 @@ from .runtime.timing import cuda_graph_time_us, interleaved_times_us
 def kernels(world: int, dtype):
     """The standalone kernel of each registered algorithm the table times alone, compiled."""
     names = [n for n in tuned_tables.ALGORITHMS if n in ALGORITHMS and ALGORITHMS[n].kernel is not None]
-    src = "import triton\nimport triton.language as tl\nconstants = {}\n" + \
+    src = "import triton\nimport triton.language as tl\nfrom commfuse.runtime import triton_helpers\nconstants = {}\n" + \
         "\n".join(ALGORITHMS[n].kernel(n, world, "sum", dtype, False) for n in names)
     mod = load_module(src, {})[0]
     return {n: getattr(mod, n) for n in names}

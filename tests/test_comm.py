@@ -271,6 +271,51 @@ def test_dtensor_tp_mlp_forward_backward(tmp_path):
         assert any(k.get("collective") == "all_reduce" for k in s["kernels"])
 
 
+def _nan_max_min(rank, world):
+    """A NaN held by one rank survives max / min across ranks, as in torch.maximum (tl.maximum
+    dropped it): in the one-shot and two-shot kernels, a row max fused after them, and the
+    standalone in-place kernel. gloo's own answer depends on its combining order, so the reference
+    reduces every rank's input with torch.amax / amin."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from commfuse import config
+    from commfuse.backend import compile_graph
+    g, c10d = dist.group.WORLD, torch.ops._c10d_functional
+
+    def value(r):  # rank r holds the largest (and smallest) finite values where another holds NaN
+        x = torch.arange(8.0, device=device()).view(2, 4) * (10 * r + 1) - 20 * r
+        x[r % 2, r % 4] = float("nan")
+        return x
+    inputs = torch.stack([value(r) for r in range(world)])
+    for algorithm in ("one_shot", "two_shot"):
+        for op in ("max", "min"):
+            want = 2 * (inputs.amax(0) if op == "max" else inputs.amin(0))
+            red = torch.amax if op == "max" else torch.amin
+
+            def fused(x):
+                y = funcol.all_reduce(x * 2, op, g)
+                return y, red(y, -1)
+
+            def inplace(x):
+                y = x * 2
+                c10d.all_reduce_(y, op, g.group_name)
+                return (c10d.wait_tensor(y),)
+            torch._dynamo.reset()
+            with config.patch({"comm.algorithm": algorithm}):
+                y, m = torch.compile(fused, backend="commfuse")(value(rank))
+                (z,) = compile_graph(make_fx(inplace)(value(rank)), [value(rank)])([value(rank)])
+            msg = f"{algorithm} {op}"
+            torch.testing.assert_close(y, want, equal_nan=True, msg=msg)
+            torch.testing.assert_close(m, red(want, -1), equal_nan=True, msg=msg)
+            torch.testing.assert_close(z, want, equal_nan=True, msg=msg)
+    return True
+
+
+def test_max_min_across_ranks_propagate_nan():
+    assert run_ranks(_nan_max_min, WORLD) == [True] * WORLD
+
+
 def _other_collectives(rank, world):
     """Collectives without a symmetric-memory lowering run c10d asynchronously; waits stay put."""
     import torch.distributed as dist
