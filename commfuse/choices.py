@@ -353,6 +353,8 @@ class Choices:
         try:
             if not single_host(request.group):
                 return "group spans several hosts (no peer access)"
+            if group_size(request.group) == 1:  # the barriers' peer lanes assume a peer
+                return "a group of one rank: no peers to read (c10d's all-reduce is a copy)"
         except Exception as e:  # unknown group: c10d will report it properly
             return f"cannot resolve group {request.group}: {e}"
         return ""

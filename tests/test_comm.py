@@ -316,6 +316,32 @@ def test_max_min_across_ranks_propagate_nan():
     assert run_ranks(_nan_max_min, WORLD) == [True] * WORLD
 
 
+def _one_rank_groups(rank, world):
+    """An all-reduce over a group of one rank (WORLD under --nproc-per-node 1, or a singleton
+    subgroup) is a copy: it runs through c10d, which says why; the barriers of the symmetric-memory
+    kernels crashed with no peer to signal."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    from commfuse import backend
+    groups = [dist.new_group([r]) for r in range(world)] if world > 1 else [dist.group.WORLD]
+    mine = groups[rank]
+    torch._dynamo.reset()
+    before = len(backend.summaries)
+    for op in ("sum", "avg", "max"):
+        fn = lambda x: funcol.all_reduce(x * 2, op, mine) + 1  # noqa: E731
+        x = torch.randn(4, 8, device=device()) + rank
+        torch.testing.assert_close(torch.compile(fn, backend="commfuse")(x), fn(x), msg=op)
+    summaries = backend.summaries[before:]
+    assert all(s["compiled"] and not s["comm_buffers"] for s in summaries), summaries
+    return [f["reason"] for s in summaries for f in s["comm_fallbacks"]]
+
+
+def test_all_reduce_over_one_rank_is_a_copy():
+    for world in (1, WORLD):
+        for reasons in run_ranks(_one_rank_groups, world):
+            assert reasons and all("a group of one rank" in r for r in reasons), reasons
+
+
 def _other_collectives(rank, world):
     """Collectives without a symmetric-memory lowering run c10d asynchronously; waits stay put."""
     import torch.distributed as dist
