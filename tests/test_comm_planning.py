@@ -106,6 +106,9 @@ def _divergent(rank, world, mode):
             (lambda x: funcol.all_reduce(x[:16] * 2, "sum", g))
     elif mode == "algorithm":  # same graph and buffers; the ranks' configs pick different kernels
         fn = lambda x: funcol.all_reduce(x * 2, "sum", g)  # noqa: E731
+    elif mode == "producer":  # one more op before the collective on rank 0: its buffer names shift
+        w = torch.ones(8, 8, device=device())
+        fn = lambda x: funcol.all_reduce((torch.relu(x) if rank == 0 else x).view(8, 8) @ w, "sum", g) + 1  # noqa: E731
     elif mode == "constant":  # a rank-dependent constant (a vocabulary shard's offset): same collectives
         fn = lambda x: funcol.all_reduce(x * 2 - 12 * rank, "sum", g) + 1  # noqa: E731
     else:  # the other ranks take a branch with no collective at all
@@ -132,6 +135,13 @@ def test_a_rank_dependent_constant_is_no_disagreement():
     """The graphs differ in a constant, their collectives do not: the check compared the graphs'
     code and refused a correct SPMD program."""
     for status, message, _ in run_ranks(_divergent, WORLD, args=("constant",)):
+        assert status == "ok", message
+
+
+def test_collectives_agreeing_under_other_buffer_names_are_no_disagreement():
+    """The ranks' collectives agree, their buffer names do not (rank 0 stores one more value before
+    the all-reduce; DTensor's uneven shards do the same): the check compared the names."""
+    for status, message, _ in run_ranks(_divergent, WORLD, args=("producer",)):
         assert status == "ok", message
 
 

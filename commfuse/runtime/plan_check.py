@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import re
 
 import torch.distributed as dist
 
@@ -20,8 +21,16 @@ from commfuse import config
 _sequence: dict = {}
 
 
-def _describe(plan: dict) -> list:
-    return [(b["name"], b["pool"], b["offset"], b["bytes"], str(b["dtype"]), list(b["size"])) for b in plan["buffers"]]
+def _describe(buffers: list) -> list:
+    """What the ranks must agree on for a comm buffer: its slice of the pool and its layout. Not its
+    name: a rank that ran one more op before the collective numbers its buffers on from there."""
+    return [[b["pool"], b["offset"], b["bytes"], str(b["dtype"]), list(b["size"]), list(b["stride"])] for b in buffers]
+
+
+def _kernel(name: str) -> str:
+    """A comm kernel's name without its schedule step (`cf_allreduce_pw_sum_3`: the ops fused
+    with the collective, which the ranks must agree on; not where it falls in the schedule)."""
+    return re.sub(r"_\d+$", "", name)
 
 
 def check_plans_agree(graph_id: str, pools: dict, buffers: list, groups: dict, protocol: list = (),
@@ -36,8 +45,10 @@ def check_plans_agree(graph_id: str, pools: dict, buffers: list, groups: dict, p
         # the ranks of a group compare that group's pools: a sub-group's name differs between the
         # ranks of WORLD ({0, 1} and {2, 3} of a 2-D mesh), rightly
         own = {k: [g, n] for k, (g, _d, n) in pools.items() if g == group_name}
-        mine = json.dumps({"graph": graph_id.split("_", 1)[1], "pools": own, "protocol": [list(p) for p in protocol],
-                           "buffers": _describe({"buffers": [b for b in buffers if b["pool"] in own]})})
+        bufs = [b for b in buffers if b["pool"] in own]
+        mine = json.dumps({"graph": graph_id.split("_", 1)[1], "pools": own,
+                           "protocol": [[_kernel(p[0]), *p[1:]] for p in protocol], "buffers": _describe(bufs),
+                           "names": {"buffers": [b["name"] for b in bufs], "kernels": [p[0] for p in protocol]}})
         ranks = dist.get_process_group_ranks(groups[group_name])
         seq = _sequence[group_name] = _sequence.get(group_name, 0) + 1
         store = _get_default_store()
@@ -62,23 +73,23 @@ def check_plans_agree(graph_id: str, pools: dict, buffers: list, groups: dict, p
 
 
 def _collectives(plan: str) -> dict:
-    return {k: v for k, v in json.loads(plan).items() if k != "graph"}
+    return {k: v for k, v in json.loads(plan).items() if k not in ("graph", "names")}
 
 
 def _first_difference(me: int, mine: str, other: int, theirs: str) -> str:
     a, b = json.loads(mine), json.loads(theirs)
     if a["graph"] != b["graph"]:  # named with what differs in their collectives
         me, other = f"{me} (graph {a['graph']})", f"{other} (graph {b['graph']})"
-    for x, y in zip(a["buffers"], b["buffers"]):
+    for x, y, nx, ny in zip(a["buffers"], b["buffers"], a["names"]["buffers"], b["names"]["buffers"]):
         if x != y:
-            return f"first differing buffer {x[0]}: rank {me} has {x}, rank {other} has {y}"
+            return f"first differing buffer {nx}: rank {me} has {x}, rank {other} has {y} ({ny})"
     if len(a["buffers"]) != len(b["buffers"]):
         return f"rank {me} has {len(a['buffers'])} comm buffers, rank {other} has {len(b['buffers'])}"
     fields = ("algorithm", "programs", "barriers")
-    for x, y in zip(a["protocol"], b["protocol"]):
+    for x, y, nx, ny in zip(a["protocol"], b["protocol"], a["names"]["kernels"], b["names"]["kernels"]):
         if x != y:
-            return (f"comm kernel {x[0]}: rank {me} runs {dict(zip(fields, x[1:]))}, "
-                    f"rank {other} runs {dict(zip(fields, y[1:]))} ({y[0]})")
+            return (f"comm kernel {nx}: rank {me} runs {dict(zip(fields, x[1:]))}, "
+                    f"rank {other} runs {dict(zip(fields, y[1:]))} ({ny})")
     if len(a["protocol"]) != len(b["protocol"]):
         return f"rank {me} runs {len(a['protocol'])} comm kernels, rank {other} runs {len(b['protocol'])}"
     return f"pools differ: rank {me} {a['pools']}, rank {other} {b['pools']}"
