@@ -142,4 +142,6 @@ def literal(value, dtype: torch.dtype) -> str:
         if math.isinf(value):
             return 'float("inf")' if value > 0 else 'float("-inf")'
         return repr(value)
-    return str(int(value))
+    bits = torch.iinfo(dtype).bits  # an int out of range wraps, as eager casts it (uint8 > -1: > 255)
+    value = int(value) & ((1 << bits) - 1)
+    return str(value - (1 << bits) if dtype.is_signed and value >= 1 << (bits - 1) else value)

@@ -191,16 +191,12 @@ class TritonOps:
         return self._op(f"(({a} > 0).to({triton_dtype(compute_dtype(a.dtype))}) - ({a} < 0).to({triton_dtype(compute_dtype(a.dtype))}))", a.dtype)
 
     def copysign(self, a, b):
-        return self._bin("tl.where(" + self._signbit_text("{b}") + ", -tl.abs({a}), tl.abs({a}))", a, b)
-
-    def _signbit_text(self, x):
-        return f"triton_helpers.signbit32({x})"
+        return self._bin("tl.where(triton_helpers.signbit({b}), -tl.abs({a}), tl.abs({a}))", a, b)
 
     def signbit(self, a):
         if not a.dtype.is_floating_point:
             return self._op(f"{a} < 0", torch.bool)
-        fn = "signbit64" if a.dtype == torch.float64 else "signbit32"
-        return self._op(f"triton_helpers.{fn}({a})", torch.bool)
+        return self._op(f"triton_helpers.signbit({a})", torch.bool)
 
     def hypot(self, a, b): return self._bin("tl.sqrt({a} * {a} + {b} * {b})", a, b)
     def atan2(self, a, b): return self._bin("triton_helpers.atan2({a}, {b})", a, b)

@@ -35,6 +35,7 @@ ATTENTION_BIAS_ARG = {torch.ops.aten._scaled_dot_product_efficient_attention.def
                       torch.ops.aten._scaled_dot_product_cudnn_attention_backward.default: 8}
 ATTENTION_BIAS_ALIGN = 16
 DEFAULT_SMS = 132  # H100 / H200
+INTERPRETED_MATH_FP32 = ("atan", "asin", "acos", "atan2", "erfc")  # see kernel_math_exact
 POW_MULTIPLY_MAX = 32
 SMALL_TILED_REDUCTION = 1 << 17  # elements of a column reduction too small to be bandwidth-bound
 
@@ -247,6 +248,12 @@ class Choices:
             return 1
         most = max(1, block * rnumel // config.split_reduction_min)
         return min(next_pow2(-(-target // programs)), 1 << (most.bit_length() - 1))
+
+    def kernel_math_exact(self, op: str, device, dtype) -> bool:
+        """Does a kernel compute `op` to its dtype's precision? On a GPU libdevice does. Triton's
+        interpreter has none: its atan, asin, acos, atan2 and erfc are fits accurate to fp32
+        (fp64 atan off by 7e-8, relative), so fp64 ones run through aten there."""
+        return device.type != "cpu" or dtype != torch.float64 or op not in INTERPRETED_MATH_FP32
 
     def pow_by_multiplication(self, exponent, floating: bool) -> bool:
         """x ** n for a constant integral n as multiplications (by squaring; a reciprocal for

@@ -30,10 +30,13 @@ def _register_simple(table, kind):
     for aten_op, op_name in table.items():
         assert op_name in OPS, op_name
 
-        def lower(*args, _fn=_simple(op_name), _kind=kind, **kwargs):
+        def lower(*args, _fn=_simple(op_name), _kind=kind, _name=op_name, **kwargs):
             if kwargs:
                 raise ir.Unsupported(f"keyword arguments {kwargs}")
-            return make_pointwise(_fn, args, _kind)
+            out = make_pointwise(_fn, args, _kind)
+            if not V.choices.kernel_math_exact(_name, out.get_device(), out.get_dtype()):
+                raise ir.Unsupported(f"{_name} of {out.get_dtype()} is not exact in Triton's interpreter")
+            return out
         register(aten_op)(lower)
 
 

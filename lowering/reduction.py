@@ -47,6 +47,8 @@ def reduce(x: TensorBox, dims, keepdim, reduction_type, dtype) -> TensorBox:
     load = x.make_loader()
     src = x.get_dtype()
     rnumel = sizevars.product(red_sizes)
+    if rnumel == 0 and reduction_type not in IDENTITY:  # max / argmax of nothing: aten raises, as eager
+        raise ir.Unsupported(f"{reduction_type} over no elements")
 
     if rnumel == 1 or not dims:  # nothing to reduce: a cast (or an index of 0)
         def inner(idx):

@@ -294,3 +294,39 @@ def test_integer_overflow_wraps_as_in_eager():
     fn = lambda t: t * 1000003 + 7  # noqa: E731
     torch._dynamo.reset()
     torch.testing.assert_close(torch.compile(fn, backend="commfuse")(x), fn(x), rtol=0, atol=0)
+
+
+def test_integer_constants_wrap_as_in_eager():
+    """A Python int out of a tensor's integer range wraps as eager casts it: uint8 > -1 compares
+    with 255. The kernel built tl.full(-1, tl.uint8), which raised."""
+    a = torch.tensor([0, 1, 200, 255], dtype=torch.uint8)
+    b = torch.tensor([-128, 5, 127], dtype=torch.int8)
+    fn = lambda a, b: (a > -1, a + 300, a == -1, b + 200)  # noqa: E731
+    torch._dynamo.reset()
+    for got, want in zip(torch.compile(fn, backend="commfuse")(a, b), fn(a, b)):
+        assert torch.equal(got, want), (got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_signed_zeros_and_inverse_trig_are_exact(dtype):
+    """copysign, signbit and atan2 keep the sign of zero (fp64's bits were read as 32-bit words,
+    and raised); atan, asin, acos, atan2 and erfc are exact to the dtype (on CPU the fp32-accurate
+    forms of Triton's interpreter leave fp64, and erfc, to aten)."""
+    z = torch.tensor([-0.0, 0.0, -1.0, 2.0, 0.5], dtype=dtype)
+    w = torch.tensor([1.0, -2.0, 0.5, -0.0, -0.0], dtype=dtype)
+    x = torch.linspace(-0.99, 0.99, 101, dtype=dtype)
+    fn = lambda z, w, x: (torch.copysign(z, w), torch.signbit(z * w), torch.atan2(z, w), torch.atan2(-0.0 * w, w.abs()),  # noqa: E731
+                          torch.atan(x * 5), torch.asin(x), torch.acos(x), torch.erfc(x * 6))
+    torch._dynamo.reset()
+    got, want = torch.compile(fn, backend="commfuse")(z, w, x), fn(z, w, x)
+    for g, e in zip(got, want):
+        assert torch.equal(g.signbit(), e.signbit()), (g, e)
+        torch.testing.assert_close(g, e, rtol=4 * torch.finfo(dtype).eps, atol=0)
+
+
+def test_max_over_no_elements_raises_as_in_eager():
+    """max(0) of a (0, 4) tensor has no value: eager raises, and so must the compiled function
+    (it returned -inf and index 2**31 - 1)."""
+    torch._dynamo.reset()
+    with pytest.raises(IndexError, match="non-zero size"):
+        torch.compile(lambda x: x.max(0), backend="commfuse")(torch.randn(0, 4))

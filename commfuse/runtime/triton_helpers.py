@@ -1,10 +1,12 @@
 """Triton device functions the generated kernels call.
 
-Only core `tl` operations are used (no libdevice), so the same code runs compiled on
-a GPU and under Triton's interpreter on a CPU.
+Written in core `tl` operations, so the same code runs compiled on a GPU and under Triton's
+interpreter on a CPU; a few are libdevice's on a GPU (at the end).
 """
 import triton
 import triton.language as tl
+
+from .loader import interpreting
 
 
 @triton.jit
@@ -132,7 +134,7 @@ def atan(x):
     p = (((8.05374449538e-2 * zz - 1.38776856032e-1) * zz + 1.99777106478e-1) * zz
          - 3.33329491539e-1) * zz * z + z
     r = y0 + p
-    return tl.where(x < 0, -r, r)
+    return tl.where(signbit(x), -r, r)  # atan(-0.0) is -0.0
 
 
 @triton.jit
@@ -141,7 +143,7 @@ def atan2(y, x):
     base = atan(y / tl.where(x == 0, 1.0, x))
     r = tl.where(x > 0, base, tl.where(y >= 0, base + pi, base - pi))
     r = tl.where(x == 0, tl.where(y > 0, pi / 2, tl.where(y < 0, -pi / 2, 0.0)), r)
-    return tl.where((x == 0) & (y == 0), tl.where(x.to(tl.int32, bitcast=True) < 0, tl.where(y.to(tl.int32, bitcast=True) < 0, -pi, pi), y), r)
+    return tl.where((x == 0) & (y == 0), tl.where(signbit(x), tl.where(signbit(y), -pi, pi), y), r)
 
 
 @triton.jit
@@ -183,18 +185,20 @@ def atanh(x):
 
 
 @triton.jit
-def erfc(x):
-    return 1.0 - tl.erf(x)
+def erfc(x):  # exp(-x²) times a Chebyshev fit (Numerical Recipes' erfcc): relative error < 1.2e-7
+    t = 1.0 / (1.0 + 0.5 * tl.abs(x))
+    p = -1.26551223 + t * (1.00002368 + t * (0.37409196 + t * (0.09678418 + t * (-0.18628806 + t * (
+        0.27886807 + t * (-1.13520398 + t * (1.48851587 + t * (-0.82215223 + t * 0.17087277))))))))
+    h = tl.floor(x * 256.0) / 256.0  # exp(-x²) as exp(-h²) exp(-(x - h)(x + h)): h² is exact
+    r = t * tl.exp(-h * h) * tl.exp(-(x - h) * (x + h) + p)
+    return tl.where(x >= 0, r, 2.0 - r)
 
 
 @triton.jit
-def signbit32(x):
+def signbit(x):  # -0.0 too; fp16 / bf16 values are held as fp32
+    if x.dtype == tl.float64:
+        return x.to(tl.int64, bitcast=True) < 0
     return x.to(tl.int32, bitcast=True) < 0
-
-
-@triton.jit
-def signbit64(x):
-    return x.to(tl.int64, bitcast=True) < 0
 
 
 @triton.jit
@@ -206,3 +210,11 @@ def pow_float(a, b):
     r = tl.where(a < 0, tl.where(b_int, tl.where(odd, -mag, mag), float("nan")), mag)
     r = tl.where(b == 0, 1.0, r)
     return tl.where(a == 1, 1.0, r)
+
+
+# On a GPU, CUDA's libdevice (within an ulp or two, fp32 and fp64) replaces the portable forms
+# above, which Triton's interpreter needs for want of libdevice: they are accurate to fp32 only
+# (Choices.kernel_math_exact sends fp64 ones to aten there).
+if not interpreting():
+    from triton.language.extra import libdevice
+    atan, atan2, asin, acos, erfc = libdevice.atan, libdevice.atan2, libdevice.asin, libdevice.acos, libdevice.erfc
