@@ -48,7 +48,7 @@ class WrapperCodegen:
         self.kernel_info: list[dict] = []   # for the summary
         self.launches: dict[str, None] = {}  # every distinct kernel launch, as `_launches` lists it
         self.sites: list[str] = []  # each launch line's `Site` (runtime/launch.py): `<kernel>_launch<k>`
-        self.comm_protocol: list[list] = []  # each comm kernel's algorithm, grid and barriers, in order
+        self.comm_protocol: list[dict] = []  # each comm kernel's collectives, grid and barriers, in order
         self.extern_calls: list[str] = []
         self.allocations: list[dict] = []
         self.constants: dict[str, object] = dict(graph.constants)
@@ -346,7 +346,10 @@ class WrapperCodegen:
         if comm:
             info.update(collective="all_reduce", group=comm.group, fused_nodes=len(grp.nodes),
                         algorithm="two_shot" if plans[0].algorithm.gathers_shares else "one_shot")  # how it reads
-            self.note_comm_kernel(name, info["algorithm"], blocks["programs"], src)
+            self.note_comm_kernel(name, info["algorithm"], blocks["programs"], src, plans,
+                                  xnumel=sizevars.hint(X), rnumel=sizevars.hint(R) if meta["reduction"] else None,
+                                  XBLOCK=blocks["XBLOCK"], RBLOCK=blocks.get("RBLOCK"),
+                                  prologue=bool(k.published))
         self.kernel_info.append(info)
 
     def debug_code(self, scheduler, group) -> str:
@@ -466,7 +469,7 @@ class WrapperCodegen:
             if plan.inplace:
                 self.body.writeline(f"{buf.name}.copy_(_{buf.name})")
             self.extern_calls.append(f"{algo.name} all_reduce")
-            self.note_comm_kernel(buf.name, algo.name, 0, "")
+            self.note_comm_kernel(buf.name, algo.name, 0, "", [plan])
             return
         name = f"cf_{algo.name}_all_reduce_{plan.reduce_op}_{step}"
         src_code = algo.kernel(name, plan.world, plan.reduce_op, buf.get_dtype(), plan.inplace)
@@ -488,12 +491,19 @@ class WrapperCodegen:
                                  "reduction": False, "persistent": False, "tiled": False,
                                  "collective": plan.collective, "reduce_op": plan.reduce_op,
                                  "algorithm": algo.name})
-        self.note_comm_kernel(name, algo.name, cfg["NPROG"], src_code)
+        self.note_comm_kernel(name, algo.name, cfg["NPROG"], src_code, [plan], xnumel=numel, XBLOCK=cfg["BLOCK"])
 
-    def note_comm_kernel(self, name: str, algorithm: str, programs: int, src: str) -> None:
-        """What the ranks must agree on for their barriers to meet: which comm kernels run, in
-        which order, with how many programs (one barrier slot each) and barriers."""
-        self.comm_protocol.append([name, algorithm, programs, src.count(comm_codegen.BARRIER_STEP)])
+    def note_comm_kernel(self, name: str, algorithm: str, programs: int, src: str, plans: list, **shape) -> None:
+        """What the ranks must agree on for their barriers to meet and their reads to find the
+        peers' values: which comm kernels run, in which order, with how many programs (one barrier
+        slot each), barriers and blocks, and which collectives (reduce op, group, pool slice)."""
+        where = [self.comm_placements.get(p.buffer, {}) for p in plans]
+        collectives = [{"collective": p.collective, "reduce_op": p.reduce_op, "algorithm": p.algorithm.name,
+                        "group": p.group, "ranks": p.world, "pool": w.get("pool"), "offset": w.get("offset")}
+                       for p, w in zip(plans, where)]
+        self.comm_protocol.append({"kernel": name, "reads": algorithm, "programs": programs,
+                                   "barriers": src.count(comm_codegen.BARRIER_STEP), "collectives": collectives,
+                                   **shape})
 
     def output(self, o) -> str:
         if isinstance(o, (ir.Buffer, ir.ReinterpretView)):

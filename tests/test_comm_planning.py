@@ -109,15 +109,18 @@ def _divergent(rank, world, mode):
     elif mode == "producer":  # one more op before the collective on rank 0: its buffer names shift
         w = torch.ones(8, 8, device=device())
         fn = lambda x: funcol.all_reduce((torch.relu(x) if rank == 0 else x).view(8, 8) @ w, "sum", g) + 1  # noqa: E731
+    elif mode == "reduce_op":  # the same all-reduce, another reduce op on rank 0
+        fn = lambda x: funcol.all_reduce(x * 2, "max" if rank == 0 else "sum", g)  # noqa: E731
     elif mode == "constant":  # a rank-dependent constant (a vocabulary shard's offset): same collectives
         fn = lambda x: funcol.all_reduce(x * 2 - 12 * rank, "sum", g) + 1  # noqa: E731
     else:  # the other ranks take a branch with no collective at all
         fn = (lambda x: funcol.all_reduce(x * 2, "sum", g)) if rank == 0 else (lambda x: x * 2)
     algorithm = ("one_shot", "two_shot")[rank % 2] if mode == "algorithm" else "auto"
+    options = {"comm.plan_check_timeout_s": 3, "comm.algorithm": algorithm}
     start = time.time()
     try:
         # options=, not config.patch: the check runs at the first call, after the compile's options
-        torch.compile(fn, backend="commfuse", options={"comm.plan_check_timeout_s": 3, "comm.algorithm": algorithm})(x)
+        torch.compile(fn, backend="commfuse", options=options)(x)
     except Exception as e:
         return ("error", str(e), time.time() - start)
     return ("ok", "", time.time() - start)
@@ -151,6 +154,15 @@ def test_ranks_running_different_comm_kernels_fail_before_any_barrier():
     for status, message, seconds in results:
         assert status == "error", message
         assert "ranks disagree" in message and "comm kernel" in message and "two_shot" in message, message
+        assert seconds < 30
+
+
+def test_ranks_reducing_with_different_ops_fail():
+    """sum on some ranks, max on others: each rank combined the peers' values its own way and the
+    ranks went on with different results, silently."""
+    for status, message, seconds in run_ranks(_divergent, WORLD, args=("reduce_op",)):
+        assert status == "error", message
+        assert "comm kernel #0" in message and "differs in reduce op: '" in message and "'max' on rank 0" in message, message
         assert seconds < 30
 
 

@@ -3,7 +3,7 @@
 Every rank publishes its plan under a per-group sequence number in the c10d store and reads the
 others'. Plans are deterministic functions of the graph and config, so they must be equal; if a rank
 compiled another graph (a rank-dependent branch) or another config, every rank raises an error that
-names the graph and the first differing buffer. The graphs themselves may differ where the plans
+names the graph and what differs. The graphs themselves may differ where the plans
 agree: a rank-dependent constant (a vocabulary shard's offset) changes a graph, not its
 collectives. A rank that never arrives (it took a branch with no collective) is reported after
 `comm.plan_check_timeout_s`, instead of a hang in the pool rendezvous.
@@ -20,25 +20,49 @@ from commfuse import config
 
 _sequence: dict = {}
 
+# what a comm kernel's fields (codegen/wrapper.py: note_comm_kernel) mean, for the error; the rest
+# are its shape (blocks, elements)
+_FIELDS = {
+    "kernel": "fused ops",
+    "collective": "collective",
+    "reduce_op": "reduce op",
+    "algorithm": "algorithm",
+    "group": "process group",
+    "ranks": "ranks in the group",
+    "pool": "pool",
+    "offset": "offset in the pool",
+    "reads": "how it reads its peers",
+    "prologue": "input's producer fused in",
+    "programs": "programs",
+    "barriers": "barriers",
+    "xnumel": "elements (rows of a reduction) it walks",
+    "rnumel": "row length",
+}
+
 
 def _describe(buffers: list) -> list:
     """What the ranks must agree on for a comm buffer: its slice of the pool and its layout. Not its
     name: a rank that ran one more op before the collective numbers its buffers on from there."""
-    return [[b["pool"], b["offset"], b["bytes"], str(b["dtype"]), list(b["size"]), list(b["stride"])] for b in buffers]
+    return [{"pool": b["pool"], "offset": b["offset"], "bytes": b["bytes"], "dtype": str(b["dtype"]),
+             "size": list(b["size"]), "stride": list(b["stride"])} for b in buffers]
 
 
-def _kernel(name: str) -> str:
-    """A comm kernel's name without its schedule step (`cf_allreduce_pw_sum_3`: the ops fused
-    with the collective, which the ranks must agree on; not where it falls in the schedule)."""
-    return re.sub(r"_\d+$", "", name)
+def _protocol(protocol: list, group_name: str) -> list:
+    """The comm kernels as the ranks of `group_name` must agree on them: names without their
+    schedule step (`cf_allreduce_pw_sum_3`: the ops fused, not where they fall), and other groups
+    unnamed (a 2-D mesh's sub-groups are named differently on different ranks, rightly)."""
+    return [dict(p, kernel=re.sub(r"_\d+$", "", p["kernel"]),
+                 collectives=[dict(c, group=c["group"] if c["group"] == group_name else "another group")
+                              for c in p["collectives"]])
+            for p in protocol]
 
 
 def check_plans_agree(graph_id: str, pools: dict, buffers: list, groups: dict, protocol: list = (),
                       timeout_s: float | None = None) -> None:
     """`groups`: the process group of each group name in `pools`. `protocol`: each comm kernel's
-    [name, algorithm, programs, barriers] in launch order; ranks that differ there (another
-    algorithm, grid or prologue, from a differing config or table) would wait at barriers the
-    others never reach."""
+    record in launch order (its collectives, algorithm, grid, barriers); ranks that differ there
+    (another reduce op, algorithm, grid or prologue, from a differing program, config or table)
+    would combine different things, or wait at barriers the others never reach."""
     from torch.distributed.distributed_c10d import _get_default_store  # c10d internals: only when checking
     timeout_s = config.comm.plan_check_timeout_s if timeout_s is None else timeout_s  # the compile's option
     for group_name in sorted({g for g, _, _ in pools.values()}):
@@ -47,8 +71,8 @@ def check_plans_agree(graph_id: str, pools: dict, buffers: list, groups: dict, p
         own = {k: [g, n] for k, (g, _d, n) in pools.items() if g == group_name}
         bufs = [b for b in buffers if b["pool"] in own]
         mine = json.dumps({"graph": graph_id.split("_", 1)[1], "pools": own,
-                           "protocol": [[_kernel(p[0]), *p[1:]] for p in protocol], "buffers": _describe(bufs),
-                           "names": {"buffers": [b["name"] for b in bufs], "kernels": [p[0] for p in protocol]}})
+                           "protocol": _protocol(protocol, group_name), "buffers": _describe(bufs),
+                           "names": {"buffers": [b["name"] for b in bufs], "protocol": [p["kernel"] for p in protocol]}})
         ranks = dist.get_process_group_ranks(groups[group_name])
         seq = _sequence[group_name] = _sequence.get(group_name, 0) + 1
         store = _get_default_store()
@@ -78,18 +102,32 @@ def _collectives(plan: str) -> dict:
 
 def _first_difference(me: int, mine: str, other: int, theirs: str) -> str:
     a, b = json.loads(mine), json.loads(theirs)
-    if a["graph"] != b["graph"]:  # named with what differs in their collectives
-        me, other = f"{me} (graph {a['graph']})", f"{other} (graph {b['graph']})"
-    for x, y, nx, ny in zip(a["buffers"], b["buffers"], a["names"]["buffers"], b["names"]["buffers"]):
-        if x != y:
-            return f"first differing buffer {nx}: rank {me} has {x}, rank {other} has {y} ({ny})"
-    if len(a["buffers"]) != len(b["buffers"]):
-        return f"rank {me} has {len(a['buffers'])} comm buffers, rank {other} has {len(b['buffers'])}"
-    fields = ("algorithm", "programs", "barriers")
-    for x, y, nx, ny in zip(a["protocol"], b["protocol"], a["names"]["kernels"], b["names"]["kernels"]):
-        if x != y:
-            return (f"comm kernel {nx}: rank {me} runs {dict(zip(fields, x[1:]))}, "
-                    f"rank {other} runs {dict(zip(fields, y[1:]))} ({ny})")
-    if len(a["protocol"]) != len(b["protocol"]):
-        return f"rank {me} runs {len(a['protocol'])} comm kernels, rank {other} runs {len(b['protocol'])}"
+    graphs = f"rank {me} compiled graph {a['graph']}, rank {other} {b['graph']}; " if a["graph"] != b["graph"] else ""
+    return graphs + _difference(me, a, other, b)
+
+
+def _difference(me: int, a: dict, other: int, b: dict) -> str:
+    for part, label, fields in (("buffers", "comm buffer", dict), ("protocol", "comm kernel", _fields)):
+        for i, (x, y) in enumerate(zip(a[part], b[part])):
+            if x != y:
+                x, y = fields(x), fields(y)
+                diff = "; ".join(f"{f}: {x.get(f)!r} on rank {me}, {y.get(f)!r} on rank {other}"
+                                 for f in dict.fromkeys([*x, *y]) if x.get(f) != y.get(f))
+                return (f"{label} #{i} ({a['names'][part][i]} on rank {me}, {b['names'][part][i]} on rank {other}) "
+                        f"differs in {diff}")
+        if len(a[part]) != len(b[part]):
+            return f"rank {me} has {len(a[part])} {label}s, rank {other} has {len(b[part])}"
     return f"pools differ: rank {me} {a['pools']}, rank {other} {b['pools']}"
+
+
+def _fields(kernel: dict) -> dict:
+    """A comm kernel's record, flat and labelled for the error: {"reduce op": "sum", ...}."""
+    out = {}
+    for key, value in kernel.items():
+        if key != "collectives":
+            out[_FIELDS.get(key, key)] = value
+            continue
+        for j, c in enumerate(value):
+            of = f" of collective #{j}" if len(value) > 1 else ""
+            out.update({f"{_FIELDS[f]}{of}": v for f, v in c.items()})
+    return out
