@@ -354,8 +354,8 @@ class Choices:
             return f"dtype {request.dtype} (supported: fp32, bf16, fp16)"
         if request.device.type not in ("cuda", "cpu"):
             return f"device {request.device}"
-        if not sizevars.is_static(request.numel):
-            return (f"symbolic size {request.numel}: a dynamic-shape graph; compile with dynamic=False (or "
+        if not all(sizevars.is_static(n) for n in request.size):  # (0, s0) too: the pool's slices are static
+            return (f"symbolic size {list(request.size)}: a dynamic-shape graph; compile with dynamic=False (or "
                     "torch._dynamo.mark_static on the batch dim) to get the symmetric-memory kernels")
         try:
             if not single_host(request.group):

@@ -16,6 +16,7 @@ from typing import Callable
 
 import torch
 
+from commfuse import sizevars
 from commfuse.codegen import comm as comm_codegen
 
 
@@ -27,8 +28,12 @@ class CommRequest:
     group: str
     dtype: torch.dtype
     device: torch.device
-    numel: object                 # an int, or a sympy expression of a dynamic-shape graph
+    size: tuple                   # ints, or sympy expressions in a dynamic-shape graph
     inplace: bool = False
+
+    @property
+    def numel(self):
+        return sizevars.product(self.size)
 
     @property
     def nbytes(self) -> int:

@@ -413,6 +413,8 @@ class Scheduler:
         """Rows of `result` when a reduction over its last dim reads it, directly or through
         pointwise nodes of its size (a residual add, a cast): the shape of a norm after it."""
         size = self.graph.get_buffer(result).get_size()
+        if not size:  # a 0-d value has no rows
+            return None
         numel, row = sizevars.product(size), size[-1]
         seen, todo = set(), [result]
         while todo:

@@ -79,7 +79,7 @@ def place_input(x: TensorBox, plan: CommPlan, through_views: bool = False) -> ir
 def _all_reduce(x, reduce_op, group_name, inplace):
     graph = V.graph
     request = CommRequest("all_reduce", reduce_op, group_name, x.get_dtype(), x.get_device(),
-                          x.get_numel(), inplace)
+                          tuple(x.get_size()), inplace)
     plan = V.choices.all_reduce_plan(request)
     graph.comm_plans.append(plan)
     if plan.algorithm.name == "c10d":

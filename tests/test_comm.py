@@ -342,6 +342,41 @@ def test_all_reduce_over_one_rank_is_a_copy():
             assert reasons and all("a group of one rank" in r for r in reasons), reasons
 
 
+def _degenerate_shapes(rank, world):
+    """All-reduces of a 0-d value (a TP step's loss, forward and backward), of no elements and of
+    size-1 dims take the symmetric-memory path like any other; the 0-d one made the whole graph
+    fall back to aten (the scheduler looked for its rows). No elements under a symbolic size is a
+    dynamic shape (c10d): the pool's slices are static."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    from commfuse import backend
+    g = dist.group.WORLD
+    fn = lambda x: funcol.all_reduce(x * 2, "sum", g).sum() + 1  # noqa: E731
+    w = torch.randn(8, 4, device=device(), requires_grad=True)
+
+    def step(x):
+        return funcol.all_reduce(((x @ w).relu() ** 2).mean(), "sum", g) / world
+    torch._dynamo.reset()
+    before = len(backend.summaries)
+    for shape, dynamic in (((), False), ((0, 4), False), ((1, 1), False), ((0, 4), True)):
+        x = torch.randn(shape, device=device()) + rank  # (0, s0): no elements, yet a symbolic size
+        torch.testing.assert_close(torch.compile(fn, backend="commfuse", dynamic=dynamic)(x), fn(x), msg=str(shape))
+    x = torch.randn(3, 8, device=device()) + rank
+    loss = torch.compile(step, backend="commfuse")(x)
+    loss.backward()
+    grad, w.grad = w.grad, None
+    want = step(x)
+    want.backward()
+    torch.testing.assert_close(loss, want)
+    torch.testing.assert_close(grad, w.grad)
+    return [(s["compiled"], len(s["comm_buffers"])) for s in backend.summaries[before:]]
+
+
+def test_all_reduce_of_degenerate_shapes():
+    # static shapes, (0, s0), then the step's forward and backward (its grad all-reduced too)
+    assert run_ranks(_degenerate_shapes, WORLD) == [[(True, 1)] * 3 + [(True, 0)] + [(True, 1)] * 2] * WORLD
+
+
 def _other_collectives(rank, world):
     """Collectives without a symmetric-memory lowering run c10d asynchronously; waits stay put."""
     import torch.distributed as dist
