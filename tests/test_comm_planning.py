@@ -111,12 +111,16 @@ def _divergent(rank, world, mode):
         fn = lambda x: funcol.all_reduce((torch.relu(x) if rank == 0 else x).view(8, 8) @ w, "sum", g) + 1  # noqa: E731
     elif mode == "reduce_op":  # the same all-reduce, another reduce op on rank 0
         fn = lambda x: funcol.all_reduce(x * 2, "max" if rank == 0 else "sum", g)  # noqa: E731
+    elif mode in ("fusion", "apart"):  # a fusion or algorithm option set on rank 0 only
+        fn = lambda x: torch.nn.functional.layer_norm(funcol.all_reduce(x * 2, "sum", g).view(4, 16), (16,))  # noqa: E731
     elif mode == "constant":  # a rank-dependent constant (a vocabulary shard's offset): same collectives
         fn = lambda x: funcol.all_reduce(x * 2 - 12 * rank, "sum", g) + 1  # noqa: E731
     else:  # the other ranks take a branch with no collective at all
         fn = (lambda x: funcol.all_reduce(x * 2, "sum", g)) if rank == 0 else (lambda x: x * 2)
     algorithm = ("one_shot", "two_shot")[rank % 2] if mode == "algorithm" else "auto"
     options = {"comm.plan_check_timeout_s": 3, "comm.algorithm": algorithm}
+    if rank == 0:
+        options.update({"fusion": {"max_fusion_size": 1}, "apart": {"comm.algorithm": "one_shot_apart"}}.get(mode, {}))
     start = time.time()
     try:
         # options=, not config.patch: the check runs at the first call, after the compile's options
@@ -164,6 +168,16 @@ def test_ranks_reducing_with_different_ops_fail():
         assert status == "error", message
         assert "comm kernel #0" in message and "differs in reduce op: '" in message and "'max' on rank 0" in message, message
         assert seconds < 30
+
+
+def test_option_set_on_one_rank_is_named_in_the_error():
+    """max_fusion_size or comm.algorithm set on rank 0 only: the error showed two identical
+    descriptions of the kernels; it names what differs, and the option behind it."""
+    for mode, want in (("fusion", ["differs in input's producer fused in (fusion options", "False on rank 0"]),
+                       ("apart", ["algorithm (comm.algorithm", "'one_shot_apart' on rank"])):
+        for status, message, _ in run_ranks(_divergent, WORLD, args=(mode,)):
+            assert status == "error", message
+            assert all(w in message for w in want), message
 
 
 def test_missing_rank_is_reported_not_hung():

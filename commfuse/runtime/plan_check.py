@@ -20,20 +20,20 @@ from commfuse import config
 
 _sequence: dict = {}
 
-# what a comm kernel's fields (codegen/wrapper.py: note_comm_kernel) mean, for the error; the rest
-# are its shape (blocks, elements)
+# what a comm kernel's fields (codegen/wrapper.py: note_comm_kernel) mean, and which options set
+# them, for the error; the rest are its shape (blocks, elements)
 _FIELDS = {
-    "kernel": "fused ops",
+    "kernel": "fused ops (fusion options, e.g. max_fusion_size)",
     "collective": "collective",
     "reduce_op": "reduce op",
-    "algorithm": "algorithm",
+    "algorithm": "algorithm (comm.algorithm, comm.table, comm.*_max_bytes)",
     "group": "process group",
     "ranks": "ranks in the group",
     "pool": "pool",
     "offset": "offset in the pool",
-    "reads": "how it reads its peers",
-    "prologue": "input's producer fused in",
-    "programs": "programs",
+    "reads": "how it reads its peers (comm.algorithm, comm.table)",
+    "prologue": "input's producer fused in (fusion options; comm.algorithm one_shot_apart)",
+    "programs": "programs (comm.max_programs, comm.block)",
     "barriers": "barriers",
     "xnumel": "elements (rows of a reduction) it walks",
     "rnumel": "row length",
@@ -93,7 +93,9 @@ def check_plans_agree(graph_id: str, pools: dict, buffers: list, groups: dict, p
             if _collectives(theirs) != _collectives(mine):
                 raise RuntimeError(f"commfuse: ranks disagree on the comm-buffer plan of graph {graph_id} "
                                    f"(group {group_name}): {_first_difference(me, mine, r, theirs)}. The ranks "
-                                   "compiled different programs (e.g. a rank-dependent branch or config)")
+                                   "compiled different programs: a rank-dependent branch, or a config (options=, "
+                                   "config.patch, COMMFUSE_* environment) or comm.table set on some ranks only; "
+                                   "the ranks' dumps (dump_dir) show both")
 
 
 def _collectives(plan: str) -> dict:
