@@ -342,6 +342,17 @@ def test_all_reduce_over_one_rank_is_a_copy():
             assert reasons and all("a group of one rank" in r for r in reasons), reasons
 
 
+def _assert_step_matches(fn, x, w):
+    """A training step compiled, forward and backward, against eager: its loss and w's gradient."""
+    loss = torch.compile(fn, backend="commfuse")(x)
+    loss.backward()
+    grad, w.grad = w.grad, None
+    want = fn(x)
+    want.backward()
+    torch.testing.assert_close(loss, want)
+    torch.testing.assert_close(grad, w.grad)
+
+
 def _degenerate_shapes(rank, world):
     """All-reduces of a 0-d value (a TP step's loss, forward and backward), of no elements and of
     size-1 dims take the symmetric-memory path like any other; the 0-d one made the whole graph
@@ -361,20 +372,34 @@ def _degenerate_shapes(rank, world):
     for shape, dynamic in (((), False), ((0, 4), False), ((1, 1), False), ((0, 4), True)):
         x = torch.randn(shape, device=device()) + rank  # (0, s0): no elements, yet a symbolic size
         torch.testing.assert_close(torch.compile(fn, backend="commfuse", dynamic=dynamic)(x), fn(x), msg=str(shape))
-    x = torch.randn(3, 8, device=device()) + rank
-    loss = torch.compile(step, backend="commfuse")(x)
-    loss.backward()
-    grad, w.grad = w.grad, None
-    want = step(x)
-    want.backward()
-    torch.testing.assert_close(loss, want)
-    torch.testing.assert_close(grad, w.grad)
+    _assert_step_matches(step, torch.randn(3, 8, device=device()) + rank, w)
     return [(s["compiled"], len(s["comm_buffers"])) for s in backend.summaries[before:]]
 
 
 def test_all_reduce_of_degenerate_shapes():
     # static shapes, (0, s0), then the step's forward and backward (its grad all-reduced too)
     assert run_ranks(_degenerate_shapes, WORLD) == [[(True, 1)] * 3 + [(True, 0)] + [(True, 1)] * 2] * WORLD
+
+
+def _inference_mode_then_training(rank, world):
+    """Evaluate under torch.inference_mode, then train: the symmetric pool (shared by every graph)
+    and its views were made at the first call, as inference tensors, and the mm writing into the
+    pool through out= outside inference mode raised."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    g = dist.group.WORLD
+    torch._dynamo.reset()
+    x, w = torch.randn(4, 8, device=device()) + rank, torch.randn(8, 8, device=device(), requires_grad=True)
+    evaluate = lambda x: funcol.all_reduce(x @ w, "sum", g) + 1  # noqa: E731
+    train = lambda x: (funcol.all_reduce(x @ w, "sum", g) - 1).square().sum()  # noqa: E731
+    with torch.inference_mode():
+        torch.testing.assert_close(torch.compile(evaluate, backend="commfuse")(x), evaluate(x))
+    _assert_step_matches(train, x, w)
+    return True
+
+
+def test_inference_mode_then_training():
+    assert run_ranks(_inference_mode_then_training, WORLD) == [True] * WORLD
 
 
 def _other_collectives(rank, world):

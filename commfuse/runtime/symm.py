@@ -45,6 +45,10 @@ def group_of(group_name: str):
 
 
 class SymmPool:
+    # The pool and its views outlive the call that made them, and every graph shares them: made
+    # under inference_mode (allocation, or a dtype view even of a normal tensor), they would be
+    # inference tensors, which no op outside it may write (an mm's out=).
+    @torch.inference_mode(False)
     def __init__(self, group_name: str, device: torch.device, nbytes: int):
         self.group_name, self.device, self.nbytes = group_name, torch.device(device), align(max(nbytes, ALIGN))
         group = group_of(group_name)
@@ -90,6 +94,7 @@ class SymmPool:
         self.signals = [m[self.nbytes:].view(torch.int32) for m in maps]
 
     # views --------------------------------------------------------------------
+    @torch.inference_mode(False)
     def view(self, offset: int, size, stride, dtype) -> torch.Tensor:
         """This rank's tensor at `offset` bytes into the pool (the same object every call)."""
         key = ("local", offset, tuple(size), tuple(stride), dtype)
@@ -99,6 +104,7 @@ class SymmPool:
             self._cache[key] = base.as_strided(size, stride)
         return self._cache[key]
 
+    @torch.inference_mode(False)
     def peer_views(self, offset: int, numel: int, dtype) -> list[torch.Tensor]:
         key = ("peers", offset, numel, dtype)
         if key not in self._cache:
