@@ -32,7 +32,13 @@ def signal_stride(world: int) -> int:
 
 
 def signal_bytes(world: int) -> int:
-    return SIGNAL_PROGRAMS * signal_stride(world) * 4
+    return (timeout_word(world) + 32) * 4  # the slots, then one line for the barrier timeout
+
+
+def timeout_word(world: int) -> int:
+    """The int32 of a rank's own pad, past every slot, where its kernels find how many ms a barrier
+    may wait (triton_helpers.barrier_deadline)."""
+    return SIGNAL_PROGRAMS * signal_stride(world)
 
 
 def align(n: int) -> int:
@@ -42,6 +48,13 @@ def align(n: int) -> int:
 def group_of(group_name: str):
     from torch.distributed.distributed_c10d import _resolve_process_group
     return _resolve_process_group(group_name)
+
+
+def group_timeout_s(group, device) -> float:
+    try:  # c10d keeps a group's timeout in its backend's options
+        return group._get_backend(torch.device(device)).options._timeout.total_seconds()
+    except (AttributeError, RuntimeError):
+        return dist.default_pg_timeout.total_seconds()
 
 
 class SymmPool:
@@ -59,6 +72,13 @@ class SymmPool:
         else:
             self._init_shared_memory(group)
         self._cache: dict = {}
+        self.set_barrier_timeout(None)
+
+    def set_barrier_timeout(self, seconds: float | None) -> None:
+        """Bound the comm kernels' barrier waits: `seconds`, or the group's timeout (a collective
+        that waits longer is an error under c10d too)."""
+        seconds = group_timeout_s(group_of(self.group_name), self.device) if seconds is None else seconds
+        self.signals[self.rank][timeout_word(self.world_size)] = int(min(max(seconds, 1e-3) * 1000, 2**31 - 1))
 
     # backends -----------------------------------------------------------------
     def _init_cuda(self, group):
@@ -164,8 +184,10 @@ class CommState:
     """A compiled graph's view of its comm buffers: checked across ranks at the first call, then
     the same tensors (same pool, same offsets) on every call."""
 
-    def __init__(self, graph_id: str, pools: dict, buffers: list, protocol: list = (), timeout_s=None):
+    def __init__(self, graph_id: str, pools: dict, buffers: list, protocol: list = (), timeout_s=None,
+                 barrier_timeout_s=None):
         self.graph_id, self.pools_needed, self.buffers = graph_id, pools, buffers
+        self.barrier_timeout_s = barrier_timeout_s  # the compile's comm.barrier_timeout_s
         groups = {g: group_of(g) for g, _, _ in pools.values()}
         check_plans_agree(graph_id, pools, buffers, groups, list(protocol), timeout_s)
         self.refresh()
@@ -173,6 +195,9 @@ class CommState:
     def refresh(self):
         self.pools = {name: shared_pools.get(g, d, n) for name, (g, d, n) in self.pools_needed.items()}
         self.gens = {name: shared_pools.gen(g, d) for name, (g, d, _) in self.pools_needed.items()}
+        if self.barrier_timeout_s is not None:  # a pool shared by graphs takes the last one's
+            for pool in self.pools.values():
+                pool.set_barrier_timeout(self.barrier_timeout_s)
         self.tensors = {}
         for b in self.buffers:
             pool = self.pools[b["pool"]]

@@ -215,6 +215,59 @@ def pow_float(a, b):
 # On a GPU, CUDA's libdevice (within an ulp or two, fp32 and fp64) replaces the portable forms
 # above, which Triton's interpreter needs for want of libdevice: they are accurate to fp32 only
 # (Choices.kernel_math_exact sends fp64 ones to aten there).
+# (Called here, not aliased: libdevice's functions resolve to the device's library only where a
+# kernel calls them.)
 if not interpreting():
     from triton.language.extra import libdevice
-    atan, atan2, asin, acos, erfc = libdevice.atan, libdevice.atan2, libdevice.asin, libdevice.acos, libdevice.erfc
+
+    @triton.jit
+    def atan(x):  # noqa: F811
+        return libdevice.atan(x)
+
+    @triton.jit
+    def atan2(y, x):  # noqa: F811
+        return libdevice.atan2(y, x)
+
+    @triton.jit
+    def asin(x):  # noqa: F811
+        return libdevice.asin(x)
+
+    @triton.jit
+    def acos(x):  # noqa: F811
+        return libdevice.acos(x)
+
+    @triton.jit
+    def erfc(x):  # noqa: F811
+        return libdevice.erfc(x)
+
+
+# A comm kernel's barrier wait, bounded (codegen/comm.py: barrier_lines). Only a poll that finds a
+# peer missing calls this: the first starts the clock, and past the timeout in this rank's pad
+# (runtime/symm.py: timeout_word; the group's timeout by default) the kernel fails instead of
+# hanging. On a GPU it traps, as torch's symmetric-memory barriers do on theirs: the CUDA context is
+# lost and the next CUDA call raises, as NCCL's watchdog aborts a collective that waited too long;
+# no wrong value is returned. Under the interpreter it raises, naming the peers it waited for.
+if interpreting():
+    def barrier_deadline(deadline, timeout_ptr, waiting, rank):
+        import time
+        now, timeout_ms = time.monotonic_ns(), int(tl.load(timeout_ptr).handle.data.item())
+        deadline = int(deadline.handle.data.item()) if isinstance(deadline, tl.tensor) else deadline
+        if deadline == 0:
+            return now + timeout_ms * 1_000_000
+        if now > deadline:
+            peers = sorted({int(p) for p in waiting.handle.data.ravel() if p >= 0})
+            raise RuntimeError(
+                f"commfuse: a comm kernel of rank {int(rank.handle.data.item())} of its process group waited "
+                f"{timeout_ms / 1000:g} s at a barrier for rank(s) {peers} of that group: a peer stopped calling "
+                "this graph, exited, or runs another program. The wait is bounded by comm.barrier_timeout_s "
+                "(default: the process group's timeout)")
+        return deadline
+else:
+    @triton.jit
+    def barrier_deadline(deadline, timeout_ptr, waiting, rank):
+        now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+        if deadline == 0:
+            deadline = now + tl.load(timeout_ptr).to(tl.int64) * 1000000
+        tl.inline_asm_elementwise("{ .reg .pred p; setp.gt.s64 p, $1, $2; @p trap; mov.b32 $0, 0; }", "=r,l,l",
+                                  [now, deadline], dtype=tl.int32, is_pure=False, pack=1)
+        return deadline
