@@ -20,7 +20,7 @@ import torch
 
 from commfuse.sizevars import next_pow2
 from commfuse.runtime.loader import interpreting
-from commfuse.runtime.symm import group_of, signal_stride
+from commfuse.runtime.symm import group_of, signal_stride, timeout_word
 
 from .common import IndentedBuffer
 from .triton_ops import store_text
@@ -65,8 +65,12 @@ def barrier_lines(world: int, params: dict, release: bool, inline_ptx: bool) -> 
         lines += [f"tl.atomic_xchg({dst} + slot + {rank}, epoch + tl.zeros_like(peer), live, "
                   f"sem=\"{sem}\", scope=\"sys\")"]
         poll = f"tl.load({own} + slot + peer, live, other=0, volatile=True)"
+    # the wait is bounded, at no cost where no peer is missing: the clock starts in the loop
     lines += [f"seen = {poll}",
+              "deadline = tl.full([], 0, tl.int64)",
               "while tl.min(tl.where(live, seen - epoch, 0)) < 0:",
+              f"    deadline = triton_helpers.barrier_deadline(deadline, {own} + {timeout_word(w)}, "
+              f"tl.where(live & (seen < epoch), peer, -1), {rank})",
               f"    seen = {poll}"]
     if not inline_ptx:  # the volatile polls carry no order: one acquire on what they saw
         lines.append(f"tl.atomic_add({own} + slot + peer, 0, live, sem=\"acquire\", scope=\"sys\")")

@@ -111,6 +111,8 @@ class comm:
     num_warps = 8                  # warps of a fused all-reduce kernel that reduces rows
     persistent_reduction_max = 8192  # rows a kernel reading peers reduces in one block
     plan_check_timeout_s = 60      # how long the first call waits for every rank's plan
+    # how long a comm kernel waits at a barrier for its peers before it fails (None: the group's timeout)
+    barrier_timeout_s: float | None = None
 
 
 _SECTIONS = {"comm": comm}

@@ -188,6 +188,34 @@ def test_missing_rank_is_reported_not_hung():
     assert [s for s, _, _ in others] == ["ok"] * (WORLD - 1)
 
 
+def _peer_stops(rank, world):
+    import time
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    fn = torch.compile(lambda x: funcol.all_reduce(x * 2, "sum", dist.group.WORLD) + 1, backend="commfuse",
+                       options={"comm.barrier_timeout_s": 2})
+    x = torch.randn(32, device=device())
+    fn(x)  # every rank: pools made, plans checked
+    if rank != 0:
+        time.sleep(8)  # alive, but never calls again
+        return ("ok", "", 0.0)
+    start = time.time()
+    try:
+        fn(x)
+    except Exception as e:
+        return ("error", str(e), time.time() - start)
+    return ("ok", "", time.time() - start)
+
+
+def test_peer_that_stops_calling_is_reported_not_hung():
+    """Rank 0 calls the graph once more than the others: its comm kernel waited at the barrier
+    forever, past the process group's timeout."""
+    (status, message, seconds), *_ = run_ranks(_peer_stops, WORLD, timeout=60)
+    assert status == "error" and "waited 2 s at a barrier for rank(s) " in message, message
+    assert str(list(range(1, WORLD))) in message and "comm.barrier_timeout_s" in message, message
+    assert seconds < 8
+
+
 def _two_levels(rank, world):
     """All-reduces over a sub-group ({0, 1} / {2, 3}, a 2-D mesh's inner dim) and over WORLD in one
     graph. The WORLD check compared every rank's pools, sub-group names included, which differ
