@@ -228,3 +228,16 @@ def test_replays_write_back_a_mutated_argument():
         want = step(x_ref, y)
         torch.testing.assert_close(compiled(x, y), want)
         torch.testing.assert_close(x, x_ref)
+
+
+@pytest.mark.gpu
+def test_replays_draw_new_random_numbers():
+    """Random tensors are drawn in the kernels from a seed aten draws in the captured graph: each
+    replay draws anew (a dropout mask repeated every step would train silently wrong)."""
+    x = torch.ones(64, 256, device="cuda")
+    compiled = torch.compile(lambda x: torch.nn.functional.dropout(x, 0.5, True) + torch.rand_like(x),
+                             backend="commfuse", options={"cuda_graphs": True})
+    outs = [compiled(x).clone() for _ in range(6)]
+    for i, out in enumerate(outs):
+        assert 0.45 < (out >= 1).float().mean() < 0.55  # dropout kept about half
+        assert all(not torch.equal(out, other) for other in outs[i + 1:])
