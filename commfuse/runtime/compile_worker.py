@@ -19,15 +19,16 @@ def _helpers() -> None:
     name = "commfuse.runtime.triton_helpers"
     if name in sys.modules:
         return
-    spec = importlib.util.spec_from_file_location(name, os.path.join(os.path.dirname(__file__), "triton_helpers.py"))
-    helpers = importlib.util.module_from_spec(spec)
-    sys.modules[name] = helpers
-    spec.loader.exec_module(helpers)
+    here = os.path.dirname(__file__)
     package, runtime = types.ModuleType("commfuse"), types.ModuleType("commfuse.runtime")
-    package.__path__, runtime.__path__ = [], []
-    package.runtime, runtime.triton_helpers = runtime, helpers
+    package.__path__, runtime.__path__ = [], [here]  # its own imports (`.interpret`) come from here
+    package.runtime = runtime
     sys.modules.setdefault("commfuse", package)
     sys.modules.setdefault("commfuse.runtime", runtime)
+    spec = importlib.util.spec_from_file_location(name, os.path.join(here, "triton_helpers.py"))
+    helpers = importlib.util.module_from_spec(spec)
+    sys.modules[name] = runtime.triton_helpers = helpers
+    spec.loader.exec_module(helpers)
 
 
 def kernels(path: str, module_name: str) -> dict:

@@ -9,6 +9,7 @@ import sys
 import tempfile
 
 from .. import compat, config
+from .interpret import interpreting
 
 
 def cache_dir() -> str:
@@ -17,9 +18,6 @@ def cache_dir() -> str:
     os.makedirs(d, exist_ok=True)
     return d
 
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0", "false", "False")
 
 
 def check_triton_mode(device_types: set) -> None:

@@ -6,7 +6,7 @@ interpreter on a CPU; a few are libdevice's on a GPU (at the end).
 import triton
 import triton.language as tl
 
-from .loader import interpreting
+from .interpret import interpreting
 
 
 @triton.jit
