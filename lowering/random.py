@@ -47,5 +47,7 @@ def random_like(op, *args, **kwargs):
     def inner(idx):  # stream k of the call keys Philox with seed + k; the element is the counter
         key = ops.add(load_seed([sizevars.from_torch(0)]), ops.constant(stream, torch.int64))
         draw = ops.random(key, ops.index_expr(sizevars.ravel(idx, size), torch.int32), normal)
+        if not normal:  # below 1 in the dtype too: a bf16 draw above 1 - 2**-9 rounded up to 1.0
+            draw = ops.minimum(draw, ops.constant(1 - torch.finfo(meta.dtype).eps / 2, torch.float32))
         return ops.to_dtype(draw, meta.dtype)
     return TensorBox(Pointwise(meta.device, meta.dtype, inner, size))

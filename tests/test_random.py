@@ -23,8 +23,8 @@ def test_draws_follow_their_law(tmp_path, dtype):
         assert out.dtype == dtype and out.shape == N
         assert abs(u.mean() - mean) < 5 * (var / u.numel()) ** 0.5, u.mean()
         assert abs(u.var() - var) < 0.02 * var, u.var()
-    for out in outs[::2]:
-        assert out.min() >= 0 and out.max() <= 1
+    for out in outs[::2]:  # [0, 1) in the dtype: bf16 draws rounded up to 1.0 (about 1 in 500)
+        assert out.min() >= 0 and out.max() < 1
     summary, code = dumps.only()
     assert summary["fallback_ops"] == [] and code.count("tl.rand(") == 2 and code.count("tl.randn(") == 2, summary
     assert all(not torch.equal(a, b) for i, a in enumerate(outs) for b in outs[i + 1:])  # four streams
