@@ -16,7 +16,6 @@ from .common import to_size
 from .extern import fallback
 
 aten = torch.ops.aten
-SEED_HIGH = 2**31 - 1
 
 
 def _seed(device) -> TensorBox:
@@ -26,7 +25,7 @@ def _seed(device) -> TensorBox:
     if device not in seeds:
         with FakeTensorMode():
             meta = torch.empty(1, dtype=torch.int64, device=device)
-        seeds[device] = fallback(aten.randint.low, (0, SEED_HIGH, [1]), {"dtype": torch.int64, "device": device},
+        seeds[device] = fallback(aten.randint.low, (0, 2**31 - 1, [1]), {"dtype": torch.int64, "device": device},
                                  meta)
     return seeds[device]
 
