@@ -49,7 +49,7 @@ def _dense_order(val, dims: int):
     if not isinstance(val, torch.Tensor) or val.dim() != dims or dims < 2 or not all(
             isinstance(x, int) for x in (*val.shape, *val.stride())):
         return None
-    order = sorted(range(dims), key=lambda d: -val.stride(d))
+    order = _stride_order(val)
     dense = ordered_layout(None, None, list(val.shape), order).stride
     return order if all(n == 1 or s == int(d) for n, s, d in zip(val.shape, val.stride(), dense)) else None
 
@@ -94,8 +94,11 @@ def _in_meta_order(x: TensorBox):
     want = arg.meta.get("val") if isinstance(arg, torch.fx.Node) else None
     if not isinstance(want, torch.Tensor) or want.dim() != len(x.get_size()) or want.dim() < 2:
         return x
-    order = sorted(range(want.dim()), key=lambda d: -sizevars.hint(sizevars.from_torch(want.stride(d))))
-    return x.realize_in_order(order)
+    return x.realize_in_order(_stride_order(want))
+
+
+def _stride_order(val: torch.Tensor) -> list:  # a traced value's dims, outermost first (hints where symbolic)
+    return sorted(range(val.dim()), key=lambda d: -sizevars.hint(sizevars.from_torch(val.stride(d))))
 
 
 def fallback(op, args, kwargs, meta):

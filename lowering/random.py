@@ -25,8 +25,7 @@ def _seed(device) -> TensorBox:
     if device not in seeds:
         with FakeTensorMode():
             meta = torch.empty(1, dtype=torch.int64, device=device)
-        seeds[device] = fallback(aten.randint.low, (0, 2**31 - 1, [1]), {"dtype": torch.int64, "device": device},
-                                 meta)
+        seeds[device] = fallback(aten.randint.low, (0, 2**31 - 1, [1]), {"dtype": torch.int64, "device": device}, meta)
     return seeds[device]
 
 
