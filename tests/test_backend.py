@@ -149,3 +149,21 @@ def test_twin_random_draws_stay_two(train):
         if train:
             out.sum().backward()
 
+
+
+def test_compiled_autograd_with_a_saved_python_scalar():
+    """Compiled autograd hands `loss / accum`'s saved int to the backward graph as a wrapped-number
+    tensor (in a loop over micro-batches), and AOTAutograd runs a graph's first call under a
+    dispatch mode (its custom-op aliasing check), which turned that tensor into an int where
+    Triton's interpreter copied it."""
+    lin = torch.nn.Linear(4, 3, device=DEVICE)
+    xs, ys, accum = [torch.randn(2, 4, device=DEVICE)], [torch.tensor([0, 2], device=DEVICE)], 1
+
+    def step(xs, ys):
+        for x, y in zip(xs, ys):
+            (F.cross_entropy(lin(x), y) / accum).backward()
+    with torch._dynamo.config.patch(compiled_autograd=True):
+        torch.compile(step, backend="commfuse")(xs, ys)
+    grad, lin.weight.grad = lin.weight.grad, None
+    step(xs, ys)
+    torch.testing.assert_close(grad, lin.weight.grad)

@@ -17,6 +17,7 @@ through the JIT for all its launches, as before.
 from __future__ import annotations
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 try:  # the hooks a launch calls (Triton >= 3.4): while one is set, launches go through the JIT
     from triton import knobs as _knobs
@@ -54,7 +55,8 @@ class Site:
             run, function, metadata, constexprs = bound
             run(grid[0], grid[1], grid[2], stream, function, metadata, None, None, None, *args, *constexprs)
             return
-        compiled = self.kernel[grid](*args, **self.options)
+        with _disable_current_modes():  # Triton's interpreter copies tensors by torch ops, which a
+            compiled = self.kernel[grid](*args, **self.options)  # caller's dispatch mode must not see
         if stream is not None:  # launched under the graph's first key: keep it
             self.bound = _bound(self.kernel, compiled, self.options, len(args))
 
@@ -76,7 +78,5 @@ def _bound(kernel, compiled, options: dict, nargs: int):
 
 
 def _hooks_idle() -> bool:
-    if _knobs is None:
-        return False
-    hooks = (_knobs.runtime.launch_enter_hook, _knobs.runtime.launch_exit_hook)
-    return all(h is None or not getattr(h, "calls", True) for h in hooks)
+    return _knobs is not None and all(h is None or not getattr(h, "calls", True)
+                                      for h in (_knobs.runtime.launch_enter_hook, _knobs.runtime.launch_exit_hook))
