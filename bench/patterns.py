@@ -62,6 +62,23 @@ def fuser_2473(x, w, dy):  # rematerialization: a, rs, g are recomputed by the c
     return dx, (g * xf).sum(0), (a * rs).sum(0), (g * g).sum(0)
 
 
+def rms_norm_bw(x, w, dy):  # dx by rows, dw by columns: one pass over x and dy where they mix
+    xf, dyf = x.float(), dy.float()
+    xhat = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)
+    g = dyf * w
+    dx = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * (g - xhat * (g * xhat).mean(-1, keepdim=True))
+    return dx.to(x.dtype), (dyf * xhat).sum(0).to(w.dtype)
+
+
+def layer_norm_bw(x, w, dy):  # as rms_norm_bw, with the mean taken out and a bias gradient
+    xf, dyf = x.float(), dy.float()
+    mean = xf.mean(-1, keepdim=True)
+    rs = torch.rsqrt((xf - mean).pow(2).mean(-1, keepdim=True) + 1e-5)
+    xhat, g = (xf - mean) * rs, dyf * w
+    dx = rs * (g - g.mean(-1, keepdim=True) - xhat * (g * xhat).mean(-1, keepdim=True))
+    return dx.to(x.dtype), (dyf * xhat).sum(0).to(w.dtype), dyf.sum(0).to(w.dtype)
+
+
 @dataclass
 class Pattern:
     name: str
@@ -109,6 +126,14 @@ PATTERNS = [
             lambda M, N, dt, dev: (_rand(M, N, dtype=dt, device=dev), _rand(N, dtype=torch.float32, device=dev),
                                    _rand(M, N, dtype=dt, device=dev)),
             lambda M, N, e: 3 * M * N * e + 4 * N * 4, "x, dy, dx; w and 3 fp32 column sums: 3·M·N·e + 16·N"),
+    Pattern("rms_norm_bw", rms_norm_bw,
+            lambda M, N, dt, dev: (_rand(M, N, dtype=dt, device=dev), _rand(N, dtype=dt, device=dev),
+                                   _rand(M, N, dtype=dt, device=dev)),
+            lambda M, N, e: (3 * M * N + 2 * N) * e, "x, dy, dx; w, dw: (3·M·N + 2·N)·e"),
+    Pattern("layer_norm_bw", layer_norm_bw,
+            lambda M, N, dt, dev: (_rand(M, N, dtype=dt, device=dev), _rand(N, dtype=dt, device=dev),
+                                   _rand(M, N, dtype=dt, device=dev)),
+            lambda M, N, e: (3 * M * N + 3 * N) * e, "x, dy, dx; w, dw, db: (3·M·N + 3·N)·e"),
     Pattern("transpose_add", lambda a, b: a + b.t(),
             lambda M, N, dt, dev: (_rand(M, N, dtype=dt, device=dev), _rand(N, M, dtype=dt, device=dev)),
             lambda M, N, e: 3 * M * N * e, "a (M×N), b (N×M, read transposed), y: 3·M·N·e"),

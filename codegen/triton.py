@@ -26,6 +26,8 @@ from .triton_ops import TritonOps, Var, store_text
 
 XNAME, RNAME = sympy.Symbol("xindex", integer=True, nonnegative=True), \
     sympy.Symbol("rindex", integer=True, nonnegative=True)
+XPID, RBASE = sympy.Symbol("xpid", integer=True, nonnegative=True), \
+    sympy.Symbol("rbase", integer=True, nonnegative=True)  # a mixed-order kernel's program, columns
 
 IDENTITY = {"sum": 0, "prod": 1, "any": False, "all": True}
 
@@ -65,6 +67,8 @@ class TritonKernel:
         self.published: set[str] = set()          # comm buffers this kernel wrote, then synchronized on
         self.reads_outside_peers = False          # peer reads of buffers earlier kernels wrote
         self.two_shot: dict[str, tuple] = {}      # comm buffer -> (index, mask, reduce op, value)
+        self.partial = False                      # emitting a column sum's partial (mix_order.py)
+        self.partials = (IndentedBuffer(), IndentedBuffer())  # their accumulators; their stores
         self.new_section(loop=False)
 
     @staticmethod
@@ -172,13 +176,13 @@ class TritonKernel:
                 self.new_section(loop=True)
         m = node.kernel_index_map(self.X, self.R)
         index = node.body_index(m)
-        rindex = [RSYM] if node.is_reduction() else None
-        old, self.recompute = self.recompute, recompute
+        rindex = [m.get(RSYM, RSYM)] if node.is_reduction() else None  # a column partial's: a row
+        old, self.recompute, self.partial = self.recompute, recompute, node.column_partial
         masks = len(self.mask_stack)
         with V.set_ops(TritonOps(self)):
             result = node.run_body(index, rindex)
         del self.mask_stack[masks:]  # bounds masks of indirect indices end with their node
-        self.recompute = old
+        self.recompute, self.partial = old, False
         return result
 
     def _reads_open_reduction(self, node) -> bool:
@@ -321,6 +325,8 @@ class TritonKernel:
 
     # ------------------------------------------------------------------ reductions
     def reduction(self, dtype, src_dtype, rtype, value: Var) -> Var:
+        if self.partial:
+            return self._column_partial(dtype, rtype, value)
         if rtype in ("argmax", "argmin"):
             return self._arg_reduction(src_dtype, rtype, value)
         if rtype == "softmax_sum":
@@ -425,6 +431,18 @@ class TritonKernel:
         sec.row_values[("max", src)] = rowmax  # a max of the same values in this pass is this one
         return out
 
+    def _column_partial(self, dtype, rtype, value: Var) -> Var:
+        """A column sum of a mixed-order kernel (mix_order.py): lane by lane over the blocks of
+        rows this program visits, then over the rows of the block, once at the end."""
+        assert rtype == "sum", rtype
+        tacc = triton_dtype(compute_dtype(dtype))
+        out = Var(f"tmp{next(self.tmp)}", dtype)
+        src = f"tl.where({self.mask()}, {value}, 0)" + (f".to({tacc})" if value.dtype != compute_dtype(dtype) else "")
+        self.partials[0].writeline(f"{out}_acc = tl.zeros([XBLOCK, RBLOCK], {tacc})")
+        self.cur.body.writeline(f"{out}_acc = {out}_acc + {src}")
+        self.partials[1].writeline(f"{out} = tl.sum({out}_acc, 0)[None, :]")
+        return out
+
     def _finish(self, sec: Section, line: str):
         (sec.body if self.persistent else sec.final).writeline(line)
 
@@ -441,6 +459,13 @@ class TritonKernel:
     def store_reduction(self, name, index, value: Var):
         # the reduced value is a row-level value, valid from the end of this pass on
         sid = self.cur.id
+        if self.partial:  # this program's partial: row `xpid` of the parts
+            layout = V.graph.get_buffer(name).layout
+            index = layout.index([XPID] + sizevars.unravel(RBASE, layout.size[1:]))
+            v = store_text(str(value), value.dtype, layout.dtype)
+            self.partials[1].writeline(f"tl.store({self.arg(name)} + ({texpr(sizevars.simplify(index))}), {v}, "
+                                       "rbase < rnumel)")
+            return value
         if not self.recompute and name not in self.internal:
             dtype = V.graph.get_buffer(name).get_dtype()
             v = store_text(str(value), value.dtype, dtype)
@@ -467,7 +492,13 @@ class TritonKernel:
         with code.indent():
             if self.is_red:
                 code.writeline("rbase = tl.arange(0, RBLOCK)[None, :]")
-            if self.comm is None:
+            if self.comm is None and self.group.mixed_programs:  # programs stride over the rows
+                code.writeline("xpid = tl.program_id(0)" + (".to(tl.int64)" if self.int64 else ""))
+                code.splice(self.partials[0])
+                with self._block_loop(code):
+                    self._render_sections(code)
+                code.splice(self.partials[1])
+            elif self.comm is None:
                 pid = "tl.program_id(0).to(tl.int64)" if self.int64 else "tl.program_id(0)"
                 self._block_header(code, f"{pid} * XBLOCK")
                 self._render_sections(code)

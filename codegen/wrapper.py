@@ -326,7 +326,7 @@ class WrapperCodegen:
         args += [self.expr(s) for s in sizes]
         specs += [sizevars.hint(s) for s in sizes]
         consts = f"XBLOCK={blocks['XBLOCK']}" + (f", RBLOCK={blocks['RBLOCK']}" if meta["reduction"] else "")
-        grid = f"({blocks['programs']},)" if comm else f"(cdiv({self.expr(X)}, {blocks['XBLOCK']}),)" if not meta["tiled"] else \
+        grid = f"({blocks['programs']},)" if "programs" in blocks else f"(cdiv({self.expr(X)}, {blocks['XBLOCK']}),)" if not meta["tiled"] else \
             f"(cdiv({self.expr(X)}, {blocks['XBLOCK']}), cdiv({self.expr(R)}, {blocks['RBLOCK']}))"
         if meta["asserts"]:  # debug mode keeps the bounds asserts; no overflow check on every int op
             consts += ", sanitize_overflow=False"

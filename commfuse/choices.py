@@ -249,6 +249,17 @@ class Choices:
         most = max(1, block * rnumel // config.split_reduction_min)
         return min(next_pow2(-(-target // programs)), 1 << (most.bit_length() - 1))
 
+    def mix_order_programs(self, rows: int, cols: int, device) -> int:
+        """Programs of a row kernel that also sums its columns (mix_order.py); 0: keep the column
+        sum apart. Each program strides over blocks of rows keeping a partial sum per column: the
+        partials are programs x cols. Only for rows held whole in a block, many more rows than
+        columns, and data past what a second read would find in L2 (as Inductor's thresholds)."""
+        least = config.mix_order_min_elements
+        if least is None or not self.is_persistent(cols) or rows < 2 * cols or rows * cols < least:
+            return 0
+        xblock = self.kernel_config("persistent", rows, cols)["XBLOCK"]
+        return min(2 * sm_count(device), -(-rows // xblock))
+
     def kernel_math_exact(self, op: str, device, dtype) -> bool:
         """Does a kernel compute `op` to its dtype's precision? On a GPU libdevice does. Triton's
         interpreter has none: its atan, asin, acos, atan2 and erfc are fits accurate to fp32

@@ -85,6 +85,9 @@ persistent_reduction_max = 8192   # rows up to this length are reduced in one bl
 split_reduction_programs: int | None = None  # a reduction launching fewer programs is split (None: 2 per SM)
 split_reduction_min = 8192        # ... into parts of at least this many elements per program
 online_softmax = True             # softmax's max and sum of exp in one pass over a looped row
+mix_order_min_elements: int | None = 1 << 22  # a column sum over rows that a row kernel reads anyway (a norm's
+                                  # weight gradient) joins that kernel from this many elements
+                                  # (mix_order.py; None: never)
 
 # Code generation.
 triton_interpret: bool | None = None  # None: Triton's interpreter exactly when CUDA is absent (set at import)

@@ -15,7 +15,7 @@ import itertools
 
 import sympy
 
-from . import collectives, config, ir, loop_order, memory, remat, sizevars
+from . import collectives, config, ir, loop_order, memory, mix_order, remat, sizevars
 from .dependencies import InlineLoads, MemoryAccess, index_vars, trace_body
 from .sizevars import index_symbol
 from .virtualized import V
@@ -32,6 +32,7 @@ class SchedulerNode:
         self.buf, self.name, self.order = buf, buf.name, order
         self.device = buf.get_device()
         self.inlined: dict = {}  # stored buffers whose loads this node recomputes (remat.py)
+        self.column_partial = False  # a column sum's first stage in a row kernel (mix_order.py)
         if isinstance(buf, ir.ComputedBuffer):
             self.body_ranges = list(buf.data.ranges)
             self.rranges = list(buf.data.reduction_ranges) if buf.is_reduction() else []
@@ -82,7 +83,7 @@ class SchedulerNode:
 
     def body_index(self, m) -> list:
         """The index the body is run at, with its variables placed by `m` (kernel_index_map)."""
-        return [sympy.sympify(v).subs(m) for v in index_vars("i", self.body_ranges)]
+        return [sympy.sympify(v).xreplace(m) for v in index_vars("i", self.body_ranges)]
 
     def is_extern(self):
         return not isinstance(self.buf, ir.ComputedBuffer)
@@ -99,6 +100,13 @@ class SchedulerNode:
         if key not in self._index_maps:
             self._index_maps[key] = self._kernel_index_map(X, R)
         return self._index_maps[key]
+
+    def place(self, shape, m) -> None:
+        """Use placement `m` in kernels of `shape` (X, R); None: derive it again (mix_order.py)."""
+        if m is None:
+            self._index_maps.pop(shape, None)
+        else:
+            self._index_maps[shape] = m
 
     def _kernel_index_map(self, X, R):
         ivars = self.loop_vars()
@@ -184,6 +192,7 @@ class Group:
     X: sympy.Expr
     R: sympy.Expr
     order: int
+    mixed_programs: int = 0  # a row kernel with column sums: its programs (mix_order.py); 0: one per block
 
     @property
     def device(self):
@@ -219,11 +228,11 @@ class Group:
             m = n.kernel_index_map(self.X, self.R)
             for acc in n.reads:
                 if acc.peer:  # an all-reduce reads every rank's copy at this index
-                    yield n, "peer", acc.name, sizevars.simplify(acc.index.subs(m))
+                    yield n, "peer", acc.name, sizevars.simplify(acc.index.xreplace(m))
                 else:
-                    yield n, "read", acc.name, (None if acc.indirect else sizevars.simplify(acc.index.subs(m)))
+                    yield n, "read", acc.name, (None if acc.indirect else sizevars.simplify(acc.index.xreplace(m)))
             for acc in n.writes:
-                yield n, "write", acc.name, sizevars.simplify(acc.index.subs(m))
+                yield n, "write", acc.name, sizevars.simplify(acc.index.xreplace(m))
 
     def reads_peers(self) -> bool:
         return any(a.peer for n in self.nodes for a in n.reads)
@@ -259,6 +268,7 @@ class Scheduler:
             self.compute_dependencies()
             self.remove_dead_nodes()
             self.fuse()
+        self.mixed = mix_order.fuse_mixed_orders(self)
         self.compute_buffer_users()
         self.fit_comm_plans()
         inplace = memory.inplace_candidates(self)
@@ -342,6 +352,8 @@ class Scheduler:
         peers = g.reads_peers()
         if tile:
             kind = "tiled"
+        elif g.mixed_programs:
+            kind = "persistent"
         elif not g.is_reduction():
             kind = "pointwise"
         elif g.walks_transposed():
@@ -351,6 +363,8 @@ class Scheduler:
                 else "looped"
         blocks = V.choices.comm_kernel_config(kind, int(X), int(R)) if peers else \
             V.choices.kernel_config(kind, sizevars.hint(X), sizevars.hint(R), g.lane_accumulators())
+        if g.mixed_programs:
+            blocks = {**blocks, "programs": g.mixed_programs}
         return KernelShape(kind, X, R, blocks)
 
     def choose_tile(self, g: Group):

@@ -135,7 +135,8 @@ def _split_reduce(x, load, size, dims, kept, keepdim, out_size, red_sizes, reduc
         cond = ops.lt(ops.index_expr(flat, torch.int64), ops.index_expr(sympy.Integer(rnumel), torch.int64))
         return ops.masked(cond, lambda: load(full), ident)
     stage1 = TensorBox(Reduction(x.get_device(), partial_dtype, inner, part(out_size, sympy.Integer(split)),
-                                 [sympy.Integer(chunk)], reduction_type, src))
+                                 [sympy.Integer(chunk)], reduction_type, src,
+                                 (split, rnumel) if columns and reduction_type == "sum" else ()))
     stage1.realize()
     load1 = stage1.make_loader()
     if reduction_type == "welford_m2":
