@@ -196,7 +196,7 @@ class Reduction(Loops):
     reduction_type: str = "sum"
     src_dtype: torch.dtype = torch.float32
     # (parts, rows) of a column sum's first stage (lowering/reduction.py): part s sums rows s,
-    # s + parts, ...; only the parts' total is read, so a row kernel may share them out (mix_order.py)
+    # s + parts, ...; only the parts' total is read, so a row kernel may deal them out (mix_order.py)
     column_parts: tuple = ()
 
     def make_loader(self):

@@ -36,8 +36,8 @@ def fuse_mixed_orders(sched) -> list[list[str]]:
 
 def _column_parts(g):
     """(parts, rows, columns) of a group made only of column sums' first stages split alike."""
-    found = {(getattr(n.buf, "data", None) and getattr(n.buf.data, "column_parts", ()),
-              sizevars.product(n.ranges[1:])) for n in g.nodes}
+    found = {(getattr(getattr(n.buf, "data", None), "column_parts", ()), sizevars.product(n.ranges[1:]))
+             for n in g.nodes}
     if len(found) != 1 or None in found or not next(iter(found))[0]:
         return None
     (parts, rows), cols = next(iter(found))
