@@ -190,6 +190,8 @@ def test_bfloat16_rounds_to_nearest_even(tmp_path):
         (lambda x: x.bfloat16() * 3 + 1, x),             # fp32 math stored into a bf16 buffer
         (lambda x: x.view(-1, 4).bfloat16().sum(1), x),  # a reduction stored as bf16
         (lambda x: x.to(torch.bfloat16), x64),            # fp64 goes through fp32, as in torch
+        (lambda x: x.view(-1, 4).bfloat16().sum(1).float() * 3, x),    # a row sum rounded, then used
+        (lambda x: x.view(-1, 4).bfloat16().sum(0).float() / 7, x),    # a column sum (looped), alike
     ]
     for i, (fn, inp) in enumerate(cases):
         out, _ = compile_and_run(fn, inp, tmp_path=tmp_path / str(i), emulate_precision_casts=True)
