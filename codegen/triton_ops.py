@@ -61,9 +61,8 @@ class TritonOps:
         out = self.k.reduction(dtype, src_dtype, rtype, value)
         if config.emulate_precision_casts and compute_dtype(dtype) != dtype and rtype in ("sum", "prod") \
                 and not self.k.partial:  # eager rounds a low-precision sum before anyone uses it
-            rounded = round_bf16(out.name, torch.float32) if dtype == torch.bfloat16 else \
-                f"{out}.to({triton_dtype(dtype)}).to(tl.float32)"
-            self.k._finish(self.k.cur, f"{out} = {rounded}")
+            self.k._finish(self.k.cur, f"{out} = " + (round_bf16(out.name, torch.float32) if dtype == torch.bfloat16
+                                                      else f"{out}.to({triton_dtype(dtype)}).to(tl.float32)"))
         return out
 
     def store_reduction(self, name, index, value):
