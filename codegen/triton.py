@@ -10,6 +10,7 @@ stored.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 
 import sympy
@@ -307,7 +308,8 @@ class TritonKernel:
         self.arg(name)  # our own copy: where `_reduce_shares` stores this rank's share
         owner = self._share_owner()
         loads = self._peer_loads(name, idx, lambda r: f"{mask} & ({owner} == {r})")  # one of them per lane
-        value = self.newvar(" + ".join(loads), V.graph.get_dtype(name))
+        value = self.newvar(functools.reduce(lambda v, r: f"tl.where({owner} == {r}, {loads[r]}, {v})",  # not a sum:
+                                             range(len(loads) - 2, -1, -1), loads[-1]), V.graph.get_dtype(name))  # -0 + 0 = +0
         self.two_shot[name] = (idx, mask, reduce_op, value)
         return value
 
@@ -462,9 +464,8 @@ class TritonKernel:
         if self.partial:  # this program's partial: row `xpid` of the parts
             layout = V.graph.get_buffer(name).layout
             index = layout.index([XPID] + sizevars.unravel(RBASE, layout.size[1:]))
-            v = store_text(str(value), value.dtype, layout.dtype)
-            self.partials[1].writeline(f"tl.store({self.arg(name)} + ({texpr(sizevars.simplify(index))}), {v}, "
-                                       "rbase < rnumel)")
+            self.partials[1].writeline(f"tl.store({self.arg(name)} + ({texpr(sizevars.simplify(index))}), "
+                                       f"{store_text(str(value), value.dtype, layout.dtype)}, rbase < rnumel)")
             return value
         if not self.recompute and name not in self.internal:
             dtype = V.graph.get_buffer(name).get_dtype()

@@ -38,10 +38,8 @@ def _column_parts(g):
     """(parts, rows, columns) of a group made only of column sums' first stages split alike."""
     found = {(getattr(getattr(n.buf, "data", None), "column_parts", ()), sizevars.product(n.ranges[1:]))
              for n in g.nodes}
-    if len(found) != 1 or None in found or not next(iter(found))[0]:
-        return None
-    (parts, rows), cols = next(iter(found))
-    return parts, rows, cols
+    ((parts, cols),) = found if len(found) == 1 else (((), None),)
+    return (*parts, cols) if parts else None
 
 
 def _row_kernel(a, b, parts) -> bool:

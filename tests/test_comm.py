@@ -316,6 +316,25 @@ def test_max_min_across_ranks_propagate_nan():
     assert run_ranks(_nan_max_min, WORLD) == [True] * WORLD
 
 
+def _signed_zeros(rank, world):
+    """-0.0 on every rank sums to -0.0 (eager: -0.0 + -0.0), in both algorithms: two-shot's gather
+    took the owner's share by adding the peers' masked loads, and -0.0 + 0.0 is +0.0."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    from commfuse import config
+    x = -torch.zeros(4, 64, device=device())
+    for algorithm in ("one_shot", "two_shot"):
+        torch._dynamo.reset()
+        with config.patch({"comm.algorithm": algorithm}):
+            y = torch.compile(lambda x: funcol.all_reduce(x * 2, "sum", dist.group.WORLD) * 3, backend="commfuse")(x)
+        assert torch.equal(y, x) and bool(torch.signbit(y).all()), (algorithm, y)
+    return True
+
+
+def test_signed_zeros_survive_both_algorithms():
+    assert run_ranks(_signed_zeros, WORLD) == [True] * WORLD
+
+
 def _one_rank_groups(rank, world):
     """An all-reduce over a group of one rank (WORLD under --nproc-per-node 1, or a singleton
     subgroup) is a copy: it runs through c10d, which says why; the barriers of the symmetric-memory
