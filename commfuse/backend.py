@@ -280,6 +280,7 @@ def _generate(gm, example_inputs, graph_id, kind, donated, saved) -> graph_cache
         "peak_memory_by_order": sched.peak_memory_by_order,
         "cross_kernel_bytes": cross_kernel_bytes(sched),
         "rematerialized": sched.remat_log,
+        "mixed_order": sched.mixed,
         # every output's strides, which AOTAutograd gives the backward's inputs (saved_outputs)
         "output_strides": [[int(s) for s in o.layout.stride] if isinstance(o, ir.LaidOut) and
                            all(sizevars.is_static(s) for s in o.layout.stride) else None
