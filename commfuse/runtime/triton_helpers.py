@@ -102,24 +102,22 @@ def round_half_even(x):
 
 
 @triton.jit
-def tanh(x):
-    e = tl.exp(-2.0 * tl.abs(x))
-    t = (1.0 - e) / (1.0 + e)
-    small = x - x * x * x / 3.0
-    t = tl.where(tl.abs(x) < 1e-3, tl.abs(small), t)
-    return tl.where(x < 0, -t, t)
+def tanh(x):  # -expm1(-2|x|) / (2 + expm1(-2|x|)): 1 - e^-2|x| would cancel digits for small |x|
+    e = expm1(-2.0 * tl.abs(x))
+    return tl.where(x < 0, e / (2.0 + e), -e / (2.0 + e))
 
 
 @triton.jit
-def expm1(x):
-    return tl.where(tl.abs(x) < 1e-4, x + 0.5 * x * x + x * x * x / 6.0, tl.exp(x) - 1.0)
+def expm1(x):  # Kahan: (u - 1) x / log(u) cancels the rounding of u = e^x, where u - 1 loses digits (|x| < 1)
+    u = tl.exp(x)
+    return tl.where(tl.abs(x) < 1.0, tl.where(u == 1.0, x, (u - 1.0) * (x / tl.log(u))), u - 1.0)
 
 
 @triton.jit
 def log1p(x):
     u = 1.0 + x
-    # log(u) * x / (u - 1) corrects the rounding of 1 + x (Goldberg)
-    return tl.where(u == 1.0, x, tl.log(u) * (x / (u - 1.0)))
+    # log(u) * x / (u - 1) corrects the rounding of 1 + x (Goldberg); none where u - 1 is x (inf: not inf / inf)
+    return tl.where(u == 1.0, x, tl.log(u) * tl.where(u - 1.0 == x, 1.0, x / (u - 1.0)))
 
 
 @triton.jit
@@ -157,8 +155,9 @@ def acos(x):
 
 
 @triton.jit
-def sinh(x):
-    return tl.where(tl.abs(x) < 1e-4, x + x * x * x / 6.0, 0.5 * (tl.exp(x) - tl.exp(-x)))
+def sinh(x):  # (e + e / (e + 1)) / 2 with e = expm1(x) below |x| = 1, where e^x - e^-x cancels
+    e = expm1(x)
+    return tl.where(tl.abs(x) < 1.0, 0.5 * (e + e / (e + 1.0)), 0.5 * (tl.exp(x) - tl.exp(-x)))
 
 
 @triton.jit
@@ -181,7 +180,8 @@ def acosh(x):
 
 @triton.jit
 def atanh(x):
-    return tl.where(tl.abs(x) < 1e-4, x + x * x * x / 3.0, 0.5 * tl.log((1.0 + x) / (1.0 - x)))
+    r = 0.5 * log1p(2.0 * tl.abs(x) / (1.0 - tl.abs(x)))  # log((1 + x) / (1 - x)) cancels digits for small |x|
+    return tl.where(x < 0, -r, r)
 
 
 @triton.jit
