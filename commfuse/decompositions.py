@@ -98,10 +98,37 @@ def _pair(v) -> list:
     return [v, v] if isinstance(v, int) else list(v) * (2 // len(v))
 
 
+# foreach ops whose per-tensor op we lower (the rest keep their one aten call), and those whose
+# argument at a position is keyword-only in the per-tensor op
+_FOREACH = ("add sub mul div addcmul addcdiv lerp pow maximum minimum clamp_min clamp_max abs neg exp sqrt rsqrt "
+            "reciprocal sign sigmoid tanh log log1p log2 expm1 sin cos erf floor ceil round trunc copy zero norm").split()
+_KEYWORD = {"addcmul": (3, "value"), "addcdiv": (3, "value"), "norm": (2, "dtype")}
+
+
+def _foreach(name: str):
+    """`aten._foreach_<name>(lists, ...)` as the per-tensor ops it stands for: each tensor's chain
+    of an optimizer step (clip, EMA) then fuses into one kernel, as in Inductor's foreach lowering."""
+    base = {"zero": aten.zeros_like, "norm": aten.linalg_vector_norm}.get(name, getattr(aten, name))
+    of_number = {"maximum": aten.clamp_min, "minimum": aten.clamp_max}.get(name, base)  # maximum takes no number
+
+    def decompose(*args, **kwargs):
+        k, key = _KEYWORD.get(name, (len(args), None))
+        args, kwargs = args[:k], {**kwargs, **({key: args[k]} if len(args) > k else {})}
+        if set(kwargs) - {"alpha", key} or any(isinstance(v, torch.Tensor) for v in kwargs.values()):
+            return NotImplemented  # addcmul's tensor of scalars, or arguments named unlike the op's
+        op = base if len(args) < 2 or isinstance(args[1], (list, tuple, torch.Tensor)) else of_number
+        pick = lambda v, i: v[i] if isinstance(v, (list, tuple)) else v  # noqa: E731
+        n = next(len(a) for a in args if isinstance(a, (list, tuple)))
+        return [op(*(pick(a, i) for a in args), **{k: pick(v, i) for k, v in kwargs.items()}) for i in range(n)]
+    return decompose
+
+
 _OURS = {aten._softmax.default: _softmax_from_stats(log=False),
          aten.max_pool2d_with_indices.default: _max_pool_via_offsets,
          aten._log_softmax.default: _softmax_from_stats(log=True),
-         aten.convolution_backward.default: _conv_backward_bias_apart}
+         aten.convolution_backward.default: _conv_backward_bias_apart,
+         **{ov: _foreach(name) for name in _FOREACH for p in [getattr(aten, f"_foreach_{name}")]
+            for ov in (getattr(p, o) for o in p.overloads()) if not ov._schema.is_mutable}}
 
 
 @functools.lru_cache(None)

@@ -360,7 +360,7 @@ class CommKernel(Buffer):
 @dataclasses.dataclass(eq=False)
 class MultiOutput(Buffer):
     """The item of a multi-output extern kernel's result at path `index` (`result[i][j]...`)."""
-    parent: ExternKernel = None
+    parent: ExternKernel = dataclasses.field(default=None, repr=False)  # its args list its items: no cycle
     index: tuple = ()
 
 

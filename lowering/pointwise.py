@@ -3,6 +3,7 @@ constructors (full, arange, ...)."""
 from __future__ import annotations
 
 import torch
+import torch._inductor.inductor_prims  # noqa: F401  (registers prims.fma)
 
 from commfuse import ir, sizevars
 from commfuse.ir import Pointwise, TensorBox
@@ -200,6 +201,11 @@ def masked_fill(x, mask, value):
 @register(aten.lerp.Scalar, aten.lerp.Tensor)
 def lerp(a, b, w):
     return make_pointwise(lambda x, y, t: ops.add(x, ops.mul(t, ops.sub(y, x))), [a, b, w])
+
+
+@register(prims.fma)
+def fma(a, b, c):  # a * b + c (torch's lerp decomposition): rounded after the product too
+    return make_pointwise(lambda x, y, z: ops.add(ops.mul(x, y), z), [a, b, c])
 
 
 @register(aten.addcmul, aten.addcdiv, with_op=True)
