@@ -269,6 +269,9 @@ class WrapperCodegen:
             p = self.comm_placements[buf.name]
             self.body.writeline(f"{buf.name} = comm[{buf.name!r}]  # {p['pool']} [{p['offset']}, +{p['bytes']})")
             return
+        if isinstance(lay, ir.MutationLayout):
+            self.body.writeline(f"{buf.name} = {self.ref(lay.target)}  # stored into in place")
+            return
         nbytes = lay.nbytes_hint()
         self.allocated.add(buf.name)
         if buf.name in self.sched.inplace:

@@ -101,6 +101,13 @@ class CommLayout(FixedLayout):
     kind: str = ""
 
 
+@dataclasses.dataclass
+class MutationLayout(FixedLayout):
+    """The storage of graph input `target`, which the graph updates (`copy_`): the kernel computing
+    the new value stores it there, and no copy follows."""
+    target: str = ""
+
+
 def contiguous_layout(device, dtype, size, cls=FlexibleLayout) -> Layout:
     return cls(device, dtype, list(size), sizevars.contiguous_strides(size))
 
@@ -277,6 +284,10 @@ class ComputedBuffer(Buffer):
 
     def is_reduction(self) -> bool:
         return isinstance(self.data, Reduction)
+
+    @property
+    def mutates(self) -> list:
+        return [self.layout.target] if isinstance(self.layout, MutationLayout) else []
 
     def store_body(self, index, rindex=None):
         """Run the body at `index` under the active ops handler: load, compute, store."""

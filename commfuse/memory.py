@@ -32,7 +32,7 @@ def owned(name: str) -> bool:
     if donated(name):
         return True
     buf = V.graph.name_to_buffer.get(name)
-    return buf is not None and not isinstance(buf.layout, ir.CommLayout) and \
+    return buf is not None and not isinstance(buf.layout, (ir.CommLayout, ir.MutationLayout)) and \
         not getattr(buf, "multi_output", False) and not getattr(buf, "side_effect", False)
 
 

@@ -47,7 +47,8 @@ class SchedulerNode:
 
     def _trace(self):
         trace = trace_body(self.buf.data, self.name, self.buf.layout, self.inlined)
-        self.reads, self.writes = trace.reads, trace.writes
+        self.reads, self.writes = trace.reads, trace.writes + [  # a graph input stored into (MutationLayout)
+            dataclasses.replace(w, name=m) for m in self.buf.mutates for w in trace.writes]
         self.read_names = {r.name for r in self.reads}
         self.write_names = {w.name for w in self.writes}
 
@@ -647,7 +648,7 @@ class Scheduler:
             if g.is_extern():
                 continue
             for n in g.nodes:
-                if n.name in self.output_names or V.graph.comm_plan(n.name):  # peers read those
+                if n.name in self.output_names or V.graph.comm_plan(n.name) or n.buf.mutates:  # peers, or the input, read those
                     continue
                 users = self.readers.get(n.name, [])
                 if all(u is g for u in users):

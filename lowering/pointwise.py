@@ -2,6 +2,8 @@
 constructors (full, arange, ...)."""
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch._inductor.inductor_prims  # noqa: F401  (registers prims.fma)
 
@@ -268,6 +270,17 @@ def copy(x, src, non_blocking=False):
     if not is_tensor(src) or src.get_device() != x.get_device():
         raise ir.Unsupported("copies across devices run through aten")
     return to_dtype(aten._to_copy.default, expand(src, x.get_size()), x.get_dtype())
+
+
+@register(aten.copy_.default)
+def copy_into_input(dst, src, non_blocking=False):
+    """A graph input updated in place (functionalization's write-back of a parameter or optimizer
+    state): the kernel that computes the value stores it into the input, no copy after it."""
+    if not is_tensor(dst) or type(dst.data) is not ir.InputBuffer:
+        raise ir.Unsupported("copy_ into other than a whole graph input (donated ones are freed early)")
+    d = dst.data
+    layout = ir.MutationLayout(**{f.name: getattr(d.layout, f.name) for f in dataclasses.fields(ir.Layout)}, target=d.name)
+    return TensorBox(V.graph.register_buffer(ir.ComputedBuffer, layout=layout, data=copy(dst, src).data))
 
 
 @register(aten.alias, aten.detach)
