@@ -338,6 +338,20 @@ def test_tanh_expm1_sinh_atanh_keep_relative_precision_near_zero(dtype):
         torch.testing.assert_close(g, e, rtol=6 * torch.finfo(dtype).eps, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_asinh_acosh_sinh_cosh_keep_relative_precision(dtype):
+    """asinh near 0 (log(a + sqrt(a² + 1)) lost digits: 4.5e3 ulps at 1e-3 in fp32), acosh near 1
+    (x² - 1 cancelled: 1e5 ulps in fp64), sinh and cosh up to their own overflow (in fp32, e^|x|
+    overflowed first: inf for 88.7 < |x| < 89.4, as eager's vectorized fp32 sinh on CPU does: the
+    reference is fp64)."""
+    m, big = torch.logspace(-6, 2, 400, dtype=dtype), torch.linspace(80, 89.4, 60, dtype=dtype)
+    args = (torch.cat([m, -m]), 1 + m, m * 1e8, torch.cat([big, -big]), big, m)
+    fn = lambda *a: (a[0].asinh(), a[1].acosh(), a[2].acosh(), a[3].sinh(), a[4].cosh(), a[5].cosh())  # noqa: E731
+    torch._dynamo.reset()
+    for g, e in zip(torch.compile(fn, backend="commfuse")(*args), fn(*(a.double() for a in args))):
+        torch.testing.assert_close(g, e.to(dtype), rtol=8 * torch.finfo(dtype).eps, atol=0)
+
+
 def test_max_over_no_elements_raises_as_in_eager():
     """max(0) of a (0, 4) tensor has no value: eager raises, and so must the compiled function
     (it returned -inf and index 2**31 - 1)."""

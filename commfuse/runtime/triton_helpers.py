@@ -155,27 +155,29 @@ def acos(x):
 
 
 @triton.jit
-def sinh(x):  # (e + e / (e + 1)) / 2 with e = expm1(x) below |x| = 1, where e^x - e^-x cancels
-    e = expm1(x)
-    return tl.where(tl.abs(x) < 1.0, 0.5 * (e + e / (e + 1.0)), 0.5 * (tl.exp(x) - tl.exp(-x)))
+def sinh(x):  # expm1 below |x| = 1 (e^x - e^-x cancels); above, e^(|x|/2) squared (e^|x| overflows first)
+    e, h = expm1(x), tl.exp(0.5 * tl.abs(x))
+    big = (0.5 * h) * h - (0.5 / h) / h
+    return tl.where(tl.abs(x) < 1.0, 0.5 * (e + e / (e + 1.0)), tl.where(x < 0, -big, big))
 
 
 @triton.jit
-def cosh(x):
-    return 0.5 * (tl.exp(x) + tl.exp(-x))
+def cosh(x):  # e^(|x|/2) squared: e^|x| would overflow where cosh does not
+    h = tl.exp(0.5 * tl.abs(x))
+    return (0.5 * h) * h + (0.5 / h) / h
 
 
 @triton.jit
-def asinh(x):
+def asinh(x):  # log1p(a + a² / (1 + sqrt(1 + a²))): log(a + sqrt(a² + 1)) loses digits for small a
     a = tl.abs(x)
-    r = tl.log(a + tl.sqrt(a * a + 1.0))
-    r = tl.where(a < 1e-4, a, r)
+    r = tl.where(a > 1e9, tl.log(a) + 0.6931471805599453, log1p(a + a * a / (1.0 + tl.sqrt(1.0 + a * a))))
     return tl.where(x < 0, -r, r)
 
 
 @triton.jit
-def acosh(x):
-    return tl.log(x + tl.sqrt(x * x - 1.0))
+def acosh(x):  # log1p(t + sqrt(t (t + 2))) with t = x - 1: x² - 1 cancels near 1
+    t = x - 1.0
+    return tl.where(x > 1e9, tl.log(x) + 0.6931471805599453, log1p(t + tl.sqrt(t * (t + 2.0))))
 
 
 @triton.jit
