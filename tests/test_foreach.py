@@ -93,3 +93,26 @@ def test_foreach_overloads(tmp_path):
         torch.testing.assert_close(g, w)
     calls, _ = _calls(Dumps(tmp_path))
     assert not [c for c in calls if "_foreach" in c], calls
+
+
+@pytest.mark.parametrize("update", [
+    lambda x: x.copy_(torch.roll(x, 1, 0) * 2),            # each row from the row before it
+    lambda x: x.copy_(x.t().clone() + 1),                   # from the transposed element
+    lambda x: x.copy_(x.cumsum(0)),                         # from every row before it
+    lambda x: x.sub_(x.mean(0, keepdim=True)),              # from a reduction over the columns
+    lambda x: x.mul_(2).add_(x[:, :1].clone()),             # twice, the second from a column of the first
+], ids=["roll", "transposed", "cumsum", "column_mean", "chained"])
+def test_input_updated_from_its_own_other_elements(tmp_path, update):
+    """A graph input written in place by the kernel computing its new value (MutationLayout) must
+    not be read at other elements after programs overwrote them: what reads it elsewhere is
+    computed first."""
+    torch.manual_seed(0)
+    x = torch.randn(300, 300, device=DEVICE)
+    want = update(x.clone())
+    got = x.clone()
+    torch._dynamo.reset()
+    with config.patch(dump_dir=str(tmp_path)):
+        out = torch.compile(update, backend="commfuse")(got)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(out, want)
+    assert not any("copy_" in c for c in _calls(Dumps(tmp_path))[0])  # stored by a kernel, in place
