@@ -34,6 +34,11 @@ def round_bf16(x: str, src: torch.dtype) -> str:
     return f"tl.where({x} != {x}, {x}, {rounded})"  # NaN: its bits must not carry into the sign
 
 
+def narrowed(x: str, src: torch.dtype, dtype: torch.dtype) -> str:
+    """Float `x` rounded to the low-precision float `dtype`, held as fp32."""
+    return round_bf16(x, src) if dtype == torch.bfloat16 else f"{x}.to({triton_dtype(dtype)}).to(tl.float32)"
+
+
 def store_text(x: str, src: torch.dtype, dtype: torch.dtype) -> str:
     """Value `x` of logical dtype `src` as stored into a buffer of `dtype`."""
     if dtype == torch.bfloat16:
@@ -61,8 +66,7 @@ class TritonOps:
         out = self.k.reduction(dtype, src_dtype, rtype, value)
         if config.emulate_precision_casts and compute_dtype(dtype) != dtype and rtype in ("sum", "prod") \
                 and not self.k.partial:  # eager rounds a low-precision sum before anyone uses it
-            self.k._finish(self.k.cur, f"{out} = " + (round_bf16(out.name, torch.float32) if dtype == torch.bfloat16
-                                                      else f"{out}.to({triton_dtype(dtype)}).to(tl.float32)"))
+            self.k._finish(self.k.cur, f"{out} = {narrowed(out.name, torch.float32, dtype)}")
         return out
 
     def store_reduction(self, name, index, value):
@@ -96,10 +100,8 @@ class TritonOps:
         if cd != dtype and compute_dtype(x.dtype) == cd and not (explicit or config.emulate_precision_casts):
             return Var(x.name, dtype)
         text = f"{x}.to({triton_dtype(dtype)})"
-        if dtype == torch.bfloat16:
-            text = round_bf16(x.name, compute_dtype(x.dtype))
-        elif cd != dtype:  # round to the narrow type, keep computing in fp32
-            text = f"{x}.to({triton_dtype(dtype)}).to(tl.float32)"
+        if cd != dtype:  # round to the narrow type, keep computing in fp32
+            text = narrowed(x.name, compute_dtype(x.dtype), dtype)
         elif compute_dtype(x.dtype) == cd:
             return Var(x.name, dtype)
         return self.k.newvar(text, dtype)

@@ -14,11 +14,8 @@ import dataclasses
 import sympy
 
 from . import sizevars
-from .sizevars import FloorDiv, Mod, index_symbol
+from .sizevars import RSYM, XSYM, FloorDiv, Mod
 from .virtualized import V
-
-XSYM, RSYM = index_symbol("x", 0), index_symbol("r", 0)  # the kernel's row and column (scheduler.py)
-
 
 def fuse_mixed_orders(sched) -> list[list[str]]:
     """Join each column sum's first stage to a row kernel beside it; the kernels made, by nodes."""

@@ -17,11 +17,9 @@ import sympy
 
 from . import collectives, config, ir, loop_order, memory, mix_order, remat, sizevars
 from .dependencies import InlineLoads, MemoryAccess, index_vars, trace_body
-from .sizevars import index_symbol
+from .sizevars import RSYM, XSYM, index_symbol  # noqa: F401  (codegen imports the kernel's indices from here)
 from .virtualized import V
 
-XSYM = index_symbol("x", 0)   # the kernel's row index
-RSYM = index_symbol("r", 0)   # the kernel's reduction (inner) index
 LANE_ACCUMULATORS = {"welford_m2": 3, "softmax_sum": 2, "argmax": 2, "argmin": 2}  # else 1
 
 

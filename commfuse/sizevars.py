@@ -81,6 +81,9 @@ def index_symbol(prefix: str, i: int) -> sympy.Symbol:
     return sympy.Symbol(f"{prefix}{i}", integer=True, nonnegative=True)
 
 
+XSYM, RSYM = index_symbol("x", 0), index_symbol("r", 0)  # a kernel's row index and its reduction (inner) index
+
+
 def from_torch(value) -> Expr:
     """A python int, SymInt or torch sympy expression -> our sympy expression."""
     if isinstance(value, torch.SymInt):
