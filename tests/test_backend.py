@@ -127,6 +127,26 @@ def test_inference_mode_and_no_grad():
         torch.testing.assert_close(fn(x), F.gelu(x) * x.sum())
 
 
+
+def test_output_laid_over_a_buffer_is_updated_in_place_under_autograd():
+    """`x + lin(x)` is written in place over the matmul's output and returned in the caller's
+    shape: that output was an autograd view of the matmul's buffer, so `y.mul_(2)` raised ("Output
+    0 of CompiledFunction is a view and is being modified inplace") and FSDP2 warned that each
+    compiled block returned a view."""
+    lin = torch.nn.Linear(8, 8, device=DEVICE)
+    fn = torch.compile(lambda x: x + lin(x), backend="commfuse")
+    grads = []
+    for f in (fn, lambda x: x + lin(x)):
+        x = torch.arange(48.0, device=DEVICE).view(2, 3, 8).div(10).requires_grad_()
+        y = f(x)
+        assert not y._is_view()
+        y.mul_(2)
+        y.square().sum().backward()
+        grads.append((y.detach(), x.grad, lin.weight.grad))
+        lin.weight.grad = None
+    torch.testing.assert_close(*grads)
+
+
 @pytest.mark.parametrize("train", [False, True])
 def test_twin_random_draws_stay_two(train):
     """Two draws of the same kind from the same arguments are two draws: common-subexpression

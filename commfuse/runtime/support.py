@@ -26,7 +26,9 @@ def as_meta_layout(t: torch.Tensor, size, stride) -> torch.Tensor:
 
 
 def reinterpret_tensor(base: torch.Tensor, size, stride, offset) -> torch.Tensor:
-    return base.as_strided(size, stride, base.storage_offset() + offset)
+    """`base`'s memory in other sizes and strides: an alias, not an autograd view, so that an output
+    laid over a buffer of ours is a tensor the caller may update in place under autograd."""
+    return torch._C._dynamo.guards._reinterpret_tensor(base, size, stride, offset)
 
 
 def workspace(cache: dict, key: str, numel: int, dtype, device) -> torch.Tensor:
