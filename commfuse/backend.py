@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import collections
 import hashlib
-import itertools
 import logging
 import re
 import time
@@ -23,6 +22,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from commfuse.codegen.wrapper import WrapperCodegen
 
 from . import choices, config, dump, graph_cache, ir, sizevars
+from .compiled import AtenGraph, CompiledGraph, aot_caching, next_graph_id, serializable, summaries  # noqa: F401
 from .attention import contiguous_masks, use_sdpa_gqa
 from .decompositions import decomposition_table
 from .graph import GraphLowering
@@ -31,14 +31,11 @@ from .one_hot import sum_one_hot
 from .reinplace import reinplace_input_updates
 from .remat import cross_kernel_bytes
 from .runtime import precompile
-from .runtime.cudagraphs import CudaGraphed, input_roles
-from .runtime.loader import check_triton_mode, load_module
+from .runtime.cudagraphs import input_roles
 from .scheduler import Scheduler
 from .virtualized import V
 
 log = logging.getLogger("commfuse")
-_graph_counter = itertools.count()
-summaries: list[dict] = []  # every graph this process compiled or fell back on, in order (as summary.json)
 
 
 def commfuse_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None = None,
@@ -50,28 +47,28 @@ def commfuse_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | N
     elif mode not in (None, "default"):
         log.warning("commfuse: mode=%r is not supported; compiling with defaults", mode)
     settings = {**config.snapshot(), **_check_options(options)}
-    with config.patch(settings):
-        precompile.warm()  # the workers start while AOTAutograd traces the graph
     if settings["sdpa_gqa"]:
         use_sdpa_gqa(gm)
     contiguous_masks(gm)
+    with config.patch(settings), aot_caching(example_inputs) as cached:
+        precompile.warm()  # the workers start while AOTAutograd traces the graph
 
-    def compiler(kind):
-        def compile_fn(graph_module, inputs):
-            with config.patch(settings):
-                return compile_graph(graph_module, inputs, kind)
-        return compile_fn
+        def compiler(kind):
+            def compile_fn(graph_module, inputs):
+                with config.patch(settings):
+                    return compile_graph(graph_module, inputs, kind)
+            return serializable(compile_fn) if cached else compile_fn
 
-    # Dynamo's own AOTAutograd entry for backends, not aot_module_simplified directly: DDP's graph
-    # split (DDPOptimizer) learns from it that AOTAutograd compiled a bucket, and then makes the
-    # fake first call whose fake outputs a user would otherwise receive from the first real one.
-    return aot_autograd(
-        fw_compiler=compiler("forward"), bw_compiler=compiler("backward"),
-        inference_compiler=compiler("inference"),
-        decompositions=decomposition_table(tuple(sorted(settings["fallback_ops"]))),
-        partition_fn=_partition,
-        keep_inference_input_mutations=True,
-    )(gm, example_inputs)
+        # Dynamo's own AOTAutograd entry for backends, not aot_module_simplified directly: DDP's graph
+        # split (DDPOptimizer) learns from it that AOTAutograd compiled a bucket, and then makes the
+        # fake first call whose fake outputs a user would otherwise receive from the first real one.
+        return aot_autograd(
+            fw_compiler=compiler("forward"), bw_compiler=compiler("backward"),
+            inference_compiler=compiler("inference"),
+            decompositions=decomposition_table(tuple(sorted(settings["fallback_ops"]))),
+            partition_fn=_partition,
+            keep_inference_input_mutations=True,
+        )(gm, example_inputs)
 
 
 def _check_options(options: dict) -> dict:
@@ -86,23 +83,7 @@ def graph_id_for(gm: torch.fx.GraphModule, kind: str) -> str:
     """Stable across ranks running the same program: a counter plus the graph's code, with the
     rank's own device index taken out (each rank runs on its own GPU)."""
     code = re.sub(r"(cuda:)\d+|(index=)\d+", r"\1\2#", gm.code)
-    digest = hashlib.sha256(code.encode()).hexdigest()[:8]
-    return f"g{next(_graph_counter):03d}_{kind}_{digest}"
-
-
-class CompiledGraph:
-    """The boxed callable AOTAutograd calls: `compiled(args_list)`."""
-
-    def __init__(self, module, graph_id, path, summary, pending=None):
-        self._boxed_call = True  # on the instance: wrappers (Dynamo's `disable`) copy its __dict__
-        self.module, self.graph_id, self.path, self.summary = module, graph_id, path, summary
-        self.call = module.call
-        self.pending = pending  # its kernels, compiling ahead of time: the first call waits for them
-
-    def __call__(self, args):
-        if self.pending is not None:
-            self.pending = self.pending.wait()
-        return self.call(args)
+    return next_graph_id(kind, hashlib.sha256(code.encode()).hexdigest()[:8])
 
 
 def _cse_would_merge_draws(gm: torch.fx.GraphModule) -> bool:
@@ -141,7 +122,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, kind: str = "inferen
         summary = {"graph_id": graph_id, "compiled": False, "fallback_reason": reason}
         summaries.append(summary)
         dump.write(graph_id, {"fx_graph.txt": gm.print_readable(print_output=False)}, summary)
-        return _aten_fallback(gm)
+        return AtenGraph(gm)
 
 
 # The forward's outputs (fake tensors) holding their storage alone among its inputs and outputs:
@@ -184,14 +165,6 @@ def saved_outputs(gm: torch.fx.GraphModule, kind: str) -> tuple:
     return tuple(range(len(outputs))[ctx.fw_metadata.tensors_saved_for_backwards_slice])
 
 
-def _aten_fallback(gm):
-    def run(args):
-        out = torch.fx.Interpreter(gm).boxed_run(args)
-        return out
-    run._boxed_call = True
-    return run
-
-
 def _compile(gm, example_inputs, graph_id, kind="inference", donated=frozenset(), saved=()):
     t0 = time.time()
     if kind == "inference" and not _cse_would_merge_draws(gm):  # as the partitioner for training
@@ -209,31 +182,17 @@ def _compile(gm, example_inputs, graph_id, kind="inference", donated=frozenset()
         if key is not None:
             skipped = graph_cache.store(key, description, gm, gen)
             key = None if skipped else key
-    check_triton_mode(gen.computed_device_types)
-    module, path = load_module(gen.source, gen.constants)
-    pending = precompile.start(module)  # lowering the next graph overlaps with these compiles
-    if config.cuda_graphs and gen.device_types == {"cuda"}:
-        launches = len(gen.summary["kernels"]) + len(gen.summary["extern_calls"])
-        module.call = CudaGraphed(module.call, graph_id, input_roles(gm, kind), choices.current().cuda_graph_captures(),
-                                  choices.current().cuda_graph_copy_limit(launches))
-    summary = {"graph_id": graph_id, **gen.summary, "compile_seconds": round(time.time() - t0, 3),
-               "cache_hit": hit, "cache_key": key}
-    if skipped:
-        summary["cache_skipped"] = skipped
-    summaries.append(summary)
+    roles = input_roles(gm, kind) if gen.device_types == {"cuda"} else None  # for CUDA-graph mode
+    compiled = CompiledGraph(gen, kind, roles, key).load(t0, "graph" if hit else None, skipped)
     ctx = torch._guards.TracingContext.try_get()
-    if ctx is not None and ctx.output_strides is not None and summary["output_strides"]:
-        ctx.output_strides.extend(summary["output_strides"])
+    if ctx is not None and ctx.output_strides is not None and compiled.summary["output_strides"]:
+        ctx.output_strides.extend(compiled.summary["output_strides"])
     if config.dump_dir:  # printing the graph costs as much as a cache hit
         dump.write(graph_id, {"fx_graph.txt": gm.print_readable(print_output=False),
                               "ir_pre_fusion.txt": gen.pre_fusion + "\n",
                               "ir_post_fusion.txt": gen.post_fusion,
-                              "output_code.py": gen.source}, summary)
-    if config.debug:
-        log.warning("commfuse: %s %s: %d kernels, %d extern calls (not lowered: %s) -> %s", graph_id,
-                    "loaded from the graph cache" if hit else "compiled", len(summary["kernels"]),
-                    len(summary["extern_calls"]), summary["fallback_reasons"] or "none", path)
-    return CompiledGraph(module, graph_id, path, summary, pending)
+                              "output_code.py": gen.source}, compiled.summary)
+    return compiled
 
 
 def _cached(gm, example_inputs, graph_id, kind, donated, saved):

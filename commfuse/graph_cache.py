@@ -87,9 +87,18 @@ def describe(gm: torch.fx.GraphModule, example_inputs, kind: str, donated, saved
         "attributes": _attributes(gm),
         "inputs": [_value(x, inputs, strict=True) for x in example_inputs],
         "shape_env": _shape_env(example_inputs),
+        **context([n.meta.get("val") for n in gm.graph.nodes]),
+    }
+    return json.dumps(parts, sort_keys=True)
+
+
+def context(values) -> dict:
+    """What generated code depends on besides its graph: the config, the distributed context, the
+    devices of `values` (tensors anywhere in them), the library versions, commfuse's own code."""
+    return {
         "config": _config(),
         "distributed": _distributed(),
-        "device": _device(gm),
+        "device": _device(values),
         "versions": _versions(),
         "default_dtype": str(torch.get_default_dtype()),
         # lowerings choose by it (atomic adds for index_put only where order may vary)
@@ -97,7 +106,6 @@ def describe(gm: torch.fx.GraphModule, example_inputs, kind: str, donated, saved
         "commfuse_files": files_digest(),
         "replaced_functions": replaced_functions(),
     }
-    return json.dumps(parts, sort_keys=True)
 
 
 def digest(description: str) -> str:
@@ -230,14 +238,13 @@ def _distributed():
             "LOCAL_WORLD_SIZE": os.environ.get("LOCAL_WORLD_SIZE")}
 
 
-def _device(gm) -> dict:
+def _device(values) -> dict:
     from .runtime.loader import interpreting
     cuda = torch.cuda.is_available()
     devices = set()
-    for node in gm.graph.nodes:
-        for v in torch.utils._pytree.tree_leaves(node.meta.get("val")):
-            if isinstance(v, torch.Tensor) and v.device.type == "cuda":
-                devices.add(v.device.index or 0)
+    for v in torch.utils._pytree.tree_leaves(values):
+        if isinstance(v, torch.Tensor) and v.device.type == "cuda":
+            devices.add(v.device.index or 0)
     props = []
     for i in sorted(devices):
         p = torch.cuda.get_device_properties(i)
@@ -385,7 +392,7 @@ def _path(key: str) -> str:
 def store(key: str, description: str, gm: torch.fx.GraphModule, gen: Generated) -> str | None:
     """Write an entry; None when written, else why not (the graph's constants, pickling, the disk)."""
     try:
-        constants = {name: _constant_ref(gm, name, value) for name, value in gen.constants.items()}
+        constants = {name: constant_ref(gm, name, value) for name, value in gen.constants.items()}
         entry = {"format": FORMAT, "key": key, "description": description,
                  "generated": dataclasses.replace(gen, constants=constants)}
         data = pickle.dumps(entry, protocol=4)
@@ -423,7 +430,7 @@ def lookup(key: str, description: str, gm: torch.fx.GraphModule, graph_id: str,
         if need_ir and not gen.post_fusion:
             log.debug("commfuse: cache entry %s has no IR for the dumps: compiling again", key)
             return None
-        constants = {name: _constant(gm, ref) for name, ref in gen.constants.items()}
+        constants = {name: constant(gm, ref) for name, ref in gen.constants.items()}
         return dataclasses.replace(gen, graph_id=graph_id, source=gen.source.replace(gen.graph_id, graph_id),
                                    constants=constants,
                                    messages=[(lv, m.replace(gen.graph_id, graph_id)) for lv, m in gen.messages])
@@ -439,10 +446,13 @@ def _fetch(gm, target: str):
     return obj
 
 
-def _constant_ref(gm, name: str, value):
+def constant_ref(gm, name: str, value):
     """How a hit finds a constant again: a tensor as the graph attribute holding it (its value
-    is never stored), anything else by import path."""
+    is never stored), or by value without a graph (AOTAutograd's cache keeps none); anything else
+    by import path."""
     if isinstance(value, torch.Tensor):
+        if gm is None:
+            return ("value", value)
         for node in gm.graph.find_nodes(op="get_attr"):
             if _fetch(gm, node.target) is value:
                 return ("attr", node.target)
@@ -491,8 +501,10 @@ def _resolve(ref: tuple):
     raise ValueError(f"unknown constant reference {ref}")
 
 
-def _constant(gm, ref: tuple):
+def constant(gm, ref: tuple):
     kind, what = ref
+    if kind == "value":
+        return what
     if kind == "attr":
         value = _fetch(gm, what)
         if not isinstance(value, torch.Tensor):

@@ -1,5 +1,5 @@
 """Test set-up: Triton's interpreter when CUDA is absent (chosen before triton is imported),
-compile errors raised rather than hidden behind the aten fallback, a graph cache of this run's own,
+compile errors raised rather than hidden behind the aten fallback, graph caches of this run's own,
 GPU tests skipped on CPU, no TF32 in fp32 comparisons."""
 import os
 import tempfile
@@ -8,6 +8,7 @@ os.environ.setdefault("COMMFUSE_FALLBACK_ON_ERROR", "0")
 # compiled graphs cached for this run only: a test that patches the compiler in a way the cache key
 # cannot see must not meet an entry another run stored
 os.environ.setdefault("COMMFUSE_CACHE_DIR", tempfile.mkdtemp(prefix="commfuse_tests_"))
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.environ["COMMFUSE_CACHE_DIR"], "inductor"))  # AOTAutograd's
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -31,6 +31,13 @@ def lowerings(monkeypatch):
     return calls
 
 
+@pytest.fixture(autouse=True)
+def _without_aot_cache():
+    """Our cache alone: AOTAutograd's would hold the graphs too (tests/test_aot_cache.py)."""
+    with torch._functorch.config.patch(enable_autograd_cache=False):
+        yield
+
+
 def _compile(fn, *args, cache_dir, **options):
     """fn compiled in a fresh Dynamo state; (its output, the summaries of the graphs it compiled)."""
     torch._dynamo.reset()
@@ -260,6 +267,7 @@ def _ranks_hit_their_own_entries(rank, world, cache_dir):
     x = torch.randn(33, 7, device=device()) + rank
     want = fn(x)
     hits = []
+    torch._functorch.config.enable_autograd_cache = False  # our cache alone
     for _ in range(2):
         torch._dynamo.reset()
         before = len(backend.summaries)
@@ -294,6 +302,7 @@ def _tp_training_hits(rank, world, cache_dir):
     model(x).square().mean().backward()
     want = [local(p.grad).clone() for p in model.parameters()]
     seen, out = [], []  # descriptions of the graphs compiled; (hit, seen before, why not stored)
+    torch._functorch.config.enable_autograd_cache = False  # our cache alone
     digest = graph_cache.digest
     graph_cache.digest = lambda d: seen.append(d) or digest(d)
     for _ in range(3):

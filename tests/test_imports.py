@@ -21,7 +21,7 @@ PACKAGES = {"commfuse": "commfuse", "lowering": "commfuse.lowering", "codegen": 
 # Highest first. A module may import its own layer or a lower one. An entry ending in ".*" is a
 # whole package; every product module must be in exactly one layer.
 LAYERS = [
-    ("entry", ["commfuse", "commfuse.backend", "commfuse.graph", "commfuse.graph_cache", "commfuse.attention",
+    ("entry", ["commfuse", "commfuse.backend", "commfuse.compiled", "commfuse.graph", "commfuse.graph_cache", "commfuse.attention",
                "commfuse.reinplace", "commfuse.one_hot", "commfuse.host_scalars", "commfuse.fx_rewrite",
                "commfuse.decompositions", "commfuse.dump", "commfuse.tune"]),
     ("lowering", ["commfuse.lowering", "commfuse.lowering.*"]),

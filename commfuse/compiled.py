@@ -1,0 +1,147 @@
+"""A compiled graph as AOTAutograd receives it, and as AOTAutograd's cache keeps it.
+
+Our graph cache (graph_cache.py) skips lowering, but a warm start would still spend longer in
+AOTAutograd's trace and partition than in loading. AOTAutograd caches its whole result, the
+forward/backward split and runtime wrappers with the compiled graphs, for a compiler that returns
+an `OutputCode` which pickles (its "bundled" mode). `CompiledGraph` is ours: it pickles as what
+generated the code (`Generated`) and loads again in `post_compile`. AOTAutograd's key covers the
+Dynamo graph, the inputs, grad and autocast modes and torch's configs; `aot_caching` adds, as
+`cache_key_tag`, what our key covers besides (config, commfuse's files, versions, devices, the
+distributed context).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import json
+import logging
+import time
+
+import torch
+from torch._functorch._aot_autograd.autograd_cache import BypassAOTAutogradCache
+from torch._functorch.aot_autograd import SerializableAOTDispatchCompiler
+from torch._inductor.output_code import OutputCode
+
+from . import choices, config, graph_cache
+from .runtime import precompile
+from .runtime.cudagraphs import CudaGraphed
+from .runtime.loader import check_triton_mode, load_module
+
+log = logging.getLogger("commfuse")
+summaries: list[dict] = []  # every graph this process compiled, loaded or fell back on, in order (as summary.json)
+_graph_counter = itertools.count()
+
+
+def next_graph_id(kind: str, digest: str) -> str:
+    return f"g{next(_graph_counter):03d}_{kind}_{digest}"
+
+
+class CompiledGraph(OutputCode):
+    """The boxed callable AOTAutograd calls: `compiled(args_list)`."""
+    __eq__, __hash__ = object.__eq__, object.__hash__  # OutputCode is a dataclass: by identity
+
+    def __init__(self, gen: graph_cache.Generated, kind: str, roles, cache_key: str | None):
+        self._boxed_call = True  # on the instance: wrappers (Dynamo's `disable`) copy its __dict__
+        self.gen, self.kind, self.roles, self.cache_key = gen, kind, roles, cache_key
+        self.call = None
+
+    def load(self, started: float, cache: str | None, skipped: str | None = None) -> CompiledGraph:
+        """Load the generated module; `cache`: the one it came from, None where it was compiled."""
+        gen = self.gen
+        check_triton_mode(gen.computed_device_types)
+        self.module, self.path = load_module(gen.source, gen.constants)
+        self.pending = precompile.start(self.module)  # lowering the next graph overlaps with these compiles
+        self.graph_id, self.call = gen.graph_id, self.module.call
+        if config.cuda_graphs and gen.device_types == {"cuda"} and self.roles is not None:
+            launches = len(gen.summary["kernels"]) + len(gen.summary["extern_calls"])
+            self.call = CudaGraphed(self.call, gen.graph_id, self.roles, choices.current().cuda_graph_captures(),
+                                    choices.current().cuda_graph_copy_limit(launches))
+        seconds = time.time() - started
+        self._time_taken_ns = int(seconds * 1e9)
+        self.summary = {"graph_id": gen.graph_id, **gen.summary, "compile_seconds": round(seconds, 3),
+                        "cache_hit": cache is not None, "cache": cache, "cache_key": self.cache_key}
+        if skipped:
+            self.summary["cache_skipped"] = skipped
+        summaries.append(self.summary)
+        if config.debug:
+            log.warning("commfuse: %s %s: %d kernels, %d extern calls (not lowered: %s) -> %s", gen.graph_id,
+                        f"loaded from the {cache} cache" if cache else "compiled", len(gen.summary["kernels"]),
+                        len(gen.summary["extern_calls"]), gen.summary["fallback_reasons"] or "none", self.path)
+        return self
+
+    def __call__(self, args):
+        if self.pending is not None:
+            self.pending = self.pending.wait()
+        return self.call(args)
+
+    # ---- AOTAutograd's cache: pickled (a copy, after prepare_for_serialization), loaded on a hit
+    def __getstate__(self):
+        return {"gen": self.gen, "kind": self.kind, "roles": self.roles, "cache_key": self.cache_key}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state, _boxed_call=True, call=None)
+
+    def prepare_for_serialization(self) -> None:
+        try:
+            constants = {n: graph_cache.constant_ref(None, n, v) for n, v in self.gen.constants.items()}
+        except graph_cache.Uncacheable as e:
+            raise BypassAOTAutogradCache(f"commfuse: {e}") from e
+        self.gen = dataclasses.replace(self.gen, constants=constants)
+
+    def post_compile(self, example_inputs, constants, graph_kwargs) -> None:
+        if self.call is not None:  # compiled in this process, already loaded
+            return
+        started, gen = time.time(), self.gen
+        graph_id = next_graph_id(self.kind, gen.graph_id.rsplit("_", 1)[-1])  # the same on every rank
+        self.gen = dataclasses.replace(
+            gen, graph_id=graph_id, source=gen.source.replace(gen.graph_id, graph_id),
+            constants={n: graph_cache.constant(None, ref) for n, ref in gen.constants.items()})
+        for level, message in gen.messages:  # what compiling it said, said again
+            log.log(level, "%s", message.replace(gen.graph_id, graph_id))
+        self.load(started, "AOTAutograd")
+
+    def set_triton_bundle(self, triton_bundle) -> None:
+        pass  # Triton keeps its own cache of our kernels
+
+
+class AtenGraph(OutputCode):
+    """A graph we failed to compile, run op by op through aten. Never cached: the next start
+    tries to compile it again."""
+    __eq__, __hash__ = object.__eq__, object.__hash__
+
+    def __init__(self, gm: torch.fx.GraphModule):
+        self._boxed_call = True
+        self.gm = gm
+
+    def __call__(self, args):
+        return torch.fx.Interpreter(self.gm).boxed_run(args)
+
+    def prepare_for_serialization(self) -> None:
+        raise BypassAOTAutogradCache("commfuse runs this graph through aten")
+
+
+def serializable(compile_fn):
+    """`compile_fn` as AOTAutograd recognises a compiler whose results its cache may keep."""
+    return SerializableAOTDispatchCompiler(CompiledGraph, compile_fn)
+
+
+@contextlib.contextmanager
+def aot_caching(example_inputs):
+    """Within: AOTAutograd's cache keeps and finds this compile's result, under our own key
+    besides its own. Yields whether it does: not where our graph cache is off, not with dumps
+    (they need the aten graphs), not where our key cannot describe the context. The backward is
+    compiled with its forward: AOTAutograd saves the pair at the backward's compile, which would
+    otherwise come later, outside this context."""
+    try:  # in our cache's folder too: a new folder starts afresh
+        tag = None if not config.graph_cache or config.dump_dir else graph_cache.digest(json.dumps(
+            [graph_cache.cache_dir(), graph_cache.context(example_inputs)], sort_keys=True))
+    except graph_cache.Uncacheable as e:
+        log.debug("commfuse: not in AOTAutograd's cache: %s", e)
+        tag = None
+    if tag is None:
+        yield False
+        return
+    with torch._functorch.config.patch(bundled_autograd_cache=True, force_non_lazy_backward_lowering=True), \
+            torch.compiler.config.patch(cache_key_tag=f"{torch.compiler.config.cache_key_tag}commfuse:{tag}"):
+        yield True

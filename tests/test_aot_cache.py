@@ -1,0 +1,102 @@
+"""AOTAutograd's cache holds commfuse's compiled graphs: a graph compiled again in a fresh Dynamo
+state skips AOTAutograd's trace and our lowering alike, and computes what eager does, forward and
+backward; whatever our key covers (config, our cache folder) makes a new entry; a graph run
+through aten, or compiled with dumps on, is never taken from it."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from commfuse import backend, config, graph
+from tests.common import DEVICE
+
+
+@pytest.fixture
+def lowerings(monkeypatch):
+    calls = []
+    run = graph.GraphLowering.run
+    monkeypatch.setattr(graph.GraphLowering, "run", lambda self: calls.append(self.graph_id) or run(self))
+    return calls
+
+
+def _compiled(fn, *args, cache_dir, **options):
+    """fn run compiled in a fresh Dynamo state: (its output, the summaries of its graphs)."""
+    torch._dynamo.reset()
+    before = len(backend.summaries)
+    with config.patch(cache_dir=str(cache_dir), **options):
+        out = fn(*args)
+    return out, backend.summaries[before:]
+
+
+def _sources(summaries) -> list:
+    return [s["cache"] for s in summaries]
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.LayerNorm(32),
+                               torch.nn.Linear(32, 4)).to(DEVICE)
+
+
+def _step(model, x):
+    model.zero_grad()
+    loss = model(x).square().mean()
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+def test_training_graphs_come_from_aot_autograds_cache(tmp_path, lowerings):
+    model, x = _model(), torch.randn(8, 16, device=DEVICE)
+    want = _step(model, x)
+    for source in (None, "AOTAutograd", "AOTAutograd"):
+        got, summaries = _compiled(lambda: _step(torch.compile(model, backend="commfuse"), x), cache_dir=tmp_path)
+        assert [s["graph_id"].split("_")[1] for s in summaries] == ["forward", "backward"]
+        assert _sources(summaries) == [source, source]
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    assert len(lowerings) == 2, "a hit lowers nothing"
+    assert torch._dynamo.utils.counters["aot_autograd"]["autograd_cache_hit"] >= 2
+
+
+def test_a_constant_is_stored_with_the_graph(tmp_path):
+    def fn(x):
+        return x * torch.tensor([1.0, -2.0, 3.0, 0.5], device=x.device) + x.sum()
+    x = torch.randn(5, 4, device=DEVICE)
+    for source in (None, "AOTAutograd"):
+        out, summaries = _compiled(torch.compile(fn, backend="commfuse"), x, cache_dir=tmp_path)
+        assert _sources(summaries) == [source]
+        torch.testing.assert_close(out, fn(x))
+
+
+@pytest.mark.parametrize("change", ["config", "cache folder"])
+def test_what_our_key_covers_is_a_new_entry(tmp_path, change):
+    model, x = _model(), torch.randn(8, 16, device=DEVICE)
+    _compiled(lambda: torch.compile(model, backend="commfuse")(x), cache_dir=tmp_path)
+    options = {"max_fusion_size": 1} if change == "config" else {}
+    folder = tmp_path / "other" if change == "cache folder" else tmp_path
+    out, summaries = _compiled(lambda: torch.compile(model, backend="commfuse")(x), cache_dir=folder, **options)
+    assert _sources(summaries) == [None, None]
+    torch.testing.assert_close(out, model(x))
+
+
+def test_a_graph_run_through_aten_is_compiled_again(tmp_path, monkeypatch, lowerings):
+    def fails(self):
+        raise RuntimeError("a lowering bug")
+    monkeypatch.setattr(graph.GraphLowering, "run", fails)
+    fn, x = (lambda x: (x * 2).relu()), torch.randn(6, device=DEVICE)
+    for _ in range(2):
+        out, summaries = _compiled(torch.compile(fn, backend="commfuse"), x, cache_dir=tmp_path,
+                                   fallback_on_error=True)
+        assert [s["compiled"] for s in summaries] == [False]
+        torch.testing.assert_close(out, fn(x))
+
+
+def test_with_dumps_graphs_are_compiled_and_not_stored_there(tmp_path):
+    """Dumps need the aten graph, which AOTAutograd's entries do not keep: with dumps on, graphs
+    come from our cache at most, and AOTAutograd's stores none."""
+    fn, x = (lambda x: x.softmax(-1) * 3), torch.randn(4, 8, device=DEVICE)
+    dumps = tmp_path / "dumps"
+    for source, dump_dir in ((None, dumps), ("graph", dumps), ("graph", None)):
+        out, summaries = _compiled(torch.compile(fn, backend="commfuse"), x, cache_dir=tmp_path, dump_dir=dump_dir)
+        assert _sources(summaries) == [source]
+        torch.testing.assert_close(out, fn(x))
+    assert len(list(dumps.rglob("fx_graph.txt"))) == 2
