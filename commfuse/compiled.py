@@ -19,7 +19,7 @@ import logging
 import time
 
 import torch
-from torch._functorch._aot_autograd.autograd_cache import BypassAOTAutogradCache
+from torch._functorch._aot_autograd.autograd_cache import BypassAOTAutogradCache, should_use_local_autograd_cache
 from torch._functorch.aot_autograd import SerializableAOTDispatchCompiler
 from torch._inductor.output_code import OutputCode
 
@@ -133,13 +133,14 @@ def aot_caching(example_inputs):
     (they need the aten graphs), not where our key cannot describe the context. The backward is
     compiled with its forward: AOTAutograd saves the pair at the backward's compile, which would
     otherwise come later, outside this context."""
+    on = config.graph_cache and not config.dump_dir and should_use_local_autograd_cache()
     try:  # in our cache's folder too: a new folder starts afresh
-        tag = None if not config.graph_cache or config.dump_dir else graph_cache.digest(json.dumps(
-            [graph_cache.cache_dir(), graph_cache.context(example_inputs)], sort_keys=True))
+        tag = on and graph_cache.digest(json.dumps([graph_cache.cache_dir(), graph_cache.context(example_inputs)],
+                                                   sort_keys=True))
     except graph_cache.Uncacheable as e:
         log.debug("commfuse: not in AOTAutograd's cache: %s", e)
         tag = None
-    if tag is None:
+    if not tag:
         yield False
         return
     with torch._functorch.config.patch(bundled_autograd_cache=True, force_non_lazy_backward_lowering=True), \

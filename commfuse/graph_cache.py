@@ -451,8 +451,9 @@ def constant_ref(gm, name: str, value):
     is never stored), or by value without a graph (AOTAutograd's cache keeps none); anything else
     by import path."""
     if isinstance(value, torch.Tensor):
-        if gm is None:
-            return ("value", value)
+        if gm is None:  # on the CPU, outside fake mode: a CUDA tensor pickles only so
+            with torch._subclasses.fake_tensor.unset_fake_temporarily():
+                return ("value", (value.detach().cpu(), str(value.device)))
         for node in gm.graph.find_nodes(op="get_attr"):
             if _fetch(gm, node.target) is value:
                 return ("attr", node.target)
@@ -504,7 +505,7 @@ def _resolve(ref: tuple):
 def constant(gm, ref: tuple):
     kind, what = ref
     if kind == "value":
-        return what
+        return what[0].to(what[1])
     if kind == "attr":
         value = _fetch(gm, what)
         if not isinstance(value, torch.Tensor):

@@ -303,8 +303,8 @@ def _tp_training_hits(rank, world, cache_dir):
     want = [local(p.grad).clone() for p in model.parameters()]
     seen, out = [], []  # descriptions of the graphs compiled; (hit, seen before, why not stored)
     torch._functorch.config.enable_autograd_cache = False  # our cache alone
-    digest = graph_cache.digest
-    graph_cache.digest = lambda d: seen.append(d) or digest(d)
+    describe = graph_cache.describe
+    graph_cache.describe = lambda *a: seen.append(d := describe(*a)) or d
     for _ in range(3):
         model.zero_grad(set_to_none=True)
         torch._dynamo.reset()
