@@ -45,6 +45,7 @@ is when a commfuse variant's error is above max(5 x Inductor's, 1e-2) (marked `!
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -279,13 +280,39 @@ def warm_compiles(key, variants, res, failed, first_call):
             continue
         try:
             torch._dynamo.reset()
+            torch._dynamo.utils.compilation_time_metrics.clear()
             before = len(backend.summaries)
-            res[name][f"warm compile {key} s"] = first_call(name)
-            if name.startswith("commfuse"):  # in the JSON: did the graphs come from commfuse's cache?
-                hits = [s["cache_hit"] for s in backend.summaries[before:]]
-                res[name][f"warm compile {key} cache hits"] = sum(hits) / max(len(hits), 1)
+            with _profiled(f"{key}_{name}"):
+                res[name][f"warm compile {key} s"] = first_call(name)
+            if name.startswith("commfuse"):  # in the JSON: which cache did the graphs come from?
+                summaries = backend.summaries[before:]
+                for source in ("graph", "AOTAutograd"):
+                    found = sum(s.get("cache") == source for s in summaries)
+                    res[name][f"warm compile {key} from the {source} cache"] = found / max(len(summaries), 1)
         except Exception as e:
             failed[f"{name}, warm compile {key}"] = _why(e)
+
+
+@contextlib.contextmanager
+def _profiled(what: str):
+    """With MODEL_TP_WARM_PROFILE=<folder>: rank 0's warm compile under cProfile, and Dynamo's
+    phase times, written there (where the time of a warm start goes)."""
+    folder = os.environ.get("MODEL_TP_WARM_PROFILE")
+    if not folder or dist.get_rank() != 0:
+        yield
+        return
+    import cProfile
+    import pstats
+    prof = cProfile.Profile()
+    prof.enable()
+    try:
+        yield
+    finally:
+        prof.disable()
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, f"warm_{what.replace(' ', '_')}.txt"), "w") as f:
+            f.write(str(torch._dynamo.utils.compile_times()) + "\n\n")
+            pstats.Stats(prof, stream=f).sort_stats("cumulative").print_stats(80)
 
 
 def _why(e: Exception) -> str:
