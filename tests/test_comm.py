@@ -361,6 +361,22 @@ def test_all_reduce_over_one_rank_is_a_copy():
             assert reasons and all("a group of one rank" in r for r in reasons), reasons
 
 
+def _uneven_column_shard_norm(rank, world):
+    """A DTensor row norm of a column-sharded matrix whose columns do not split evenly (2 * world
+    + 1): each rank sums the squares of its own columns in the all-reduce's prologue, over rows of
+    its own length. The ranks disagreed on the plan ("row length: 2 on rank 1, 3 on rank 0")."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    mesh = init_device_mesh(device().type, (world,))
+    a = torch.randn(7, 2 * world + 1, device=device(), generator=torch.Generator(device()).manual_seed(0))
+    fn = torch.compile(lambda x: torch.linalg.vector_norm(x, dim=-1).full_tensor(), backend="commfuse")
+    torch.testing.assert_close(fn(distribute_tensor(a, mesh, [Shard(1)])), a.norm(dim=-1))
+
+
+def test_uneven_column_shard_norm_in_the_prologue():
+    run_ranks(_uneven_column_shard_norm, 2)
+
+
 def _assert_step_matches(fn, x, w):
     """A training step compiled, forward and backward, against eager: its loss and w's gradient."""
     loss = torch.compile(fn, backend="commfuse")(x)
