@@ -87,13 +87,15 @@ def repeated_heads(node):
 
 def _open_rows(graph, mask, boolean):
     """(which queries have a key left to attend, the mask with the others' rows open, contiguous)."""
+    # torch functions, not methods: AOTAutograd's cache takes a method call only on a node with an
+    # example value, which the nodes made here lack
     kept = mask if boolean else graph.call_function(torch.gt, (mask, float("-inf")))
-    live = graph.call_method("any", (kept, -1), {"keepdim": True})
+    live = graph.call_function(torch.any, (kept, -1), {"keepdim": True})
     if boolean:
         opened = graph.call_function(torch.logical_or, (mask, graph.call_function(torch.logical_not, (live,))))
     else:
         opened = graph.call_function(torch.where, (live, mask, 0.0))
-    return live, graph.call_method("contiguous", (opened,))
+    return live, graph.call_function(torch.clone, (opened,), {"memory_format": torch.contiguous_format})
 
 
 def contiguous_masks(gm: torch.fx.GraphModule) -> int:

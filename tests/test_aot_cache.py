@@ -67,6 +67,25 @@ def test_a_constant_is_stored_with_the_graph(tmp_path):
         torch.testing.assert_close(out, fn(x))
 
 
+@pytest.mark.parametrize("boolean", [True, False])
+def test_a_graph_commfuse_rewrote_before_aot_autograd_is_stored(tmp_path, boolean):
+    """An SDPA mask strided in its last dimension (here a padding mask stored key-major) is made
+    contiguous in Dynamo's graph; the nodes added must leave the graph cacheable."""
+    def fn(q, k, v, keep):
+        mask = keep[:, None, None, :].expand(-1, 2, 5, -1)
+        mask = mask if boolean else torch.zeros(mask.shape, device=q.device).masked_fill(~mask, float("-inf"))
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(3, 2, 5, 8, device=DEVICE) for _ in range(3))
+    keep = (torch.rand(5, 3, device=DEVICE) > 0.3).t()
+    keep[:, 0] = True
+    assert keep.stride(-1) != 1
+    for source in (None, "AOTAutograd"):
+        out, summaries = _compiled(torch.compile(fn, backend="commfuse"), q, k, v, keep, cache_dir=tmp_path)
+        assert _sources(summaries) == [source]
+        torch.testing.assert_close(out, fn(q, k, v, keep), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("change", ["config", "cache folder"])
 def test_what_our_key_covers_is_a_new_entry(tmp_path, change):
     model, x = _model(), torch.randn(8, 16, device=DEVICE)
