@@ -596,7 +596,18 @@ class Scheduler:
                 # elements it then reads from every rank, after a barrier (the comm prologue)
                 if kind == "peer" and not V.choices.comm_prologue(V.graph.comm_plan(name)):
                     return False
-        return True
+        return not g.reads_peers() or not self._reduces_before_comm(g)
+
+    @staticmethod
+    def _reduces_before_comm(g: Group) -> bool:
+        """Does a reduction in the kernel feed its all-reduce? It reduces each rank's own values,
+        whose length may differ between ranks (an uneven shard), and with it the kernel's blocks,
+        which every rank must share."""
+        derived = set()
+        for n in g.nodes:
+            if n.is_reduction() or n.read_names & derived:
+                derived |= n.write_names
+        return any(a.peer and a.name in derived for n in g.nodes for a in n.reads)
 
     def _path_between(self, src: Group, dst: Group) -> bool:
         """Is dst reachable from src through some other group (so fusing them makes a cycle)?"""

@@ -362,15 +362,18 @@ def test_all_reduce_over_one_rank_is_a_copy():
 
 
 def _uneven_column_shard_norm(rank, world):
-    """A DTensor row norm of a column-sharded matrix whose columns do not split evenly (2 * world
-    + 1): each rank sums the squares of its own columns in the all-reduce's prologue, over rows of
-    its own length. The ranks disagreed on the plan ("row length: 2 on rank 1, 3 on rank 0")."""
+    """A DTensor row norm of a column-sharded matrix whose columns do not split evenly: each rank
+    sums the squares of its own columns, over rows of its own length. Fused into the all-reduce's
+    kernel, that sum made the ranks disagree on the plan ("row length: 2 on rank 1, 3 on rank 0";
+    at 2049 columns, on its blocks and grid too): it stays out of the comm kernel."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
     mesh = init_device_mesh(device().type, (world,))
-    a = torch.randn(7, 2 * world + 1, device=device(), generator=torch.Generator(device()).manual_seed(0))
-    fn = torch.compile(lambda x: torch.linalg.vector_norm(x, dim=-1).full_tensor(), backend="commfuse")
-    torch.testing.assert_close(fn(distribute_tensor(a, mesh, [Shard(1)])), a.norm(dim=-1))
+    for rows, cols in ((7, 2 * world + 1), (300, 1024 * world + 1)):
+        torch._dynamo.reset()
+        a = torch.randn(rows, cols, device=device(), generator=torch.Generator(device()).manual_seed(0))
+        fn = torch.compile(lambda x: torch.linalg.vector_norm(x, dim=-1).full_tensor(), backend="commfuse")
+        torch.testing.assert_close(fn(distribute_tensor(a, mesh, [Shard(1)])), a.norm(dim=-1))
 
 
 def test_uneven_column_shard_norm_in_the_prologue():

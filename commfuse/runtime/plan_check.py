@@ -50,12 +50,8 @@ def _describe(buffers: list) -> list:
 def _protocol(protocol: list, group_name: str) -> list:
     """The comm kernels as the ranks of `group_name` must agree on them: names without their
     schedule step (`cf_allreduce_pw_sum_3`: the ops fused, not where they fall), and other groups
-    unnamed (a 2-D mesh's sub-groups are named differently on different ranks, rightly). Not the
-    row length of a reduction in the prologue: it runs over each rank's own values (a row norm of
-    an uneven column shard: 500 columns here, 499 there), inside each program's block, between
-    the barriers that its grid and blocks fix."""
-    return [dict({k: v for k, v in p.items() if not (p.get("prologue") and k in ("rnumel", "RBLOCK"))},
-                 kernel=re.sub(r"_\d+$", "", p["kernel"]),
+    unnamed (a 2-D mesh's sub-groups are named differently on different ranks, rightly)."""
+    return [dict(p, kernel=re.sub(r"_\d+$", "", p["kernel"]),
                  collectives=[dict(c, group=c["group"] if c["group"] == group_name else "another group")
                               for c in p["collectives"]])
             for p in protocol]
