@@ -53,16 +53,15 @@ class CompiledGraph(OutputCode):
         self.module, self.path = load_module(gen.source, gen.constants)
         self.pending = precompile.start(self.module)  # lowering the next graph overlaps with these compiles
         self.graph_id, self.call = gen.graph_id, self.module.call
-        if config.cuda_graphs and gen.device_types == {"cuda"} and self.roles is not None:
+        if config.cuda_graphs and self.roles is not None:  # roles: of a graph all on CUDA
             launches = len(gen.summary["kernels"]) + len(gen.summary["extern_calls"])
             self.call = CudaGraphed(self.call, gen.graph_id, self.roles, choices.current().cuda_graph_captures(),
                                     choices.current().cuda_graph_copy_limit(launches))
         seconds = time.time() - started
         self._time_taken_ns = int(seconds * 1e9)
         self.summary = {"graph_id": gen.graph_id, **gen.summary, "compile_seconds": round(seconds, 3),
-                        "cache_hit": cache is not None, "cache": cache, "cache_key": self.cache_key}
-        if skipped:
-            self.summary["cache_skipped"] = skipped
+                        "cache_hit": cache is not None, "cache": cache, "cache_key": self.cache_key,
+                        **({"cache_skipped": skipped} if skipped else {})}
         summaries.append(self.summary)
         if config.debug:
             log.warning("commfuse: %s %s: %d kernels, %d extern calls (not lowered: %s) -> %s", gen.graph_id,

@@ -600,9 +600,8 @@ class Scheduler:
 
     @staticmethod
     def _reduces_before_comm(g: Group) -> bool:
-        """Does a reduction in the kernel feed its all-reduce? It reduces each rank's own values,
-        whose length may differ between ranks (an uneven shard), and with it the kernel's blocks,
-        which every rank must share."""
+        """Does a reduction in the kernel feed its all-reduce? Its length is each rank's own (an uneven
+        shard), and so would the kernel's blocks be, which every rank must share."""
         derived = set()
         for n in g.nodes:
             if n.is_reduction() or n.read_names & derived:
