@@ -24,7 +24,7 @@ import torch.fx
 import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .fx_rewrite import erase_unused, finish
+from .fx_rewrite import erase_unused, finish, give_example_values
 
 log = logging.getLogger("commfuse")
 
@@ -87,8 +87,6 @@ def repeated_heads(node):
 
 def _open_rows(graph, mask, boolean):
     """(which queries have a key left to attend, the mask with the others' rows open, contiguous)."""
-    # torch functions, not methods: AOTAutograd's cache takes a method call only on a node with an
-    # example value, which the nodes made here lack
     kept = mask if boolean else graph.call_function(torch.gt, (mask, float("-inf")))
     live = graph.call_function(torch.any, (kept, -1), {"keepdim": True})
     if boolean:
@@ -121,6 +119,7 @@ def contiguous_masks(gm: torch.fx.GraphModule) -> int:
             out = graph.call_function(torch.where, (live, node, 0.0))
         node.replace_all_uses_with(out, delete_user_cb=lambda user: user is not out)
         changed += 1
+    give_example_values(gm)
     return finish(gm, changed)
 
 
@@ -142,4 +141,5 @@ def use_sdpa_gqa(gm: torch.fx.GraphModule) -> int:
         changed += 1
     if changed:
         log.debug("commfuse: %d attention call(s) take unrepeated K/V (enable_gqa)", changed)
+    give_example_values(gm)
     return finish(gm, changed)

@@ -1,6 +1,9 @@
 """What the FX-graph rewrites (attention.py, reinplace.py, one_hot.py, host_scalars.py) share."""
 from __future__ import annotations
 
+import contextlib
+
+import torch
 import torch.fx
 
 
@@ -9,6 +12,17 @@ def erase_unused(graph: torch.fx.Graph, nodes) -> None:
     for n in dict.fromkeys(nodes):
         if not n.users:
             graph.erase_node(n)
+
+
+def give_example_values(gm: torch.fx.GraphModule) -> None:
+    """In Dynamo's graph every node carries its fake value (`example_value`): AOTAutograd's cache
+    refuses a method called on a node without one. The nodes a rewrite added get theirs."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and "example_value" not in node.meta:
+            args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["example_value"])
+            modes = [v.fake_mode for v in torch.utils._pytree.tree_leaves((args, kwargs)) if hasattr(v, "fake_mode")]
+            with modes[0] if modes else contextlib.nullcontext():  # the mode of the values: not the context's
+                node.meta["example_value"] = node.target(*args, **kwargs)
 
 
 def finish(gm: torch.fx.GraphModule, changed: int) -> int:

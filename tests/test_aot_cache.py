@@ -70,11 +70,13 @@ def test_a_constant_is_stored_with_the_graph(tmp_path):
 @pytest.mark.parametrize("boolean", [True, False])
 def test_a_graph_commfuse_rewrote_before_aot_autograd_is_stored(tmp_path, boolean):
     """An SDPA mask strided in its last dimension (here a padding mask stored key-major) is made
-    contiguous in Dynamo's graph; the nodes added must leave the graph cacheable."""
+    contiguous in Dynamo's graph; the nodes added must leave the graph cacheable, with a method
+    called on the output they now give (AOTAutograd's cache takes a method call only on a node
+    with an example value)."""
     def fn(q, k, v, keep):
         mask = keep[:, None, None, :].expand(-1, 2, 5, -1)
         mask = mask if boolean else torch.zeros(mask.shape, device=q.device).masked_fill(~mask, float("-inf"))
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)
     torch.manual_seed(0)
     q, k, v = (torch.randn(3, 2, 5, 8, device=DEVICE) for _ in range(3))
     keep = (torch.rand(5, 3, device=DEVICE) > 0.3).t()
