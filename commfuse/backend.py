@@ -182,7 +182,7 @@ def _compile(gm, example_inputs, graph_id, kind="inference", donated=frozenset()
         if key is not None:
             skipped = graph_cache.store(key, description, gm, gen)
             key = None if skipped else key
-    roles = input_roles(gm, kind) if gen.device_types == {"cuda"} else None  # for CUDA-graph mode
+    roles = input_roles(gm, kind) if config.cuda_graphs and gen.device_types == {"cuda"} else None
     compiled = CompiledGraph(gen, kind, roles, key).load(t0, "graph" if hit else None, skipped)
     ctx = torch._guards.TracingContext.try_get()
     if ctx is not None and ctx.output_strides is not None and compiled.summary["output_strides"]:

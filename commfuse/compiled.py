@@ -53,7 +53,7 @@ class CompiledGraph(OutputCode):
         self.module, self.path = load_module(gen.source, gen.constants)
         self.pending = precompile.start(self.module)  # lowering the next graph overlaps with these compiles
         self.graph_id, self.call = gen.graph_id, self.module.call
-        if config.cuda_graphs and self.roles is not None:  # roles: of a graph all on CUDA
+        if self.roles is not None:  # CUDA-graph mode, and the graph is all on CUDA
             launches = len(gen.summary["kernels"]) + len(gen.summary["extern_calls"])
             self.call = CudaGraphed(self.call, gen.graph_id, self.roles, choices.current().cuda_graph_captures(),
                                     choices.current().cuda_graph_copy_limit(launches))
