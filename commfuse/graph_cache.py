@@ -293,9 +293,14 @@ def replaced_functions() -> list[str]:
     the lowering table) whose code lies outside commfuse and the libraries it uses: a patch made at
     run time (a test's monkeypatch, a lowering registered by a script), which the file digest
     cannot see. Each is keyed by the whole file it was written in (a change there is a new key), or
-    by its own code where it has no file (made by exec: a dataclass's methods, a notebook cell)."""
+    by its own code where it has no file (made by exec: a dataclass's methods, a notebook cell).
+    commfuse's own functions in a registry or under another name are keyed, in one digest, by which
+    each is (name, closure): one moved to another's place (sin's lowering set to cos's) is a new key."""
+    from .lowering import load_all
+    load_all()  # the lowering table complete, whether or not this process has lowered a graph
     trusted = _trusted_dirs()
-    out = []
+    out, placed = [], []
+    registries = set()
     for modname, mod in sorted(sys.modules.items()):
         if not (modname == "commfuse" or modname.startswith("commfuse.")) or mod is None:
             continue
@@ -303,7 +308,8 @@ def replaced_functions() -> list[str]:
             found = [(attr, value)]
             if isinstance(value, type) and value.__module__ == modname:
                 found += [((attr, ".{}", k), v) for k, v in vars(value).items()]
-            elif isinstance(value, dict):
+            elif isinstance(value, dict) and id(value) not in registries:  # under the first module holding it
+                registries.add(id(value))
                 for k, v in list(value.items()):
                     found.append(((attr, "[{}]", k), v))
                     if dataclasses.is_dataclass(v):  # a registry entry's functions (a comm algorithm's kernel)
@@ -317,7 +323,28 @@ def replaced_functions() -> list[str]:
                     out.append(f"{modname}.{_where(where)}: {_code_digest(code)}")
                 elif not _is_trusted(path, trusted):
                     out.append(f"{modname}.{_where(where)}: {path}:{code.co_firstlineno}:{_file_digest(path)}")
-    return out
+                elif (ident := _identity(obj)).startswith("commfuse.") and ident.partition("[")[0].rpartition(".")[2] \
+                        != (where if isinstance(where, str) else where[2] if where[1] == ".{}" else None):
+                    placed.append(f"{modname}.{_where(where)}: {ident}")  # in a registry, or renamed
+    return out + [f"commfuse functions: {digest(chr(10).join(placed))}"]
+
+
+def _identity(obj, deep: bool = True) -> str:
+    """Which function `obj` is, as text the same in every process: its qualified name and, `deep`,
+    the plain values of its closure, defaults and partial arguments (an op, a name), others by name."""
+    if type(obj) not in _FUNCTIONS:
+        plain = (int, float, bool, type(None), torch._ops.OpOverload, torch._ops.OpOverloadPacket)
+        return obj if isinstance(obj, str) else repr(obj) if isinstance(obj, plain) else type(obj).__qualname__
+    if type(obj) is not types.FunctionType:
+        return f"{_identity(obj.func)}{[_identity(a, False) for a in obj.args]}" if type(obj) is functools.partial \
+            else _identity(obj.__func__, deep)
+    values = [*(obj.__defaults__ or ()), *(obj.__kwdefaults__ or {}).values()]
+    for cell in obj.__closure__ or () if deep else ():  # not deeper: a recursive function holds itself
+        try:
+            values.append(cell.cell_contents)
+        except ValueError:  # a cell not filled yet
+            values.append(None)
+    return f"{obj.__module__}.{obj.__qualname__}{[_identity(v, False) for v in values] if deep else ''}"
 
 
 _FUNCTIONS = (types.FunctionType, types.MethodType, staticmethod, classmethod, functools.partial)

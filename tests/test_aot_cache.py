@@ -121,3 +121,18 @@ def test_with_dumps_graphs_are_compiled_and_not_stored_there(tmp_path):
         assert _sources(summaries) == [source]
         torch.testing.assert_close(out, fn(x))
     assert len(list(dumps.rglob("fx_graph.txt"))) == 2
+
+
+def test_a_lowering_moved_to_another_op_is_a_new_entry(tmp_path, monkeypatch):
+    """sin's lowering set to cos's (commfuse's own code both, the file digest unchanged): the pair
+    AOTAutograd stored with it is not found once sin's own is back."""
+    from commfuse import lowering
+    lowering.load_all()
+    f, x = (lambda x: x.sin() * 4), torch.randn(8, device=DEVICE)
+    monkeypatch.setitem(lowering.lowerings, torch.ops.aten.sin.default, lowering.lowerings[torch.ops.aten.cos.default])
+    out, _ = _compiled(torch.compile(f, backend="commfuse"), x, cache_dir=tmp_path)
+    torch.testing.assert_close(out, x.cos() * 4)
+    monkeypatch.undo()
+    out, summaries = _compiled(torch.compile(f, backend="commfuse"), x, cache_dir=tmp_path)
+    assert _sources(summaries) == [None]
+    torch.testing.assert_close(out, f(x))
