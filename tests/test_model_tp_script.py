@@ -27,5 +27,6 @@ def test_model_tp_cpu_smoke(tmp_path):
     for key in ("train", "fsdp"):
         assert commfuse[f"err {key}"] < 1e-4, commfuse
         assert commfuse[f"{key} ms/step"] > 0 and commfuse[f"compile {key} s"] > 0
-        assert commfuse[f"warm compile {key} cache hits"] == 1.0, commfuse  # every graph loaded
+        loaded = sum(commfuse[f"warm compile {key} from the {c} cache"] for c in ("graph", "AOTAutograd"))
+        assert loaded == 1.0, commfuse  # every graph loaded, from one cache or the other
     assert "FSDP2 training fw+bw" in out.read_text()
