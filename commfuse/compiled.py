@@ -110,8 +110,7 @@ class AtenGraph(OutputCode):
     __eq__, __hash__ = object.__eq__, object.__hash__
 
     def __init__(self, gm: torch.fx.GraphModule):
-        self._boxed_call = True
-        self.gm = gm
+        self._boxed_call, self.gm = True, gm
 
     def __call__(self, args):
         return torch.fx.Interpreter(self.gm).boxed_run(args)

@@ -1,8 +1,6 @@
 """What the FX-graph rewrites (attention.py, reinplace.py, one_hot.py, host_scalars.py) share."""
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.fx
 
@@ -20,9 +18,12 @@ def give_example_values(gm: torch.fx.GraphModule) -> None:
     for node in gm.graph.nodes:
         if node.op == "call_function" and "example_value" not in node.meta:
             args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["example_value"])
-            modes = [v.fake_mode for v in torch.utils._pytree.tree_leaves((args, kwargs)) if hasattr(v, "fake_mode")]
-            with modes[0] if modes else contextlib.nullcontext():  # the mode of the values: not the context's
-                node.meta["example_value"] = node.target(*args, **kwargs)
+            try:  # under the values' own fake mode, not the context's; without a value, the graph
+                # only misses AOTAutograd's cache
+                with next(v.fake_mode for v in torch.utils._pytree.tree_leaves(args) if hasattr(v, "fake_mode")):
+                    node.meta["example_value"] = node.target(*args, **kwargs)
+            except Exception:
+                continue
 
 
 def finish(gm: torch.fx.GraphModule, changed: int) -> int:
