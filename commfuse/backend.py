@@ -50,7 +50,7 @@ def commfuse_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | N
     if settings["sdpa_gqa"]:
         use_sdpa_gqa(gm)
     contiguous_masks(gm)
-    with config.patch(settings), aot_caching(example_inputs) as cached:
+    with config.patch(settings), aot_caching(gm, example_inputs) as cached:
         precompile.warm()  # the workers start while AOTAutograd traces the graph
 
         def compiler(kind):

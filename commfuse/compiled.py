@@ -19,7 +19,8 @@ import logging
 import time
 
 import torch
-from torch._functorch._aot_autograd.autograd_cache import BypassAOTAutogradCache, should_use_local_autograd_cache
+from torch._functorch._aot_autograd.autograd_cache import (BypassAOTAutogradCache, check_cacheable,
+                                                          should_use_local_autograd_cache)
 from torch._functorch.aot_autograd import SerializableAOTDispatchCompiler
 from torch._inductor.output_code import OutputCode
 
@@ -125,18 +126,20 @@ def serializable(compile_fn):
 
 
 @contextlib.contextmanager
-def aot_caching(example_inputs):
-    """Within: AOTAutograd's cache keeps and finds this compile's result, under our own key
-    besides its own. Yields whether it does: not where our graph cache is off, not with dumps
-    (they need the aten graphs), not where our key cannot describe the context. The backward is
-    compiled with its forward: AOTAutograd saves the pair at the backward's compile, which would
-    otherwise come later, outside this context."""
+def aot_caching(gm: torch.fx.GraphModule, example_inputs):
+    """Within: AOTAutograd's cache keeps and finds the compile of Dynamo's graph `gm`, under our
+    own key besides its own. Yields whether it does: not where our graph cache is off, not with
+    dumps (they need the aten graphs), not where either key cannot describe the graph or its
+    context. The backward is then compiled with its forward: AOTAutograd saves the pair at the
+    backward's compile, which would otherwise come later, outside this context."""
     on = config.graph_cache and not config.dump_dir and should_use_local_autograd_cache()
-    try:  # in our cache's folder too: a new folder starts afresh
+    try:
+        if on:  # else the backward compiles when first needed, as without the cache
+            check_cacheable(gm)
         tag = on and graph_cache.digest(json.dumps([graph_cache.cache_dir(), graph_cache.context(example_inputs)],
-                                                   sort_keys=True))
-    except graph_cache.Uncacheable as e:
-        log.debug("commfuse: not in AOTAutograd's cache: %s", e)
+                                                   sort_keys=True))  # in our cache's folder: a new one starts afresh
+    except Exception as e:  # a graph or context either key cannot describe
+        log.debug("commfuse: not in AOTAutograd's cache: %s: %s", type(e).__name__, e)
         tag = None
     if not tag:
         yield False

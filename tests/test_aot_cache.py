@@ -136,3 +136,23 @@ def test_a_lowering_moved_to_another_op_is_a_new_entry(tmp_path, monkeypatch):
     out, summaries = _compiled(torch.compile(f, backend="commfuse"), x, cache_dir=tmp_path)
     assert _sources(summaries) == [None]
     torch.testing.assert_close(out, f(x))
+
+
+@torch._dynamo.allow_in_graph
+def _opaque_to_the_key(x):  # a call AOTAutograd's key cannot see into
+    return x * 2
+
+
+@pytest.mark.parametrize("cacheable", [True, False])
+def test_the_backward_compiles_with_its_forward_only_where_the_pair_is_stored(tmp_path, cacheable):
+    """AOTAutograd stores a forward and backward together when the backward compiles, so with the
+    cache the backward compiles at once; a graph its key refuses keeps the backward lazy."""
+    fn = (lambda x: x.sin() * 2) if cacheable else (lambda x: _opaque_to_the_key(x).sin())
+    x = torch.randn(6, device=DEVICE, requires_grad=True)
+    out, summaries = _compiled(torch.compile(fn, backend="commfuse"), x, cache_dir=tmp_path)
+    kinds = [s["graph_id"].split("_")[1] for s in summaries]
+    assert kinds == (["forward", "backward"] if cacheable else ["forward"])
+    out.sum().backward()
+    eager = x.detach().requires_grad_()
+    fn(eager).sum().backward()
+    torch.testing.assert_close(x.grad, eager.grad)
