@@ -175,8 +175,6 @@ def _compile(gm, example_inputs, graph_id, kind="inference", donated=frozenset()
     sum_one_hot(gm)
     key, description, gen, skipped = _cached(gm, example_inputs, graph_id, kind, donated, saved)
     hit = gen is not None
-    for level, message in gen.messages if hit else ():  # what compiling it said, said again
-        log.log(level, "%s", message)
     if not hit:
         gen = _generate(gm, example_inputs, graph_id, kind, donated, saved)
         if key is not None:

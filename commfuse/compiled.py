@@ -50,6 +50,8 @@ class CompiledGraph(OutputCode):
     def load(self, started: float, cache: str | None, skipped: str | None = None) -> CompiledGraph:
         """Load the generated module; `cache`: the one it came from, None where it was compiled."""
         gen = self.gen
+        for level, message in gen.messages if cache else ():  # what compiling it said, said again
+            log.log(level, "%s", message)
         check_triton_mode(gen.computed_device_types)
         self.module, self.path = load_module(gen.source, gen.constants)
         self.pending = precompile.start(self.module)  # lowering the next graph overlaps with these compiles
@@ -92,13 +94,9 @@ class CompiledGraph(OutputCode):
     def post_compile(self, example_inputs, constants, graph_kwargs) -> None:
         if self.call is not None:  # compiled in this process, already loaded
             return
-        started, gen = time.time(), self.gen
-        graph_id = next_graph_id(self.kind, gen.graph_id.rsplit("_", 1)[-1])  # the same on every rank
-        self.gen = dataclasses.replace(
-            gen, graph_id=graph_id, source=gen.source.replace(gen.graph_id, graph_id),
-            constants={n: graph_cache.constant(None, ref) for n, ref in gen.constants.items()})
-        for level, message in gen.messages:  # what compiling it said, said again
-            log.log(level, "%s", message.replace(gen.graph_id, graph_id))
+        started = time.time()
+        graph_id = next_graph_id(self.kind, self.gen.graph_id.rsplit("_", 1)[-1])  # the same on every rank
+        self.gen = graph_cache.loaded(self.gen, graph_id, None)
         self.load(started, "AOTAutograd")
 
     def set_triton_bundle(self, triton_bundle) -> None:

@@ -457,13 +457,18 @@ def lookup(key: str, description: str, gm: torch.fx.GraphModule, graph_id: str,
         if need_ir and not gen.post_fusion:
             log.debug("commfuse: cache entry %s has no IR for the dumps: compiling again", key)
             return None
-        constants = {name: constant(gm, ref) for name, ref in gen.constants.items()}
-        return dataclasses.replace(gen, graph_id=graph_id, source=gen.source.replace(gen.graph_id, graph_id),
-                                   constants=constants,
-                                   messages=[(lv, m.replace(gen.graph_id, graph_id)) for lv, m in gen.messages])
+        return loaded(gen, graph_id, gm)
     except Exception as e:
         log.debug("commfuse: cache entry %s unusable (%s: %s): compiling", key, type(e).__name__, e)
         return None
+
+
+def loaded(gen: Generated, graph_id: str, gm) -> Generated:
+    """A stored entry made ready for a graph of this process: its id, its constants found again
+    (from `gm`, or stored by value where there is none)."""
+    return dataclasses.replace(gen, graph_id=graph_id, source=gen.source.replace(gen.graph_id, graph_id),
+                               constants={name: constant(gm, ref) for name, ref in gen.constants.items()},
+                               messages=[(lv, m.replace(gen.graph_id, graph_id)) for lv, m in gen.messages])
 
 
 def _fetch(gm, target: str):
