@@ -156,3 +156,22 @@ def test_the_backward_compiles_with_its_forward_only_where_the_pair_is_stored(tm
     eager = x.detach().requires_grad_()
     fn(eager).sum().backward()
     torch.testing.assert_close(x.grad, eager.grad)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_mode_from_the_cache_updates_buffers_in_place(tmp_path):
+    """A graph loaded from AOTAutograd's cache in CUDA-graph mode keeps its input roles: the
+    buffers its replays update (a cache written by index_copy_, a counter) are the module's."""
+    from tests.test_cudagraphs import Counter
+    torch.manual_seed(0)
+    y, pos = torch.randn(2, 4, device="cuda"), torch.tensor([1, 5], device="cuda")
+    for source in (None, "AOTAutograd"):
+        model, ref = Counter().cuda(), Counter().cuda()
+        ref.load_state_dict(model.state_dict())
+        compiled = torch.compile(model, backend="commfuse", options={"cuda_graphs": True})
+        with torch.no_grad():
+            outs, summaries = _compiled(lambda: [compiled(y, pos) for _ in range(4)], cache_dir=tmp_path)
+            want = [ref(y, pos) for _ in range(4)]
+        assert _sources(summaries) == [source]
+        torch.testing.assert_close(outs, want)
+        torch.testing.assert_close((model.cache, model.count), (ref.cache, ref.count))
