@@ -590,7 +590,7 @@ class Scheduler:
                     continue
                 if index is None or not sizevars.equal(index, windex):
                     return False
-                if producer.is_reduction() and (index.has(RSYM) or kind == "peer"):
+                if producer.is_reduction() and index.has(RSYM):  # one feeding a peer read: below
                     return False
                 # a pointwise producer of an all-reduce's input: each program writes the very
                 # elements it then reads from every rank, after a barrier (the comm prologue)
