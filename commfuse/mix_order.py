@@ -17,6 +17,7 @@ from . import sizevars
 from .sizevars import RSYM, XSYM, FloorDiv, Mod
 from .virtualized import V
 
+
 def fuse_mixed_orders(sched) -> list[list[str]]:
     """Join each column sum's first stage to a row kernel beside it; the kernels made, by nodes."""
     made = []
