@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch.testing import FileCheck
 
+from commfuse.tuned_tables import host_key
 from tests.common import check_peer_sum, check_reduced_in_place
 from tests.dist_utils import WORLD, device, run_ranks, use_cuda
 
@@ -219,7 +220,8 @@ def _comm_kernels(dump_dir):
 
 def test_two_shot_and_table_driven_choice(tmp_path):
     table = tmp_path / "table.json"
-    table.write_text(json.dumps({"host": {"gpu": "NVIDIA H200" if use_cuda(WORLD) else "cpu", "world": WORLD},
+    host = host_key(WORLD, "cuda" if use_cuda(WORLD) else "cpu")  # the table is for this machine
+    table.write_text(json.dumps({"host": host,
                                  "measurements": [
                                      {"bytes": 1024, "one_shot": 5.0, "two_shot": 9.0, "c10d": 20.0},
                                      {"bytes": 32768, "one_shot": 9.0, "two_shot": 7.0, "c10d": 20.0}],
