@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import glob
 import json
+import logging
 import math
 import os
 
@@ -21,6 +22,7 @@ from . import config
 
 ALGORITHMS = ("one_shot", "two_shot", "c10d")       # measured for the all-reduce alone
 FUSED_ALGORITHMS = ("one_shot", "one_shot_apart", "two_shot")  # and with a norm fused (fused algorithms of commfuse/collectives.py)
+log = logging.getLogger("commfuse")
 TABLE_DIR = os.path.join(os.path.dirname(__file__), "tables")
 
 
@@ -44,7 +46,15 @@ def find_table(world: int, device):
         table = _load(path)
         if all(table["host"].get(k) == v for k, v in want.items()):
             return table, path
+    if config.comm.table:
+        _say_unused(config.comm.table, str(want))
     return None, None
+
+
+@functools.lru_cache(None)
+def _say_unused(path: str, want: str):  # once per table and host
+    log.warning("commfuse: comm.table %s was measured on %s, this is %s: it is not used (python -m "
+                "commfuse.tune measures this host)", path, _load(path)["host"], want)
 
 
 def _fastest(row: dict, algorithms=ALGORITHMS) -> str | None:

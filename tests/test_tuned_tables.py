@@ -40,6 +40,21 @@ def test_fused_choice_by_rows_and_producer():
     assert tuned_tables.best_fused_algorithm({"measurements": []}, 1, 8192, prologue=False) is None
 
 
+def test_a_table_for_another_host_is_not_used_and_says_so(tmp_path, caplog):
+    from commfuse import config
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps({**TABLE, "host": {"gpu": "NVIDIA H200", "world": 2}}))
+    with config.patch({"comm.table": str(path)}), caplog.at_level("WARNING", logger="commfuse"):
+        assert tuned_tables.lookup(2, 4096, "cpu") is None
+        assert tuned_tables.lookup(2, 4096, "cpu") is None
+    (warning,) = [r.getMessage() for r in caplog.records]  # once
+    assert "NVIDIA H200" in warning and "'gpu': 'cpu'" in warning and str(path) in warning
+    path.write_text(json.dumps(TABLE))  # this host's: used
+    tuned_tables._load.cache_clear()
+    with config.patch({"comm.table": str(path)}):
+        assert tuned_tables.lookup(2, 4096, "cpu") == ("one_shot", "table.json")
+
+
 def test_shipped_tables_are_complete():
     paths = glob.glob(f"{tuned_tables.TABLE_DIR}/*.json")
     assert paths
