@@ -16,7 +16,9 @@ Workloads:
   (module buffers written in place by index_copy_; the mask is positions <= pos). GPU time per step:
   10 steps captured in a CUDA graph and replayed (bench/timing.py: interleaved_times_us, variants in
   interleaved rounds); the self-graphing variants cannot be captured inside another graph, their
-  per-call time is their graph time. Per call: CUDA events around a loop of calls, as a user loops it.
+  per-call time is their graph time. Per call: CUDA events around a loop of calls, as a user loops it;
+  host per call: the same loop's time on the host, not waiting for the GPU (near the per-call time,
+  the loop is host-bound: Dynamo's guards, AOTAutograd's wrappers, the backend's own Python).
 - train: tensor-parallel forward + backward of B=2 x S=1024 tokens (loss: mean square of the output, taken
   eagerly), CUDA events around a loop of steps. Gradients exist from the steps before (accumulated
   in place), so "peak above weights" is torch.cuda.max_memory_allocated over one step less what was
@@ -167,6 +169,8 @@ def decode(model, a, dev, variants, res, failed, check_steps=4):
         for name, fn in step.items():
             try:
                 res[name]["decode µs/call"] = per_call_us(fn, a, dev, iters=200 if dev.type == "cuda" else 1)
+                with _profiled(f"decode_host_{name}"):
+                    res[name]["decode host µs/call"] = timing.host_time_us(fn, dev, iters=200 if dev.type == "cuda" else 1)
             except Exception as e:
                 failed[f"{name}, decode per call"] = _why(e)
         if dev.type == "cuda":
@@ -282,7 +286,7 @@ def warm_compiles(key, variants, res, failed, first_call):
             torch._dynamo.reset()
             torch._dynamo.utils.compilation_time_metrics.clear()
             before = len(backend.summaries)
-            with _profiled(f"{key}_{name}"):
+            with _profiled(f"warm_{key}_{name}"):
                 res[name][f"warm compile {key} s"] = first_call(name)
             if name.startswith("commfuse"):  # in the JSON: which cache did the graphs come from?
                 summaries = backend.summaries[before:]
@@ -295,9 +299,9 @@ def warm_compiles(key, variants, res, failed, first_call):
 
 @contextlib.contextmanager
 def _profiled(what: str):
-    """With MODEL_TP_WARM_PROFILE=<folder>: rank 0's warm compile under cProfile, and Dynamo's
-    phase times, written there (where the time of a warm start goes)."""
-    folder = os.environ.get("MODEL_TP_WARM_PROFILE")
+    """With MODEL_TP_CPROFILE=<folder>: rank 0's `what` (a warm compile, a decode loop's host
+    time) under cProfile, with Dynamo's phase times, written there (where its host time goes)."""
+    folder = os.environ.get("MODEL_TP_CPROFILE")
     if not folder or dist.get_rank() != 0:
         yield
         return
@@ -310,8 +314,9 @@ def _profiled(what: str):
     finally:
         prof.disable()
         os.makedirs(folder, exist_ok=True)
-        with open(os.path.join(folder, f"warm_{what.replace(' ', '_')}.txt"), "w") as f:
+        with open(os.path.join(folder, f"{what.replace(' ', '_')}.txt"), "w") as f:
             f.write(str(torch._dynamo.utils.compile_times()) + "\n\n")
+            pstats.Stats(prof, stream=f).sort_stats("tottime").print_stats(40)
             pstats.Stats(prof, stream=f).sort_stats("cumulative").print_stats(80)
 
 
@@ -325,6 +330,7 @@ def _why(e: Exception) -> str:
 ROWS = (  # (key, label, fmt)
     ("decode GPU µs/step", "decode: GPU µs per step (CUDA graph of {graph_steps} steps)", "{:.1f}"),
     ("decode µs/call", "decode: µs per call, as a user loops it", "{:.1f}"),
+    ("decode host µs/call", "decode: host µs per call (not waiting for the GPU)", "{:.1f}"),
     ("train ms/step", "TP training fw+bw: ms per step", "{:.2f}"),
     ("train peak MiB above weights", "TP training: peak MiB above weights", "{:.0f}"),
     ("fsdp ms/step", "FSDP2 training fw+bw: ms per step", "{:.2f}"),

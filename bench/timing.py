@@ -25,3 +25,17 @@ def loop_time_us(fn, iters=200, reps=5, warmup=5) -> float:
         for _ in range(iters):
             fn()
     return median_us(run, iters, reps)
+
+
+def host_time_us(fn, device, iters=200, reps=3) -> float:
+    """Median µs of host time per call of `fn` in a loop, not waiting for the device: above the
+    per-call time's share of device work, the loop is host-bound."""
+    times = []
+    for _ in range(reps):
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        times.append((time.perf_counter() - t0) * 1e6 / iters)
+    sync(device)
+    return sorted(times)[len(times) // 2]
