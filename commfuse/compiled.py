@@ -12,10 +12,12 @@ distributed context).
 from __future__ import annotations
 
 import contextlib
+import copyreg
 import dataclasses
 import itertools
 import json
 import logging
+import pickle
 import time
 
 import torch
@@ -132,10 +134,12 @@ def aot_caching(gm: torch.fx.GraphModule, example_inputs):
     backward's compile, which would otherwise come later, outside this context."""
     on = config.graph_cache and not config.dump_dir and should_use_local_autograd_cache()
     try:
+        closures = _dtensor_closures(gm) if on else {}
         if on:  # else the backward compiles when first needed, as without the cache
-            check_cacheable(gm)
-        tag = on and graph_cache.digest(json.dumps([graph_cache.cache_dir(), graph_cache.context(example_inputs)],
-                                                   sort_keys=True))  # in our cache's folder: a new one starts afresh
+            with torch._inductor.config.patch(unsafe_marked_cacheable_functions=closures):
+                check_cacheable(gm)
+        tag = on and graph_cache.digest(json.dumps([graph_cache.cache_dir(), graph_cache.context(example_inputs),
+                                                    closures], sort_keys=True))  # in our cache's folder: a new one starts afresh
     except Exception as e:  # a graph or context either key cannot describe
         log.debug("commfuse: not in AOTAutograd's cache: %s: %s", type(e).__name__, e)
         tag = None
@@ -143,5 +147,52 @@ def aot_caching(gm: torch.fx.GraphModule, example_inputs):
         yield False
         return
     with torch._functorch.config.patch(bundled_autograd_cache=True, force_non_lazy_backward_lowering=True), \
-            torch.compiler.config.patch(cache_key_tag=f"{torch.compiler.config.cache_key_tag}commfuse:{tag}"):
+            torch.compiler.config.patch(cache_key_tag=f"{torch.compiler.config.cache_key_tag}commfuse:{tag}"), \
+            torch._inductor.config.patch(unsafe_marked_cacheable_functions=closures), \
+            _meshes_pickled_without_their_hash():
         yield True
+
+
+_DTENSOR_CLOSURES = ("torch._dynamo.variables.torch.prim from_local", "torch._dynamo.variables.tensor.prim_redistribute",
+                     "torch._dynamo.variables.tensor.prim_to_local")
+
+
+def _dtensor_closures(gm) -> dict:
+    """Before torch 2.13, Dynamo puts DTensor's from_local, redistribute and to_local in the graph
+    as closures over their constant arguments (mesh, placements). AOTAutograd's cache refuses
+    them, and could not name them in its key (pickle finds no local function). Each is named here
+    by what it binds, as an attribute of this module (kept for the process: one per meaning), and
+    marked cacheable under that digest: {its name: the digest}."""
+    marked = {}
+    for node in gm.graph.nodes:
+        fn = node.target
+        if node.op == "call_function" and f"{getattr(fn, '__module__', '')}.{getattr(fn, '__name__', '')}" in _DTENSOR_CLOSURES:
+            bound = graph_cache.digest(json.dumps([fn.__name__, graph_cache.plain_value(
+                [c.cell_contents for c in fn.__closure__], {})]))
+            name = f"_dtensor_{fn.__name__.split('_')[-1]}_{bound[:16]}"
+            if globals().setdefault(name, fn) is fn:  # where pickle and FX's import lines find it
+                fn.__name__ = fn.__qualname__ = name
+                fn.__module__, fn.commfuse_bound = __name__, bound
+            node.target = fn = globals()[name]  # one per meaning: the same arguments bound
+        if getattr(fn, "commfuse_bound", None):
+            marked[f"{fn.__module__}.{fn.__name__}"] = fn.commfuse_bound
+    if marked:
+        gm.recompile()
+    return marked
+
+
+@contextlib.contextmanager
+def _meshes_pickled_without_their_hash():
+    """A DeviceMesh pickles its cached hash(), which varies with PYTHONHASHSEED. AOTAutograd's key
+    of a DTensor graph, whose inputs hold the mesh, then differed in every process; the keying
+    pickler starts from copyreg's table, so within: everything else of the mesh, as it pickles."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    def reduce(mesh):
+        rebuild, args, state, *rest = mesh.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+        return (rebuild, args, {k: v for k, v in state.items() if k != "_hash"}, *rest)
+    copyreg.dispatch_table[DeviceMesh] = reduce
+    try:
+        yield
+    finally:
+        copyreg.dispatch_table.pop(DeviceMesh, None)

@@ -83,9 +83,9 @@ def describe(gm: torch.fx.GraphModule, example_inputs, kind: str, donated, saved
         "saved": list(saved),
         "code": [gm.code] + [f"{name}:\n{m.code}" for name, m in gm.named_modules()
                              if m is not gm and isinstance(m, torch.fx.GraphModule)],
-        "nodes": [[n.name, n.op, _value(n.meta.get("val"), storages)] for n in gm.graph.nodes],
+        "nodes": [[n.name, n.op, plain_value(n.meta.get("val"), storages)] for n in gm.graph.nodes],
         "attributes": _attributes(gm),
-        "inputs": [_value(x, inputs, strict=True) for x in example_inputs],
+        "inputs": [plain_value(x, inputs, strict=True) for x in example_inputs],
         "shape_env": _shape_env(example_inputs),
         **context([n.meta.get("val") for n in gm.graph.nodes]),
     }
@@ -115,7 +115,7 @@ def digest(description: str) -> str:
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
-def _value(v, storages: dict, strict: bool = False):
+def plain_value(v, storages: dict, strict: bool = False):
     """A node's value or an example input, as plain data: tensors by metadata (never by their
     data), with the storage each shares among the others (aliasing), symbolic sizes by their
     expression and hint."""
@@ -125,8 +125,8 @@ def _value(v, storages: dict, strict: bool = False):
         except Exception:
             storage = None
         return ["tensor", type(v).__name__, str(v.dtype), str(v.device), str(v.layout),
-                [_value(s, storages) for s in v.shape], [_value(s, storages) for s in v.stride()],
-                _value(v.storage_offset(), storages), storage, v.requires_grad, v.is_conj(), v.is_neg()]
+                [plain_value(s, storages) for s in v.shape], [plain_value(s, storages) for s in v.stride()],
+                plain_value(v.storage_offset(), storages), storage, v.requires_grad, v.is_conj(), v.is_neg()]
     if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
         hint = v.node.hint if v.node.has_hint() else None
         return [type(v).__name__, str(v.node.expr), repr(hint)]
@@ -135,9 +135,9 @@ def _value(v, storages: dict, strict: bool = False):
     if isinstance(v, float):
         return repr(v)
     if isinstance(v, (list, tuple)):
-        return [type(v).__name__, [_value(x, storages, strict) for x in v]]
+        return [type(v).__name__, [plain_value(x, storages, strict) for x in v]]
     if isinstance(v, dict):
-        return ["dict", [[repr(k), _value(x, storages, strict)] for k, x in v.items()]]
+        return ["dict", [[repr(k), plain_value(x, storages, strict)] for k, x in v.items()]]
     if isinstance(v, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
         return [type(v).__name__, str(v)]
     mesh = _device_mesh(v)
@@ -167,7 +167,7 @@ def _attributes(gm) -> list:
     out = []
     for node in gm.graph.find_nodes(op="get_attr"):
         value = _fetch(gm, node.target)
-        out.append([node.target, _value(value, {}) if isinstance(value, torch.Tensor)
+        out.append([node.target, plain_value(value, {}) if isinstance(value, torch.Tensor)
                     else [type(value).__module__, type(value).__qualname__]])
     return out
 
