@@ -167,8 +167,10 @@ def _dtensor_closures(gm) -> dict:
     for node in gm.graph.nodes:
         fn = node.target
         if node.op == "call_function" and f"{getattr(fn, '__module__', '')}.{getattr(fn, '__name__', '')}" in _DTENSOR_CLOSURES:
-            bound = graph_cache.digest(json.dumps([fn.__name__, graph_cache.plain_value(
-                [c.cell_contents for c in fn.__closure__], {})]))
+            bound = json.dumps([fn.__name__, graph_cache.plain_value([c.cell_contents for c in fn.__closure__], {})])
+            if " object>" in bound:  # named by its address alone: no key can tell two apart
+                raise graph_cache.Uncacheable(f"{fn.__name__} binds {bound}")
+            bound = graph_cache.digest(bound)
             name = f"_dtensor_{fn.__name__.split('_')[-1]}_{bound[:16]}"
             if globals().setdefault(name, fn) is fn:  # where pickle and FX's import lines find it
                 fn.__name__ = fn.__qualname__ = name

@@ -210,3 +210,22 @@ def test_tensor_parallel_graphs_come_from_aot_autograds_cache_in_any_process(tmp
     from tests.dist_utils import run_ranks
     for runs in run_ranks(_tp_training_sources, 2, args=(str(tmp_path),)):
         assert runs == [([None, None], True)] + [(["AOTAutograd", "AOTAutograd"], True)] * 2, runs
+
+
+def test_a_dtensor_closure_binding_what_no_key_describes_is_not_stored():
+    """Dynamo's DTensor closures (before torch 2.13) are keyed by what they bind; an object known
+    only by its address cannot be, and the graph stays out of AOTAutograd's cache."""
+    from commfuse import compiled, graph_cache
+    opaque = object()
+
+    def prim_redistribute(x):
+        return x if opaque else None
+    prim_redistribute.__module__ = "torch._dynamo.variables.tensor"
+    gm = torch.fx.symbolic_trace(torch.nn.Identity())
+    (x,) = gm.graph.find_nodes(op="placeholder")
+    with gm.graph.inserting_after(x):
+        node = gm.graph.call_function(prim_redistribute, (x,))
+    x.replace_all_uses_with(node, lambda user: user is not node)
+    gm.recompile()
+    with pytest.raises(graph_cache.Uncacheable, match="prim_redistribute binds"):
+        compiled._dtensor_closures(gm)
