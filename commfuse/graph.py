@@ -64,6 +64,8 @@ class GraphLowering(torch.fx.Interpreter):
         self.random_streams = 0                       # random ops lowered: each draws its own stream
         self.example_inputs = example_inputs
         self.size_hints = size_hints(gm, example_inputs)  # read by sizevars.hint, while lowering too
+        fake = (ctx and ctx.fake_mode) or torch._guards.detect_fake_mode(example_inputs)
+        self.shape_env = getattr(fake, "shape_env", None)  # what Dynamo's guards proved (sizevars.equal)
         self.current_node = None
 
     # buffers ------------------------------------------------------------------

@@ -205,8 +205,20 @@ def simplify_with_ranges(e: Expr, ranges: dict) -> Expr:
 
 
 def equal(a, b) -> bool:
-    """Statically known equal (structurally, after expansion)."""
-    return simplify(sympy.sympify(a) - sympy.sympify(b)) == 0
+    """Known equal: structurally (after expansion), or by a guard of Dynamo's that torch's shape env
+    holds (`(n + 1) // 2 == n // 2` once `n % 2 == 0` is guarded: a broadcast fake tensors checked)."""
+    a, b = sympy.sympify(a), sympy.sympify(b)
+    d = simplify(a - b)
+    return d == 0 or (not d.is_number and hint(a) == hint(b) and _guarded_equal(a, b))
+
+
+def _guarded_equal(a: Expr, b: Expr) -> bool:
+    from torch.utils._sympy.functions import FloorDiv as TorchFloorDiv, Mod as TorchMod  # sizes' Mod
+    to_torch = lambda e: e.replace(FloorDiv, TorchFloorDiv).replace(Mod, TorchMod)  # noqa: E731
+    try:  # no graph or shape env, or a symbol of ours (a derived size's) unknown to it: not known
+        return bool(V.graph.shape_env._maybe_evaluate_static(sympy.Eq(to_torch(a), to_torch(b))))
+    except Exception:
+        return False
 
 
 def is_static(e) -> bool:

@@ -132,3 +132,20 @@ def test_a_float_arange_with_symbolic_bounds_compiles(tmp_path, dtype):
         out, dumps = compile_and_run(fn, x, a, w, tmp_path=tmp_path / str(i), dynamic=True)
         torch.testing.assert_close(out, fn(x, a, w))
         assert all(dumps.summary(g)["compiled"] for g in dumps.graphs())
+
+
+def test_a_broadcast_of_sizes_equal_by_a_guard_lowers(tmp_path):
+    """`x[::2] * x[1::2]` under a guarded `n % 2 == 0` (torch's generic associative_scan, which HF
+    Mamba runs, halves a sequence so): its sizes (n + 1) // 2 and n // 2 are equal by Dynamo's guard,
+    which fake tensors checked, not by their form. The mul ran through aten ("cannot prove broadcast
+    sizes equal"); sizes are now also equal where torch's shape env proves it from its guards."""
+    def fn(x):
+        if x.shape[0] % 2 == 0:
+            return x[::2] * x[1::2] + 1
+        return x
+    x = torch.randn(8, 3, device=DEVICE)
+    torch._dynamo.mark_dynamic(x, 0)
+    out, dumps = compile_and_run(fn, x, tmp_path=tmp_path)
+    torch.testing.assert_close(out, fn(x))
+    summary, code = dumps.only()
+    assert summary["fallback_ops"] == [], summary["fallback_reasons"]
