@@ -162,6 +162,15 @@ def slice_(x, dim=0, start=None, end=None, step=1):
     return make_view(x, new, reindex)
 
 
+@register(prims.rev.default)
+def rev(x, dims):
+    """flip (its decomposition): each flipped dim read from its far end."""
+    size, load = list(x.get_size()), x.make_loader()
+    dims = {canonical_dim(d, len(size)) for d in dims}
+    return TensorBox(Pointwise(x.get_device(), x.get_dtype(),
+                               lambda idx: load([size[d] - 1 - i if d in dims else i for d, i in enumerate(idx)]), size))
+
+
 @register(aten.slice_scatter.default)
 def slice_scatter(x, src, dim=0, start=None, end=None, step=1):
     """x with src over x[start:end:step] along dim (the backward of every slice): each element
