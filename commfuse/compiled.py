@@ -18,6 +18,7 @@ import itertools
 import json
 import logging
 import pickle
+import sys
 import time
 
 import torch
@@ -138,8 +139,9 @@ def aot_caching(gm: torch.fx.GraphModule, example_inputs):
         if on:  # else the backward compiles when first needed, as without the cache
             with torch._inductor.config.patch(unsafe_marked_cacheable_functions=closures):
                 check_cacheable(gm)
+        # the cache folder too: a new one starts afresh
         tag = on and graph_cache.digest(json.dumps([graph_cache.cache_dir(), graph_cache.context(example_inputs),
-                                                    closures], sort_keys=True))  # in our cache's folder: a new one starts afresh
+                                                    closures, _meshes(example_inputs)], sort_keys=True))
     except Exception as e:  # a graph or context either key cannot describe
         log.debug("commfuse: not in AOTAutograd's cache: %s: %s", type(e).__name__, e)
         tag = None
@@ -151,6 +153,15 @@ def aot_caching(gm: torch.fx.GraphModule, example_inputs):
             torch._inductor.config.patch(unsafe_marked_cacheable_functions=closures), \
             _meshes_pickled_without_their_hash():
         yield True
+
+
+def _meshes(example_inputs) -> list:
+    """The meshes of the inputs (DTensors', or a DeviceMesh itself) by ranks and process groups:
+    AOTAutograd's key knows a mesh by its ranks and dimension names, and a mesh over the same
+    ranks on another process group found the graph whose collectives run on the first group."""
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", ())  # none unless imported
+    found = [graph_cache.mesh_description(x.device_mesh if isinstance(x, dtensor) else x) for x in example_inputs]
+    return [mesh for mesh in found if mesh is not None]
 
 
 _DTENSOR_CLOSURES = ("torch._dynamo.variables.torch.prim from_local", "torch._dynamo.variables.tensor.prim_redistribute",

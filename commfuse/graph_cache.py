@@ -140,7 +140,7 @@ def plain_value(v, storages: dict, strict: bool = False):
         return ["dict", [[repr(k), plain_value(x, storages, strict)] for k, x in v.items()]]
     if isinstance(v, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
         return [type(v).__name__, str(v)]
-    mesh = _device_mesh(v)
+    mesh = mesh_description(v)
     if mesh is not None:
         return mesh
     if strict:
@@ -148,7 +148,7 @@ def plain_value(v, storages: dict, strict: bool = False):
     return [type(v).__module__, type(v).__qualname__, _ADDRESS.sub("", repr(v))]
 
 
-def _device_mesh(v):
+def mesh_description(v):
     """A DeviceMesh (DTensor graphs take it as an input since torch 2.13, opaque, or fake while
     tracing) by what it is: its device type, ranks, dimension names and process groups."""
     from torch.distributed.device_mesh import DeviceMesh

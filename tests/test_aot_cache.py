@@ -229,3 +229,34 @@ def test_a_dtensor_closure_binding_what_no_key_describes_is_not_stored():
     gm.recompile()
     with pytest.raises(graph_cache.Uncacheable, match="prim_redistribute binds"):
         compiled._dtensor_closures(gm)
+
+
+def _groups_of_all_reduces(rank, world, cache_dir):
+    """The same program on DTensors of two meshes over the same ranks, each with its own process
+    group: where each graph came from, and the group its all-reduce ran on, against the mesh's."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial
+    from tests.dist_utils import device
+    meshes = [init_device_mesh(device().type, (world,)),
+              DeviceMesh.from_group(dist.new_group(list(range(world))), device().type)]
+    out = []
+    for mesh in meshes:  # the graph's one input is the DTensor: its mesh known by the DTensor's spec
+        w = DTensor.from_local(torch.randn(4, 4, device=device()), mesh, [Partial()])
+        got, summaries = _compiled(torch.compile(lambda w: w.full_tensor() * 2, backend="commfuse"), w,
+                                   cache_dir=cache_dir)
+        torch.testing.assert_close(got, w.full_tensor() * 2)
+        out.append((_sources(summaries), [p["group"] for s in summaries for p in s["comm_plans"]],
+                    mesh.get_group().group_name))
+    return out
+
+
+def test_a_dtensor_on_another_process_group_is_a_new_entry(tmp_path):
+    """AOTAutograd's key knows a DTensor input's mesh by its ranks and dimension names (torch
+    2.13's stable hash): a mesh over the same ranks on another process group found the first
+    one's entry, whose all-reduce ran on the first group. (Found by the distributed sweep.)"""
+    from tests.dist_utils import run_ranks
+    for (first, groups, group), (second, groups_b, group_b) in run_ranks(_groups_of_all_reduces, 2,
+                                                                          args=(str(tmp_path),)):
+        assert first == [None] and groups == [group], (first, groups, group)
+        assert second == [None] and groups_b == [group_b] != groups, (second, groups_b, group_b)
