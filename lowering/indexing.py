@@ -2,9 +2,9 @@
 
 Indices are loaded, wrapped when negative, bounds-checked on the device, and masked
 so an out-of-range index can never read outside the buffer. Mutations (scatter_add,
-scatter in general) run through aten; a scatter that puts one value per row is pointwise (the
-one-hot of cross entropy's backward), and index_put runs in place on a buffer of our own (rows
-added at one index with atomic adds: runtime/scatter.py).
+scatter in general) run through aten; a scatter that puts a few values per row is pointwise (the
+one-hot of cross entropy's backward, topk's), and index_put runs in place on a buffer of our own
+(rows added at one index with atomic adds: runtime/scatter.py).
 """
 from __future__ import annotations
 
@@ -85,30 +85,36 @@ def gather(x, dim, index_t, sparse_grad=False):
     return TensorBox(Pointwise(x.get_device(), x.get_dtype(), inner, list(index_t.get_size())))
 
 
+SCATTER_INDICES_PER_ROW = 8  # up to this many (a static count: topk's backward), compared one by one
+
+
 @register(aten.scatter.value, aten.scatter.src)
 def scatter(x, dim, index_t, src):
-    """`x` with `src` put at `index` along `dim`, when `index` is one element long along `dim`
+    """`x` with `src` put at `index` along `dim`, when `index` is a few elements long along `dim`
     and as large as `x` elsewhere: each output element compares its position with its row's
-    index, so no copy of `x` is scattered into (aten's out-of-place scatter stores two
-    tensors of x's size). Other shapes run through aten."""
+    indices, the last that hits wins (as on CPU), so no copy of `x` is scattered into (aten's
+    out-of-place scatter stores two tensors of x's size). Other shapes run through aten."""
     _check_index(index_t)
     size, isize = list(x.get_size()), list(index_t.get_size())
     if not size:
         raise ir.Unsupported("0-d scatter")
     dim = canonical_dim(dim, len(size))
-    if len(isize) != len(size) or not sizevars.equal(isize[dim], 1) or \
-            not all(sizevars.equal(a, b) for d, (a, b) in enumerate(zip(size, isize)) if d != dim):
-        raise ir.Unsupported("scatter with more than one index per row")
+    if len(isize) != len(size) or not (sizevars.is_static(isize[dim]) and 0 < isize[dim] <= SCATTER_INDICES_PER_ROW) \
+            or not all(sizevars.equal(a, b) for d, (a, b) in enumerate(zip(size, isize)) if d != dim):
+        raise ir.Unsupported(f"scatter with more than {SCATTER_INDICES_PER_ROW} indices per row")
     load, lidx, dtype = x.make_loader(), index_t.make_loader(), x.get_dtype()
     lsrc = src.make_loader() if isinstance(src, TensorBox) else lambda idx: ops.constant(src, dtype)
 
     def inner(idx):
-        row = [sympy.Integer(0) if d == dim else i for d, i in enumerate(idx)]
-        hit = ops.eq(lidx(row), ops.index_expr(idx[dim], index_t.get_dtype()))
-        value = lsrc(row)
-        if isinstance(src, TensorBox) and src.get_dtype() != dtype:
-            value = ops.to_dtype(value, dtype)
-        return ops.where(hit, value, load(idx))
+        out = load(idx)
+        for k in range(int(isize[dim])):
+            row = [sympy.Integer(k) if d == dim else i for d, i in enumerate(idx)]
+            hit = ops.eq(lidx(row), ops.index_expr(idx[dim], index_t.get_dtype()))
+            value = lsrc(row)
+            if isinstance(src, TensorBox) and src.get_dtype() != dtype:
+                value = ops.to_dtype(value, dtype)
+            out = ops.where(hit, value, out)
+        return out
     return TensorBox(Pointwise(x.get_device(), dtype, inner, size))
 
 
