@@ -37,6 +37,7 @@ ATTENTION_BIAS_ALIGN = 16
 DEFAULT_SMS = 132  # H100 / H200
 INTERPRETED_MATH_FP32 = ("atan", "asin", "acos", "atan2", "erfc")  # see kernel_math_exact
 POW_MULTIPLY_MAX = 32
+SCATTER_INDICES_PER_ROW = 8
 SMALL_TILED_REDUCTION = 1 << 17  # elements of a column reduction too small to be bandwidth-bound
 
 
@@ -270,6 +271,12 @@ class Choices:
         interpreter has none: its atan, asin, acos, atan2 and erfc are fits accurate to fp32
         (fp64 atan off by 7e-8, relative), so fp64 ones run through aten there."""
         return device.type != "cpu" or dtype != torch.float64 or op not in INTERPRETED_MATH_FP32
+
+    def scatter_as_pointwise(self, indices_per_row) -> bool:
+        """A scatter of this many indices per row as a pointwise kernel, each element comparing
+        its position with each index (topk's backward: k of them), rather than through aten:
+        for a few, while the compares cost less than aten's copies of the whole input."""
+        return sizevars.is_static(indices_per_row) and 0 < indices_per_row <= SCATTER_INDICES_PER_ROW
 
     def pow_by_multiplication(self, exponent, floating: bool) -> bool:
         """x ** n for a constant integral n as multiplications (by squaring; a reciprocal for

@@ -14,7 +14,7 @@ import torch
 from commfuse import ir, sizevars
 from commfuse.ir import Pointwise, TensorBox
 from commfuse.runtime.scatter import can_add_rows
-from commfuse.virtualized import ops
+from commfuse.virtualized import V, ops
 
 from . import register
 from .common import broadcast_loader, broadcast_shapes, canonical_dim
@@ -85,9 +85,6 @@ def gather(x, dim, index_t, sparse_grad=False):
     return TensorBox(Pointwise(x.get_device(), x.get_dtype(), inner, list(index_t.get_size())))
 
 
-SCATTER_INDICES_PER_ROW = 8  # up to this many (a static count: topk's backward), compared one by one
-
-
 @register(aten.scatter.value, aten.scatter.src)
 def scatter(x, dim, index_t, src):
     """`x` with `src` put at `index` along `dim`, when `index` is a few elements long along `dim`
@@ -99,9 +96,9 @@ def scatter(x, dim, index_t, src):
     if not size:
         raise ir.Unsupported("0-d scatter")
     dim = canonical_dim(dim, len(size))
-    if len(isize) != len(size) or not (sizevars.is_static(isize[dim]) and 0 < isize[dim] <= SCATTER_INDICES_PER_ROW) \
+    if len(isize) != len(size) or not V.choices.scatter_as_pointwise(isize[dim]) \
             or not all(sizevars.equal(a, b) for d, (a, b) in enumerate(zip(size, isize)) if d != dim):
-        raise ir.Unsupported(f"scatter with more than {SCATTER_INDICES_PER_ROW} indices per row")
+        raise ir.Unsupported("scatter of more indices per row than scatter_as_pointwise takes, or another shape")
     load, lidx, dtype = x.make_loader(), index_t.make_loader(), x.get_dtype()
     lsrc = src.make_loader() if isinstance(src, TensorBox) else lambda idx: ops.constant(src, dtype)
 
