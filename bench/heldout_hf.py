@@ -68,6 +68,22 @@ def _mlm(pad_id=0, **cfg):
                 main="logits", loss="loss")
 
 
+def _seq2seq(**over):
+    """A BART-like encoder-decoder's tiny config over a padded batch."""
+    cfg = {**dict(vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+                  decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=32,
+                  pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2, forced_eos_token_id=None),
+           **over}
+    ids, mask = _tok(), _padmask()
+    return dict(cfg=cfg, inputs={"input_ids": ids.masked_fill(mask == 0, cfg["pad_token_id"]), "attention_mask": mask,
+                                 "labels": _tok(B, 6)}, main="logits", loss="loss")
+
+
+def _image(n=16):
+    import torch
+    return torch.randn(B, 3, n, n)
+
+
 def spec(name):
     import torch
     enc = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
@@ -171,6 +187,86 @@ def spec(name):
                                                num_conv_pos_embedding_groups=2, vocab_size=VOCAB),
                                       inputs={"input_values": torch.randn(B, 400)},
                                       main="last_hidden_state", loss=None)
+    if name == "Qwen3ForCausalLM": return "Qwen3Config", _causal(**dec, head_dim=8)
+    if name == "Qwen3MoeForCausalLM":
+        return "Qwen3MoeConfig", _causal(**dec, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                                        moe_intermediate_size=32, decoder_sparse_step=1)
+    if name == "Gemma3ForCausalLM": return "Gemma3TextConfig", _causal(**dec, head_dim=8, sliding_window=4)
+    if name == "Phi3ForCausalLM": return "Phi3Config", _causal(**dec)
+    if name == "StableLmForCausalLM": return "StableLmConfig", _causal(**dec)
+    if name == "Olmo2ForCausalLM": return "Olmo2Config", _causal(**dec)
+    if name == "CohereForCausalLM": return "CohereConfig", _causal(**dec)
+    if name == "Starcoder2ForCausalLM": return "Starcoder2Config", _causal(**dec, sliding_window=4)
+    if name == "GPTJForCausalLM":
+        return "GPTJConfig", _causal(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=32,
+                                    bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    if name == "CodeGenForCausalLM":
+        return "CodeGenConfig", _causal(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=32,
+                                       n_ctx=32, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    if name == "GPTNeoForCausalLM":
+        return "GPTNeoConfig", _causal(vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64,
+                                      attention_types=[[["global", "local"], 1]], window_size=4,
+                                      max_position_embeddings=32, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    if name == "MambaForCausalLM":
+        return "MambaConfig", _causal(vocab_size=VOCAB, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2,
+                                     conv_kernel=4, use_mambapy=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    if name == "Mamba2ForCausalLM":
+        return "Mamba2Config", _causal(vocab_size=VOCAB, hidden_size=32, num_heads=4, head_dim=16, state_size=8, n_groups=1,
+                                      num_hidden_layers=2, expand=2, chunk_size=4, bos_token_id=0, eos_token_id=0,
+                                      pad_token_id=0)
+    if name == "ModernBertForMaskedLM":
+        return "ModernBertConfig", _mlm(**enc, local_attention=4, global_attn_every_n_layers=2, pad_token_id=0)
+    if name == "DebertaV2ForMaskedLM":
+        return "DebertaV2Config", _mlm(**enc, pad_token_id=0, relative_attention=True, pos_att_type=["p2c", "c2p"],
+                                      position_buckets=8, max_relative_positions=16)
+    if name == "XLNetLMHeadModel":
+        ids = _tok()
+        return "XLNetConfig", dict(cfg=dict(vocab_size=VOCAB, d_model=32, n_layer=2, n_head=2, d_inner=64, pad_token_id=0),
+                                   inputs={"input_ids": ids, "labels": ids}, main="logits", loss="loss")
+    if name == "PegasusForConditionalGeneration": return "PegasusConfig", _seq2seq()
+    if name == "MarianMTModel": return "MarianConfig", _seq2seq(decoder_start_token_id=1, decoder_vocab_size=VOCAB)
+    if name == "MBartForConditionalGeneration": return "MBartConfig", _seq2seq()
+    if name == "Dinov2Model":
+        return "Dinov2Config", dict(cfg=dict(image_size=16, patch_size=8, hidden_size=32, num_hidden_layers=2,
+                                             num_attention_heads=2, mlp_ratio=2),
+                                    inputs={"pixel_values": _image()}, main="last_hidden_state", loss=None)
+    if name == "BeitForImageClassification":
+        return "BeitConfig", dict(cfg=dict(image_size=16, patch_size=8, hidden_size=32, num_hidden_layers=2,
+                                           num_attention_heads=2, intermediate_size=64, num_labels=10,
+                                           use_relative_position_bias=True, use_mean_pooling=True),
+                                  inputs={"pixel_values": _image(), "labels": torch.randint(0, 10, (B,))},
+                                  main="logits", loss="loss")
+    if name == "MobileViTForImageClassification":
+        return "MobileViTConfig", dict(cfg=dict(image_size=32, patch_size=2, hidden_sizes=[16, 24, 32],
+                                                neck_hidden_sizes=[8, 8, 16, 16, 24, 24, 32], num_attention_heads=2,
+                                                num_labels=10),
+                                       inputs={"pixel_values": _image(32), "labels": torch.randint(0, 10, (B,))},
+                                       main="logits", loss="loss")
+    if name == "RegNetForImageClassification":
+        return "RegNetConfig", dict(cfg=dict(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], groups_width=8,
+                                             num_labels=10),
+                                    inputs={"pixel_values": _image(32), "labels": torch.randint(0, 10, (B,))},
+                                    main="logits", loss="loss")
+    if name == "ResNetForImageClassification":
+        return "ResNetConfig", dict(cfg=dict(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1],
+                                             layer_type="bottleneck", num_labels=10),
+                                    inputs={"pixel_values": _image(32), "labels": torch.randint(0, 10, (B,))},
+                                    main="logits", loss="loss")
+    if name == "HubertModel":
+        return "HubertConfig", dict(cfg=dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                             intermediate_size=64, conv_dim=(16, 16), conv_stride=(5, 2),
+                                             conv_kernel=(10, 3), num_conv_pos_embeddings=16,
+                                             num_conv_pos_embedding_groups=2, vocab_size=VOCAB),
+                                    inputs={"input_values": torch.randn(B, 400)}, main="last_hidden_state", loss=None)
+    if name == "SiglipModel":
+        return "SiglipConfig", dict(cfg=dict(text_config=dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                                              num_hidden_layers=2, num_attention_heads=2,
+                                                              max_position_embeddings=16),
+                                             vision_config=dict(image_size=16, patch_size=8, hidden_size=32,
+                                                                intermediate_size=64, num_hidden_layers=2,
+                                                                num_attention_heads=2)),
+                                    inputs={"input_ids": _tok(), "pixel_values": _image(), "return_loss": True},
+                                    main="logits_per_image", loss="loss")
     raise KeyError(name)
 
 
@@ -179,6 +275,13 @@ MODELS = ["DistilBertForMaskedLM", "RobertaForMaskedLM", "AlbertForMaskedLM", "E
           "GPTNeoXForCausalLM", "OPTForCausalLM", "BloomForCausalLM", "FalconForCausalLM", "MixtralForCausalLM",
           "WhisperForConditionalGeneration", "CLIPModel", "Swinv2Model", "ConvNextModel",
           "DeiTForImageClassification", "SegformerForSemanticSegmentation", "Wav2Vec2Model"]
+MODELS += ["Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "StableLmForCausalLM",
+           "Olmo2ForCausalLM", "CohereForCausalLM", "Starcoder2ForCausalLM", "GPTJForCausalLM", "GPTNeoForCausalLM",
+           "CodeGenForCausalLM", "MambaForCausalLM", "Mamba2ForCausalLM", "ModernBertForMaskedLM",
+           "DebertaV2ForMaskedLM", "XLNetLMHeadModel", "PegasusForConditionalGeneration", "MarianMTModel",
+           "MBartForConditionalGeneration", "Dinov2Model", "BeitForImageClassification",
+           "MobileViTForImageClassification", "RegNetForImageClassification", "ResNetForImageClassification",
+           "HubertModel", "SiglipModel"]
 MODELS += [m + "+pad" for m in MODELS if m.endswith("ForCausalLM")]  # causal LMs over a left-padded batch
 
 # --------------------------------------------------------------------------------------------- one model
