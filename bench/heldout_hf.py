@@ -180,13 +180,12 @@ def spec(name):
                                        inputs={"pixel_values": torch.randn(B, 3, 32, 32),
                                                "labels": torch.randint(0, 3, (B, 32, 32))},
                                        main="logits", loss="loss")
-    if name == "Wav2Vec2Model":
-        return "Wav2Vec2Config", dict(cfg=dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                               intermediate_size=64, conv_dim=(16, 16), conv_stride=(5, 2),
-                                               conv_kernel=(10, 3), num_conv_pos_embeddings=16,
-                                               num_conv_pos_embedding_groups=2, vocab_size=VOCAB),
-                                      inputs={"input_values": torch.randn(B, 400)},
-                                      main="last_hidden_state", loss=None)
+    if name in ("Wav2Vec2Model", "HubertModel"):  # the same speech encoder's config
+        return name.replace("Model", "Config"), dict(
+            cfg=dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                     conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16,
+                     num_conv_pos_embedding_groups=2, vocab_size=VOCAB),
+            inputs={"input_values": torch.randn(B, 400)}, main="last_hidden_state", loss=None)
     if name == "Qwen3ForCausalLM": return "Qwen3Config", _causal(**dec, head_dim=8)
     if name == "Qwen3MoeForCausalLM":
         return "Qwen3MoeConfig", _causal(**dec, head_dim=8, num_experts=4, num_experts_per_tok=2,
@@ -252,12 +251,6 @@ def spec(name):
                                              layer_type="bottleneck", num_labels=10),
                                     inputs={"pixel_values": _image(32), "labels": torch.randint(0, 10, (B,))},
                                     main="logits", loss="loss")
-    if name == "HubertModel":
-        return "HubertConfig", dict(cfg=dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                             intermediate_size=64, conv_dim=(16, 16), conv_stride=(5, 2),
-                                             conv_kernel=(10, 3), num_conv_pos_embeddings=16,
-                                             num_conv_pos_embedding_groups=2, vocab_size=VOCAB),
-                                    inputs={"input_values": torch.randn(B, 400)}, main="last_hidden_state", loss=None)
     if name == "SiglipModel":
         return "SiglipConfig", dict(cfg=dict(text_config=dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
                                                               num_hidden_layers=2, num_attention_heads=2,
