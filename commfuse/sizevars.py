@@ -36,6 +36,9 @@ class FloorDiv(sympy.Function):
             return sympy.Integer(int(a) // int(b))
         if isinstance(a, FloorDiv):  # (a // b) // c == a // (b * c)
             return FloorDiv(a.args[0], a.args[1] * b)
+        g = _common_factor(a, b)
+        if g > 1:  # (g a) // (g b) == a // b
+            return FloorDiv(sympy.expand(a / g), b / g)
         # split off terms that are multiples of b: (q*b + r) // b == q + r // b only if r >= 0
         if a.is_Add:
             q, rest = [], []
@@ -64,8 +67,20 @@ class Mod(sympy.Function):
             keep = [t for t in a.args if not _is_index_like(sympy.cancel(t / b))]
             if len(keep) < len(a.args):
                 return Mod(sympy.Add(*keep), b)
+        terms = [(c, t) for c, t in (t.as_coeff_Mul(rational=True) for t in sympy.Add.make_args(a))]
+        if any(c.is_Integer and isinstance(t, Mod) and t.args[1] == b for c, t in terms):  # y % b == y (mod b)
+            return Mod(sympy.Add(*[c * t.args[0] if c.is_Integer and isinstance(t, Mod) and t.args[1] == b
+                                   else c * t for c, t in terms]), b)
         if _is_index_like(sympy.cancel(a / b)):
             return sympy.Integer(0)
+
+
+def _common_factor(a, b) -> int:
+    """The largest integer dividing `b` and every term's integer coefficient in `a`."""
+    if not b.is_Integer:
+        return 1
+    coeffs = [c for c, _ in (t.as_coeff_Mul(rational=True) for t in sympy.Add.make_args(a))]
+    return math.gcd(int(b), *[int(c) for c in coeffs]) if all(c.is_Integer for c in coeffs) else 1
 
 
 def _is_index_like(e) -> bool:
@@ -167,6 +182,13 @@ def _fold_div_mod(e: Expr):
         high = FloorDiv(inner, b)
         if high in terms and sympy.expand(terms[high] - coeff * b) == 0:
             return e - coeff * rest - terms[high] * high + coeff * inner
+    for high, coeff in terms.items():  # c*x - c*b*(x // b) -> c*(x % b)
+        if isinstance(high, FloorDiv):
+            x, b = high.args
+            c = sympy.cancel(-coeff / b)
+            cx = sympy.expand(c * x)
+            if _is_index_like(c) and set(sympy.Add.make_args(cx)) <= set(e.args):
+                return e - cx - coeff * high + c * Mod(x, b)
     return None
 
 

@@ -149,3 +149,34 @@ def test_a_broadcast_of_sizes_equal_by_a_guard_lowers(tmp_path):
     torch.testing.assert_close(out, fn(x))
     summary, code = dumps.only()
     assert summary["fallback_ops"] == [], summary["fallback_reasons"]
+
+
+def test_a_reshape_into_chunks_of_a_padded_length_lowers(tmp_path):
+    """HF Mamba2 pads a sequence to a multiple of 4, `(4 - n % 4) % 4`, then views it in chunks of
+    4. The padded length n + (-n) % 4 is a multiple of 4 by arithmetic (no guard says so), which
+    the view needs: it ran through aten ("needs a size relation we cannot prove")."""
+    def fn(x):
+        x = torch.nn.functional.pad(x, (0, 0, 0, (4 - x.shape[1] % 4) % 4))
+        return x.reshape(x.shape[0], -1, 4, x.shape[2]) * 2
+    x = torch.randn(2, 6, 16, device=DEVICE)
+    torch._dynamo.mark_dynamic(x, 1)
+    out, dumps = compile_and_run(fn, x, tmp_path=tmp_path)
+    torch.testing.assert_close(out, fn(x))
+    summary, _ = dumps.only()
+    assert summary["fallback_ops"] == [], summary["fallback_reasons"]
+
+
+def test_modular_identities():
+    """What that needs: y % b is y modulo b inside a sum taken modulo b; x - b * (x // b) is
+    x % b; a common factor divides out of a floor division."""
+    import sympy
+    from commfuse.sizevars import FloorDiv, Mod, equal, simplify
+    n, t = sympy.symbols("n t", integer=True, positive=True)
+    assert Mod(-Mod(n, 4), 4) == Mod(-n, 4) and Mod(n + Mod(-n, 4), 4) == 0
+    assert FloorDiv(32 * n + 64 * t, 128) == FloorDiv(n + 2 * t, 4)
+    assert simplify(2 * n - 8 * FloorDiv(n, 4) + 1) == 2 * Mod(n, 4) + 1
+    assert equal(4 * FloorDiv(n + Mod(-n, 4), 4), n + Mod(-n, 4)) and not equal(4 * FloorDiv(n, 4), n)
+    for v in range(-9, 10):  # the rewritten forms agree with Python's // and % (negative values too)
+        assert Mod(-n, 4).subs(n, v) == (-(v % 4)) % 4
+        assert FloorDiv(n + 2 * t, 4).subs({n: v, t: 1}) == (32 * v + 64) // 128
+        assert (2 * Mod(n, 4) + 1).subs(n, v) == 2 * v - 8 * (v // 4) + 1
