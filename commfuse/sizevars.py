@@ -36,9 +36,11 @@ class FloorDiv(sympy.Function):
             return sympy.Integer(int(a) // int(b))
         if isinstance(a, FloorDiv):  # (a // b) // c == a // (b * c)
             return FloorDiv(a.args[0], a.args[1] * b)
+        if isinstance(b, FloorDiv) and b.args[0] == a and Mod(a, b.args[1]) == 0:  # a // (a // k) == k
+            return b.args[1]
         g = _common_factor(a, b)
-        if g > 1:  # (g a) // (g b) == a // b
-            return FloorDiv(sympy.expand(a / g), b / g)
+        if g != 1:  # (g a) // (g b) == a // b
+            return FloorDiv(sympy.cancel(a / g), sympy.cancel(b / g))
         # split off terms that are multiples of b: (q*b + r) // b == q + r // b only if r >= 0
         if a.is_Add:
             q, rest = [], []
@@ -75,12 +77,13 @@ class Mod(sympy.Function):
             return sympy.Integer(0)
 
 
-def _common_factor(a, b) -> int:
-    """The largest integer dividing `b` and every term's integer coefficient in `a`."""
-    if not b.is_Integer:
+def _common_factor(a, b):
+    """A positive factor common to `b` and every term of `a` (sizes, their products), else 1."""
+    try:
+        g = sympy.gcd(a, b)
+    except Exception:  # not a polynomial in its sizes (a FloorDiv's own Mod, say)
         return 1
-    coeffs = [c for c, _ in (t.as_coeff_Mul(rational=True) for t in sympy.Add.make_args(a))]
-    return math.gcd(int(b), *[int(c) for c in coeffs]) if all(c.is_Integer for c in coeffs) else 1
+    return g if g.is_positive and _is_index_like(g) else 1
 
 
 def _is_index_like(e) -> bool:

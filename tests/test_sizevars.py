@@ -168,15 +168,20 @@ def test_a_reshape_into_chunks_of_a_padded_length_lowers(tmp_path):
 
 def test_modular_identities():
     """What that needs: y % b is y modulo b inside a sum taken modulo b; x - b * (x // b) is
-    x % b; a common factor divides out of a floor division."""
+    x % b; a positive common factor divides out of a floor division; a multiple a of k over
+    a // k is k."""
     import sympy
     from commfuse.sizevars import FloorDiv, Mod, equal, simplify
     n, t = sympy.symbols("n t", integer=True, positive=True)
     assert Mod(-Mod(n, 4), 4) == Mod(-n, 4) and Mod(n + Mod(-n, 4), 4) == 0
-    assert FloorDiv(32 * n + 64 * t, 128) == FloorDiv(n + 2 * t, 4)
+    assert FloorDiv(32 * n + 64 * t, 128) == FloorDiv(n + 2 * t, 4) and FloorDiv(4 * t * n, 16 * t) == FloorDiv(n, 4)
+    padded = n + Mod(-n, 4)  # a multiple of 4: padded // (padded // 4) is 4 (a reshape's inferred -1)
+    assert FloorDiv(padded, FloorDiv(padded, 4)) == 4 and FloorDiv(n, FloorDiv(n, 4)) != 4
     assert simplify(2 * n - 8 * FloorDiv(n, 4) + 1) == 2 * Mod(n, 4) + 1
     assert equal(4 * FloorDiv(n + Mod(-n, 4), 4), n + Mod(-n, 4)) and not equal(4 * FloorDiv(n, 4), n)
     for v in range(-9, 10):  # the rewritten forms agree with Python's // and % (negative values too)
         assert Mod(-n, 4).subs(n, v) == (-(v % 4)) % 4
         assert FloorDiv(n + 2 * t, 4).subs({n: v, t: 1}) == (32 * v + 64) // 128
         assert (2 * Mod(n, 4) + 1).subs(n, v) == 2 * v - 8 * (v // 4) + 1
+        if v > 0:
+            assert (v + (-v) % 4) // ((v + (-v) % 4) // 4) == 4
