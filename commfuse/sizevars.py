@@ -69,10 +69,10 @@ class Mod(sympy.Function):
             keep = [t for t in a.args if not _is_index_like(sympy.cancel(t / b))]
             if len(keep) < len(a.args):
                 return Mod(sympy.Add(*keep), b)
-        terms = [(c, t) for c, t in (t.as_coeff_Mul(rational=True) for t in sympy.Add.make_args(a))]
-        if any(c.is_Integer and isinstance(t, Mod) and t.args[1] == b for c, t in terms):  # y % b == y (mod b)
-            return Mod(sympy.Add(*[c * t.args[0] if c.is_Integer and isinstance(t, Mod) and t.args[1] == b
-                                   else c * t for c, t in terms]), b)
+        terms = [t.as_coeff_Mul(rational=True) for t in sympy.Add.make_args(a)]
+        inner = [c.is_Integer and isinstance(t, Mod) and t.args[1] == b for c, t in terms]  # y % b == y (mod b)
+        if any(inner):
+            return Mod(sympy.Add(*[c * (t.args[0] if i else t) for (c, t), i in zip(terms, inner)]), b)
         if _is_index_like(sympy.cancel(a / b)):
             return sympy.Integer(0)
 
