@@ -136,8 +136,9 @@ def aot_caching(gm: torch.fx.GraphModule, example_inputs):
     on = config.graph_cache and not config.dump_dir and should_use_local_autograd_cache()
     try:
         closures = _dtensor_closures(gm) if on else {}
+        marked = {**torch._inductor.config.unsafe_marked_cacheable_functions, **closures}  # the user's kept
         if on:  # else the backward compiles when first needed, as without the cache
-            with torch._inductor.config.patch(unsafe_marked_cacheable_functions=closures):
+            with torch._inductor.config.patch(unsafe_marked_cacheable_functions=marked):
                 check_cacheable(gm)
         # the cache folder too: a new one starts afresh
         tag = on and graph_cache.digest(json.dumps([graph_cache.cache_dir(), graph_cache.context(example_inputs),
@@ -150,7 +151,7 @@ def aot_caching(gm: torch.fx.GraphModule, example_inputs):
         return
     with torch._functorch.config.patch(bundled_autograd_cache=True, force_non_lazy_backward_lowering=True), \
             torch.compiler.config.patch(cache_key_tag=f"{torch.compiler.config.cache_key_tag}commfuse:{tag}"), \
-            torch._inductor.config.patch(unsafe_marked_cacheable_functions=closures), \
+            torch._inductor.config.patch(unsafe_marked_cacheable_functions=marked), \
             _meshes_pickled_without_their_hash():
         yield True
 

@@ -158,6 +158,17 @@ def test_the_backward_compiles_with_its_forward_only_where_the_pair_is_stored(tm
     torch.testing.assert_close(x.grad, eager.grad)
 
 
+def test_functions_the_user_marked_cacheable_stay_marked(tmp_path):
+    """A call the user marked cacheable (`unsafe_marked_cacheable_functions`) keeps the graph in
+    AOTAutograd's cache beside the marks commfuse adds for DTensor's closures: the pair is stored."""
+    name = f"{_opaque_to_the_key.__module__}.{_opaque_to_the_key.__name__}"
+    x = torch.randn(6, device=DEVICE, requires_grad=True)
+    with torch._inductor.config.patch(unsafe_marked_cacheable_functions={name: "1"}):
+        _, summaries = _compiled(torch.compile(lambda x: _opaque_to_the_key(x).sin(), backend="commfuse"), x,
+                                 cache_dir=tmp_path)
+    assert [s["graph_id"].split("_")[1] for s in summaries] == ["forward", "backward"]
+
+
 @pytest.mark.gpu
 def test_cuda_graph_mode_from_the_cache_updates_buffers_in_place(tmp_path):
     """A graph loaded from AOTAutograd's cache in CUDA-graph mode keeps its input roles: the
