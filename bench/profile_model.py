@@ -39,8 +39,9 @@ def kind_of(name: str) -> str:
     return next((k for k, keys in KINDS if any(s in low for s in keys)), "other aten")
 
 
-def profile_step(step, steps: int, dev: str) -> dict:
-    """{kernel name: [µs, launches]} per step, over `steps` profiled steps."""
+def profile_step(step, steps: int, dev: str, host: dict | None = None) -> dict:
+    """{kernel name: [µs, launches]} per step, over `steps` profiled steps; and where `host` is
+    given, {op or runtime call: [self host µs, calls]} per step into it (where the host waits)."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if dev == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -55,6 +56,10 @@ def profile_step(step, steps: int, dev: str) -> dict:
         if ev.device_type == gpu and (dev == "cuda" or ev.name.startswith(("aten::", "cf_", "triton_"))):
             table[ev.name][0] += ev.time_range.elapsed_us() / steps
             table[ev.name][1] += 1 / steps
+    if host is not None:
+        for ev in prof.key_averages():
+            if ev.self_cpu_time_total > 0:
+                host[ev.key] = [ev.self_cpu_time_total / steps, ev.count / steps]
     return dict(table)
 
 
@@ -91,6 +96,18 @@ def markdown(name, mode, tables, top) -> str:
         lines += ["", f"{b}, top {top} kernels:", "", "| µs | launches | kind | kernel |", "|---|---|---|---|"]
         for k, (us, n) in sorted(t.items(), key=lambda kv: -kv[1][0])[:top]:
             lines.append(f"| {us:.1f} | {n:g} | {kind_of(k)} | `{k[:110]}` |")
+    return "\n".join(lines) + "\n"
+
+
+def host_markdown(name, tables, top) -> str:
+    """Each backend's top host ops and runtime calls by self time (cudaStreamSynchronize and the
+    like show the host waiting for the GPU)."""
+    lines = []
+    for b, t in tables.items():
+        lines += ["", f"### {name}, {b}: host µs per step, top {top} by self time", "",
+                  "| self µs | calls | op or runtime call |", "|---|---|---|"]
+        for k, (us, n) in sorted(t.items(), key=lambda kv: -kv[1][0])[:top]:
+            lines.append(f"| {us:.1f} | {n:g} | `{k[:110]}` |")
     return "\n".join(lines) + "\n"
 
 
