@@ -23,6 +23,7 @@ from commfuse.ir import Pointwise, TensorBox
 from commfuse.virtualized import V, ops
 
 from . import register
+from .extern import fallback
 
 log = logging.getLogger("commfuse")
 c10d = torch.ops._c10d_functional
@@ -76,6 +77,19 @@ def place_input(x: TensorBox, plan: CommPlan, through_views: bool = False) -> ir
     return buf
 
 
+def _read_only_here(node) -> bool:
+    """`node` (an all-reduce's FX input) is memory of the graph's own, made by an op that does not
+    alias, read by this all-reduce alone (through views that only it reads)."""
+    while isinstance(node, torch.fx.Node) and node.op == "call_function" and len(node.users) == 1:
+        schema = getattr(node.target, "_schema", None)
+        if schema is None:
+            return False
+        if not any(r.alias_info is not None for r in schema.returns):
+            return True
+        node = node.args[0] if node.args else None  # a view: its base must be ours alone too
+    return False
+
+
 def _all_reduce(x, reduce_op, group_name, inplace):
     graph = V.graph
     request = CommRequest("all_reduce", reduce_op, group_name, x.get_dtype(), x.get_device(),
@@ -86,7 +100,11 @@ def _all_reduce(x, reduce_op, group_name, inplace):
         # a dynamic-shape recompile silently losing the fast path is worth one warning
         (log.warning if plan.reason.startswith("symbolic size") else log.info)(
             "commfuse: all_reduce on %s runs through c10d: %s", group_name, plan.reason)
-        return None
+        arg = graph.current_node.args[0] if graph.current_node is not None else None
+        if inplace or not _read_only_here(arg):
+            return None  # c10d's functional all_reduce: a copy of x, reduced
+        # nothing else reads x: reduce it in place, as all_reduce_ (no copy of the whole tensor)
+        return fallback(c10d.all_reduce_.default, (x, reduce_op, group_name), {}, arg.meta["val"])
     # in place, the result is the buffer itself: it must have x's size
     buf = place_input(x, plan, through_views=not inplace)
     if plan.algorithm.fused and not inplace:

@@ -84,6 +84,30 @@ def _ineligible(rank, world, dump_dir):
     return True
 
 
+def _c10d_in_place(rank, world, dump_dir):
+    """A c10d all-reduce of memory only it reads (an mm's output, through a view) reduces it in
+    place; one whose input is read again, or is the graph's input, reduces a copy."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    from commfuse import config
+
+    def fn(x, w):
+        y = funcol.all_reduce((x @ w).view(4, 2, 16), "sum", dist.group.WORLD)  # y's input: ours alone
+        h = x * 3
+        z = funcol.all_reduce(h, "sum", dist.group.WORLD) + h                    # h read again
+        return y, z, funcol.all_reduce(x, "sum", dist.group.WORLD)             # the caller's x
+    torch.manual_seed(0)
+    x, w = torch.randn(8, 8, device=device()) + rank, torch.randn(8, 16, device=device())
+    x0 = x.clone()
+    thresholds = {"comm.one_shot_max_bytes": {world: 0}, "comm.two_shot_max_bytes": {world: 0}}
+    with config.patch(dump_dir=dump_dir, **thresholds):  # every all-reduce through c10d
+        outs = torch.compile(fn, backend="commfuse")(x, w)
+    for o, r in zip(outs, fn(x0, w)):
+        torch.testing.assert_close(o, r)
+    torch.testing.assert_close(x, x0)
+    return True
+
+
 def _inplace(rank, world, dump_dir):
     """all_reduce_ on a buffer we produce: the kernel overwrites it in place, no copy."""
     import torch.distributed as dist
@@ -204,6 +228,13 @@ def test_ineligible_all_reduce_takes_c10d_and_says_why(tmp_path):
     for s in _summaries(tmp_path, 0):
         assert s["comm_buffers"] == []
         assert any("all_reduce" in c for c in s["extern_calls"])
+
+
+def test_c10d_all_reduce_in_place_where_nothing_else_reads_its_input(tmp_path):
+    run_ranks(_c10d_in_place, WORLD, args=(str(tmp_path),))
+    (code,) = _code(tmp_path, 0)
+    calls = re.findall(r"_c10d_functional\.(all_reduce_?)\b", code)
+    assert sorted(calls) == ["all_reduce", "all_reduce", "all_reduce_"], calls
 
 
 def test_inplace_all_reduce_has_no_copy(tmp_path):
