@@ -24,6 +24,7 @@ from commfuse.codegen.wrapper import WrapperCodegen
 from . import choices, config, dump, graph_cache, ir, sizevars
 from .compiled import AtenGraph, CompiledGraph, aot_caching, next_graph_id, serializable, summaries  # noqa: F401
 from .attention import contiguous_masks, use_sdpa_gqa
+from .comm_sums import all_reduce_sums
 from .decompositions import decomposition_table
 from .graph import GraphLowering
 from .host_scalars import scalars_to_device
@@ -173,6 +174,7 @@ def _compile(gm, example_inputs, graph_id, kind="inference", donated=frozenset()
     scalars_to_device(gm)
     reinplace_input_updates(gm)
     sum_one_hot(gm)
+    all_reduce_sums(gm)
     key, description, gen, skipped = _cached(gm, example_inputs, graph_id, kind, donated, saved)
     hit = gen is not None
     if not hit:

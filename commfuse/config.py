@@ -108,6 +108,7 @@ class comm:
     two_shot_max_bytes = {2: 0, 4: 8 << 20, 8: 8 << 20}
     table: str | None = None       # a `commfuse.tune` JSON table (None: the shipped one for this host)
     groups: list | None = None     # only these group names (None: all)
+    sum_before_all_reduce = True   # all_reduce(a) + all_reduce(b) as all_reduce(a + b) (comm_sums.py)
     block = 1024                   # elements per program step of the comm kernels
     bulk_block = 4096              # ... once a message needs several steps per program
     max_programs = 128             # programs of a comm kernel (each owns a barrier slot)

@@ -84,6 +84,30 @@ def _ineligible(rank, world, dump_dir):
     return True
 
 
+def _sums_of_all_reduces(rank, world, dump_dir):
+    """all_reduce(a) + all_reduce(b) + all_reduce(c) all-reduces once (a sum, a mean); an
+    all-reduced value read elsewhere too, or added with broadcasting, keeps its own."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    from commfuse import config
+
+    def fn(x, y, row):
+        g = dist.group.WORLD
+        s = funcol.all_reduce(x * 2, "sum", g) + funcol.all_reduce(y + 1, "sum", g) + funcol.all_reduce(x * y, "sum", g)
+        m = funcol.all_reduce(x, "avg", g) + funcol.all_reduce(y, "avg", g)
+        r = funcol.all_reduce(x - y, "sum", g)
+        t = r + funcol.all_reduce(x * 3, "sum", g)  # r is read again below
+        u = funcol.all_reduce(row, "sum", g) + funcol.all_reduce(y, "sum", g)  # row broadcasts
+        return s, m, t * r, u
+    torch.manual_seed(rank)
+    args = torch.randn(8, 16, device=device()), torch.randn(8, 16, device=device()), torch.randn(16, device=device())
+    with config.patch(dump_dir=dump_dir):
+        outs = torch.compile(fn, backend="commfuse")(*args)
+    for o, r in zip(outs, fn(*args)):
+        torch.testing.assert_close(o, r)
+    return True
+
+
 def _c10d_in_place(rank, world, dump_dir):
     """A c10d all-reduce of memory only it reads (an mm's output, through a view) reduces it in
     place; one whose input is read again, or is the graph's input, reduces a copy."""
@@ -228,6 +252,12 @@ def test_ineligible_all_reduce_takes_c10d_and_says_why(tmp_path):
     for s in _summaries(tmp_path, 0):
         assert s["comm_buffers"] == []
         assert any("all_reduce" in c for c in s["extern_calls"])
+
+
+def test_a_sum_of_all_reduces_all_reduces_once(tmp_path):
+    run_ranks(_sums_of_all_reduces, WORLD, args=(str(tmp_path),))
+    (s0,) = _summaries(tmp_path, 0)
+    assert len(s0["comm_plans"]) == 1 + 1 + 2 + 2, s0["comm_plans"]
 
 
 def test_c10d_all_reduce_in_place_where_nothing_else_reads_its_input(tmp_path):
