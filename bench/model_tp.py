@@ -227,7 +227,8 @@ def _train(key, make, x, a, dev, variants, res, failed):
         fn = module = None
         try:
             fn, module = make(name)
-            res[name][f"compile {key} s"] = timing.wall_time_s(lambda: step(fn), dev)
+            with _profiled(f"cold_{key}_{name}"):
+                res[name][f"compile {key} s"] = timing.wall_time_s(lambda: step(fn), dev)
             grads(module)
             for _ in range(2):  # a self-graphing variant records, then replays: check a replay
                 loss = step(fn)
@@ -303,8 +304,8 @@ def warm_compiles(key, variants, res, failed, first_call):
 
 @contextlib.contextmanager
 def _profiled(what: str):
-    """With MODEL_TP_CPROFILE=<folder>: rank 0's `what` (a warm compile, a decode loop's host
-    time) under cProfile, with Dynamo's phase times, written there (where its host time goes)."""
+    """With MODEL_TP_CPROFILE=<folder>: rank 0's `what` (a training workload's cold or warm
+    compile, a decode loop's host time) under cProfile, with Dynamo's phase times, written there (where its host time goes)."""
     folder = os.environ.get("MODEL_TP_CPROFILE")
     if not folder or dist.get_rank() != 0:
         yield
