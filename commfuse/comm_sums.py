@@ -34,9 +34,9 @@ def _reduced(node):
 
 
 def _same_value_type(*nodes) -> bool:  # no broadcast, no type promotion
-    vals = [n.meta.get("val") for n in nodes]
+    vals = [n.meta.get("val") for n in nodes]  # symbolic sizes compare by their expressions (no guard)
     return all(isinstance(v, torch.Tensor) for v in vals) and \
-        len({(tuple(v.shape), v.dtype, v.device) for v in vals}) == 1
+        len({(tuple(map(str, v.shape)), v.dtype, v.device) for v in vals}) == 1
 
 
 def all_reduce_sums(gm: torch.fx.GraphModule) -> int:

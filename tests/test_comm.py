@@ -105,6 +105,11 @@ def _sums_of_all_reduces(rank, world, dump_dir):
         outs = torch.compile(fn, backend="commfuse")(*args)
     for o, r in zip(outs, fn(*args)):
         torch.testing.assert_close(o, r)
+    torch._dynamo.reset()
+    for n in (5, 9):  # symbolic sizes (through c10d)
+        args = torch.randn(n, 16, device=device()), torch.randn(n, 16, device=device()), torch.randn(16, device=device())
+        for o, r in zip(torch.compile(fn, backend="commfuse", dynamic=True)(*args), fn(*args)):
+            torch.testing.assert_close(o, r)
     return True
 
 
