@@ -156,7 +156,7 @@ def decode(model, a, dev, variants, res, failed, check_steps=4):
         try:
             reset()
             fn = compiled(model, name)
-            with torch.no_grad():
+            with torch.no_grad(), _profiled(f"cold_decode_{name}"):
                 res[name]["compile decode s"] = timing.wall_time_s(lambda: fn(xs[0], positions[0]), dev)
             reset()  # the check starts from the same cache as eager's
             outs, after = run(fn)
@@ -304,8 +304,8 @@ def warm_compiles(key, variants, res, failed, first_call):
 
 @contextlib.contextmanager
 def _profiled(what: str):
-    """With MODEL_TP_CPROFILE=<folder>: rank 0's `what` (a training workload's cold or warm
-    compile, a decode loop's host time) under cProfile, with Dynamo's phase times, written there (where its host time goes)."""
+    """With MODEL_TP_CPROFILE=<folder>: rank 0's `what` (a workload's cold or warm compile, a
+    decode loop's host time) under cProfile, with Dynamo's phase times, written there (where its host time goes)."""
     folder = os.environ.get("MODEL_TP_CPROFILE")
     if not folder or dist.get_rank() != 0:
         yield
