@@ -40,18 +40,16 @@ class FloorDiv(sympy.Function):
             return b.args[1]
         g = _common_factor(a, b)
         if g != 1:  # (g a) // (g b) == a // b
-            return FloorDiv(sympy.cancel(a / g), sympy.cancel(b / g))
+            return FloorDiv(_quotient(a, g), _quotient(b, g))
         # split off terms that are multiples of b: (q*b + r) // b == q + r // b only if r >= 0
         if a.is_Add:
             q, rest = [], []
             for t in a.args:
-                c = sympy.cancel(t / b)
-                (q if _is_index_like(c) else rest).append(c if _is_index_like(c) else t)
+                c = _quotient(t, b)
+                (rest if c is None else q).append(t if c is None else c)
             if q:
                 return sympy.Add(*q) + FloorDiv(sympy.Add(*rest), b)
-        c = sympy.cancel(a / b)
-        if _is_index_like(c):
-            return c
+        return _quotient(a, b)
 
 
 class Mod(sympy.Function):
@@ -66,19 +64,37 @@ class Mod(sympy.Function):
         if a.is_Integer and b.is_Integer:
             return sympy.Integer(int(a) % int(b))
         if a.is_Add:
-            keep = [t for t in a.args if not _is_index_like(sympy.cancel(t / b))]
+            keep = [t for t in a.args if _quotient(t, b) is None]
             if len(keep) < len(a.args):
                 return Mod(sympy.Add(*keep), b)
         terms = [t.as_coeff_Mul(rational=True) for t in sympy.Add.make_args(a)]
         inner = [c.is_Integer and isinstance(t, Mod) and t.args[1] == b for c, t in terms]  # y % b == y (mod b)
         if any(inner):
             return Mod(sympy.Add(*[c * (t.args[0] if i else t) for (c, t), i in zip(terms, inner)]), b)
-        if _is_index_like(sympy.cancel(a / b)):
+        if _quotient(a, b) is not None:
             return sympy.Integer(0)
+
+
+def _quotient(a, b):
+    """a / b where that is integer-valued without division (a a multiple of b), else None. An
+    integer b (nearly every index) divides each term's integer coefficient: no sympy polys, whose
+    cancel costs milliseconds a call on a large graph's indices."""
+    if b.is_Integer:
+        terms = [t.as_coeff_Mul() for t in sympy.Add.make_args(a)]
+        if not all(c.is_Integer and int(c) % int(b) == 0 for c, _ in terms):
+            return None
+        q = sympy.Add(*[(int(c) // int(b)) * m for c, m in terms])
+    else:
+        q = sympy.cancel(a / b)
+    return q if _is_index_like(q) else None
 
 
 def _common_factor(a, b):
     """A positive factor common to `b` and every term of `a` (sizes, their products), else 1."""
+    if b.is_Integer:  # the gcd of b and a's integer coefficients
+        coeffs = [t.as_coeff_Mul()[0] for t in sympy.Add.make_args(a)]
+        g = math.gcd(int(b), *[int(c) for c in coeffs]) if all(c.is_Integer for c in coeffs) else 1
+        return sympy.Integer(g) if g > 1 else 1
     try:
         g = sympy.gcd(a, b)
     except Exception:  # not a polynomial in its sizes (a FloorDiv's own Mod, say)

@@ -185,3 +185,27 @@ def test_modular_identities():
         assert (2 * Mod(n, 4) + 1).subs(n, v) == 2 * v - 8 * (v // 4) + 1
         if v > 0:
             assert (v + (-v) % 4) // ((v + (-v) % 4) // 4) == 4
+
+
+def test_division_by_an_integer_agrees_with_python():
+    """FloorDiv and Mod by an integer (the fast path without sympy's polys: each term's integer
+    coefficient divided) equal Python's // and % at every point, for sums of scaled indices,
+    nested divisions and common factors."""
+    import random
+
+    import sympy
+    from commfuse.sizevars import FloorDiv, Mod, index_symbol
+    xs = [index_symbol("x", i) for i in range(3)]
+    rng = random.Random(0)
+    for _ in range(200):
+        coeffs = [rng.choice([1, 2, 3, 4, 8, 12, 64, 96, 4096]) for _ in xs]
+        e = sum(c * x for c, x in zip(coeffs, xs)) + rng.choice([0, 1, 6, 64])
+        d, m = rng.choice([2, 3, 4, 8, 12, 64, 4096]), rng.choice([2, 4, 5, 16])
+        exprs = (FloorDiv(e, d), Mod(e, d), Mod(FloorDiv(e, d), m), FloorDiv(Mod(e, d * m), d))
+        for _ in range(5):
+            point = {x: rng.randrange(0, 50) for x in xs}
+            v = int(e.subs(point))
+            want = (v // d, v % d, (v // d) % m, (v % (d * m)) // d)
+            assert [int(x.subs(point)) for x in exprs] == list(want), (e, d, m, exprs)
+    assert FloorDiv(8 * xs[0] + 4, 12) == FloorDiv(2 * xs[0] + 1, 3) and Mod(64 * xs[0] + xs[1], 64) == Mod(xs[1], 64)
+    assert FloorDiv(sympy.Integer(9) * xs[0], 3) == 3 * xs[0]
