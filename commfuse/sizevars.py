@@ -39,8 +39,8 @@ class FloorDiv(sympy.Function):
         if isinstance(b, FloorDiv) and b.args[0] == a and Mod(a, b.args[1]) == 0:  # a // (a // k) == k
             return b.args[1]
         g = _common_factor(a, b)
-        if g != 1:  # (g a) // (g b) == a // b
-            return FloorDiv(_quotient(a, g), _quotient(b, g))
+        if g != 1 and None not in (q := (_quotient(a, g), _quotient(b, g))):  # (g a) // (g b) == a // b
+            return FloorDiv(*q)
         # split off terms that are multiples of b: (q*b + r) // b == q + r // b only if r >= 0
         if a.is_Add:
             q, rest = [], []
@@ -79,9 +79,9 @@ def _quotient(a, b):
     """a / b where that is integer-valued without division (a a multiple of b), else None. An
     integer b (nearly every index) divides each term's integer coefficient: no sympy polys, whose
     cancel costs milliseconds a call on a large graph's indices."""
-    if b.is_Integer:
+    if b.is_Integer:  # (b is 0 in the indices of an empty tensor)
         terms = [t.as_coeff_Mul() for t in sympy.Add.make_args(a)]
-        if not all(c.is_Integer and int(c) % int(b) == 0 for c, _ in terms):
+        if b == 0 or not all(c.is_Integer and int(c) % int(b) == 0 for c, _ in terms):
             return None
         q = sympy.Add(*[(int(c) // int(b)) * m for c, m in terms])
     else:
@@ -93,7 +93,7 @@ def _common_factor(a, b):
     """A positive factor common to `b` and every term of `a` (sizes, their products), else 1."""
     if b.is_Integer:  # the gcd of b and a's integer coefficients
         coeffs = [t.as_coeff_Mul()[0] for t in sympy.Add.make_args(a)]
-        g = math.gcd(int(b), *[int(c) for c in coeffs]) if all(c.is_Integer for c in coeffs) else 1
+        g = math.gcd(int(b), *map(int, coeffs)) if b > 0 and all(c.is_Integer for c in coeffs) else 1
         return sympy.Integer(g) if g > 1 else 1
     try:
         g = sympy.gcd(a, b)
