@@ -21,9 +21,10 @@ Workloads:
   the loop is host-bound: Dynamo's guards, AOTAutograd's wrappers, the backend's own Python).
 - train: tensor-parallel forward + backward of B=2 x S=1024 tokens (loss: mean square of the output, taken
   eagerly), CUDA events around a loop of steps; host ms per step: one step's time on the host, started
-  with the GPU idle and not waiting for it (near the step time, the step is host-bound). Gradients exist from the steps before (accumulated
-  in place), so "peak above weights" is torch.cuda.max_memory_allocated over one step less what was
-  allocated before it (weights, gradients, KV cache, inputs): activations and temporaries. Not for
+  with the GPU idle and not waiting for it (near the step time, the step is host-bound). Gradients
+  exist from the steps before (accumulated in place), so "peak above weights" is
+  torch.cuda.max_memory_allocated over one step less what was allocated before it (weights,
+  gradients, KV cache, inputs): activations and temporaries. Not for
   the self-graphing variants, whose graph pools are allocated when they record, before that step.
 - fsdp: FSDP2 training, data parallel over the ranks (fully_shard per layer and at the root, each
   layer compiled on its own as torchtitan does): Llama-3.2-1B-shaped layers (H 2048, 32 query / 8
@@ -305,7 +306,8 @@ def warm_compiles(key, variants, res, failed, first_call):
 @contextlib.contextmanager
 def _profiled(what: str):
     """With MODEL_TP_CPROFILE=<folder>: rank 0's `what` (a workload's cold or warm compile, a
-    decode loop's host time) under cProfile, with Dynamo's phase times, written there (where its host time goes)."""
+    decode loop's host time) under cProfile, with Dynamo's phase times, written there (where its
+    host time goes)."""
     folder = os.environ.get("MODEL_TP_CPROFILE")
     if not folder or dist.get_rank() != 0:
         yield
