@@ -204,9 +204,8 @@ def _fold_div_mod(e: Expr):
     for high, coeff in terms.items():  # c*x - c*b*(x // b) -> c*(x % b)
         if isinstance(high, FloorDiv):
             x, b = high.args
-            c = sympy.cancel(-coeff / b)
-            cx = sympy.expand(c * x)
-            if _is_index_like(c) and set(sympy.Add.make_args(cx)) <= set(e.args):
+            c = _quotient(-coeff, b)
+            if c is not None and set(sympy.Add.make_args(cx := sympy.expand(c * x))) <= set(e.args):
                 return e - cx - coeff * high + c * Mod(x, b)
     return None
 

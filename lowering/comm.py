@@ -23,7 +23,7 @@ from commfuse.ir import Pointwise, TensorBox
 from commfuse.virtualized import V, ops
 
 from . import register
-from .extern import fallback
+from .extern import returns_alias, fallback
 
 log = logging.getLogger("commfuse")
 c10d = torch.ops._c10d_functional
@@ -80,11 +80,8 @@ def place_input(x: TensorBox, plan: CommPlan, through_views: bool = False) -> ir
 def _read_only_here(node) -> bool:
     """`node` (an all-reduce's FX input) is memory of the graph's own, made by an op that does not
     alias, read by this all-reduce alone (through views that only it reads)."""
-    while isinstance(node, torch.fx.Node) and node.op == "call_function" and len(node.users) == 1:
-        schema = getattr(node.target, "_schema", None)
-        if schema is None:
-            return False
-        if not any(r.alias_info is not None for r in schema.returns):
+    while isinstance(node, torch.fx.Node) and isinstance(node.target, torch._ops.OpOverload) and len(node.users) == 1:
+        if not returns_alias(node.target):
             return True
         node = node.args[0] if node.args else None  # a view: its base must be ours alone too
     return False

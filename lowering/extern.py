@@ -81,7 +81,7 @@ def _mutated_args(op, args, kwargs):
     return out
 
 
-def _returns_alias(op) -> bool:
+def returns_alias(op) -> bool:
     return isinstance(op, torch._ops.OpOverload) and any(
         r.alias_info is not None for r in op._schema.returns)
 
@@ -108,7 +108,7 @@ def fallback(op, args, kwargs, meta):
     if V.graph.channels_last and op in CONVOLUTIONS:  # 4-D operands (input, weight, grad) as cudnn wants
         args = [a.realize_in_order(ir.CHANNELS_LAST) if isinstance(a, TensorBox) and len(a.get_size()) == 4
                 else a for a in args]
-    if _returns_alias(op) and args and isinstance(args[0], TensorBox):
+    if returns_alias(op) and args and isinstance(args[0], TensorBox):
         args = [_in_meta_order(args[0])] + list(args[1:])
     bias = ATTENTION_BIAS_ARG.get(op)
     if bias is not None and bias < len(args) and isinstance(args[bias], TensorBox):
@@ -123,7 +123,7 @@ def fallback(op, args, kwargs, meta):
     mutates = _mutated_args(op, args, kwargs)
     graph = V.graph
     fields = dict(op=op, args=tuple(args), kwargs=dict(kwargs), mutates=mutates,
-                  aliases=_returns_alias(op))
+                  aliases=returns_alias(op))
     if isinstance(meta, torch.Tensor):
         out = out_overload(op)
         layout = meta_layout(meta)
@@ -178,7 +178,7 @@ def _meta_for_layouts(op, args, kwargs, meta):
         with FakeTensorMode():
             return op(*pytree.tree_map(fake, args), **pytree.tree_map(fake, kwargs))
     except Exception:
-        if _returns_alias(op):  # a view taken as is would be indexed by the wrong strides
+        if returns_alias(op):  # a view taken as is would be indexed by the wrong strides
             raise
         return meta  # the wrapper copies what aten returns into the traced layout
 
