@@ -148,6 +148,14 @@ driver.set_active(SM90())
 from commfuse import config
 from commfuse.runtime import loader, precompile
 module, _ = loader.load_module(open(sys.argv[1]).read(), {})
+if len(sys.argv) > 2:  # as after Inductor: this process read its ptxas's version, then another ptxas is set
+    from triton.backends.nvidia.compiler import get_ptxas, get_ptxas_version
+    real, version = get_ptxas(90).path, get_ptxas_version(90)
+    with open(sys.argv[2], "w") as f:  # the same ptxas, announcing another build of its release
+        f.write(f"#!{sys.executable}\nimport os, sys\nif sys.argv[1:] == ['--version']:\n"
+                f"    print({version!r} + 'another build')\nelse:\n    os.execv({real!r}, [{real!r}, *sys.argv[1:]])\n")
+    os.chmod(sys.argv[2], 0o755)
+    os.environ["TRITON_PTXAS_PATH"] = os.environ["TRITON_PTXAS_BLACKWELL_PATH"] = sys.argv[2]
 with config.patch(compile_workers=2):
     pending = precompile.start(module)
 pending.wait()
@@ -166,18 +174,19 @@ print(json.dumps({"jobs": len(pending.futures), "errors": errors, "found": found
 """.replace("ROOT", repr(ROOT))
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_kernels_compiled_ahead_are_found_by_the_launch(tmp_path, case):
+@pytest.mark.parametrize("case,ptxas_changed", [*((c, False) for c in sorted(CASES)), ("static", True)])
+def test_kernels_compiled_ahead_are_found_by_the_launch(tmp_path, case, ptxas_changed):
     """The pool compiles the kernels for sm_90 into Triton's cache; the JIT's lookup at each launch
-    then loads them instead of compiling."""
+    then loads them instead of compiling. Also where TRITON_PTXAS_PATH changed after this process's
+    Triton read its ptxas's version (which it keeps, and hashes): the workers hash that one too."""
     code, _ = _generated(case, tmp_path)
     path = tmp_path / "output_code.py"
     path.write_text(code)
     env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "triton"), COMMFUSE_CACHE_DIR=str(tmp_path / "cf"))
     script = tmp_path / "aot.py"  # @triton.jit needs its source in a file
     script.write_text(AOT_SCRIPT)
-    run = subprocess.run([sys.executable, str(script), str(path)], env=env, capture_output=True, text=True,
-                         timeout=900)
+    run = subprocess.run([sys.executable, str(script), str(path), *([str(tmp_path / "ptxas")] * ptxas_changed)],
+                         env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-4000:]
     out = json.loads(run.stdout.strip().splitlines()[-1])
     if "skip" in out:
@@ -210,7 +219,7 @@ class _Crash:
 def test_a_failing_or_crashing_worker_costs_only_its_kernel(tmp_path, caplog):
     pool = precompile.Pool(1)
     try:
-        missing = (str(tmp_path / "missing.py"), "commfuse_generated_missing", None,
+        missing = (str(tmp_path / "missing.py"), "commfuse_generated_missing", None, {"env": {}, "ptxas_version": None},
                    ("k", {}, {}, {}, {}))
         crash = pool.submit(_Crash())
         failed = pool.submit(missing)  # a new worker replaces the dead one

@@ -42,6 +42,18 @@ def kernels(path: str, module_name: str) -> dict:
     return namespace
 
 
+def _use(settings: dict) -> None:
+    """Triton's settings as the submitting process has them (precompile.triton_settings): any
+    difference gives another cache key, and the launch would compile its kernel again."""
+    env = settings["env"]
+    for k in [k for k in os.environ if k.startswith("TRITON_") and k != "TRITON_INTERPRET" and k not in env]:
+        del os.environ[k]
+    os.environ.update(env)
+    if settings["ptxas_version"] is not None:
+        from triton.backends.nvidia import compiler
+        compiler.get_ptxas_version = lambda *args, **kwargs: settings["ptxas_version"]
+
+
 def serve() -> None:
     """Compiles each job read from stdin into Triton's cache, answers None or why not."""
     replies = os.fdopen(os.dup(1), "wb")
@@ -55,10 +67,11 @@ def serve() -> None:
     modules = {}
     while True:
         try:
-            path, module_name, target, (name, signature, constexprs, attrs, options) = pickle.load(sys.stdin.buffer)
+            path, module_name, target, settings, (name, signature, constexprs, attrs, options) = pickle.load(sys.stdin.buffer)
         except EOFError:
             return
         try:
+            _use(settings)
             if path not in modules:
                 modules[path] = kernels(path, module_name)
             kernel = triton_compile(ASTSource(modules[path][name], signature, constexprs, attrs), target=target,

@@ -72,9 +72,26 @@ def start(module) -> Pending | None:
         from triton.runtime import driver
         target = driver.active.get_current_target()  # as the JIT's binder gets it
         jobs = [job for launch in module._launches if (job := capture(*launch))]
-        return Pending([pool.submit((module.__file__, module.__name__, target, job)) for job in jobs])
+        settings = triton_settings(target)
+        return Pending([pool.submit((module.__file__, module.__name__, target, settings, job)) for job in jobs],
+                       module._launches)
     except Exception as e:
         _failed(f"{type(e).__name__}: {e}")
+
+
+def triton_settings(target) -> dict:
+    """What a worker's Triton must see to compute this process's cache keys: the TRITON_* variables
+    now, and the ptxas version this process's Triton read once and keeps (it hashes that one,
+    even after a library sets TRITON_PTXAS_PATH to another ptxas, as Inductor does)."""
+    env = {k: v for k, v in os.environ.items() if k.startswith("TRITON_") and k != "TRITON_INTERPRET"}
+    version = None
+    if target.backend == "cuda":
+        try:
+            from triton.backends.nvidia.compiler import get_ptxas_version
+            version = get_ptxas_version(target.arch)
+        except Exception:  # another Triton: the worker reads its own
+            pass
+    return {"env": env, "ptxas_version": version}
 
 
 def capture(kernel, args, kwargs) -> tuple | None:
@@ -97,10 +114,10 @@ def capture(kernel, args, kwargs) -> tuple | None:
 
 
 class Pending:
-    """A graph's submitted kernels; its first call waits for them."""
+    """A graph's submitted kernels; its first call waits for them, then loads them."""
 
-    def __init__(self, futures: list):
-        self.futures = futures
+    def __init__(self, futures: list, launches: list = ()):
+        self.futures, self.launches = futures, launches
 
     def wait(self) -> None:
         done, late = concurrent.futures.wait(self.futures, timeout=TIMEOUT_S)
@@ -108,6 +125,18 @@ class Pending:
             _failed(why)
         if late:
             _failed(f"{len(late)} kernel(s) not compiled after {TIMEOUT_S} s")
+        load(self.launches)
+
+
+def load(launches) -> None:
+    """Load every kernel of `launches` onto the current device now, before the first is launched.
+    Loaded at its first launch instead, each kernel took 160 ms on 2x H100 (the decode and
+    training graphs of bench/model_tp.py), launches of a first call interleaved with loads."""
+    for kernel, args, kwargs in launches:
+        try:
+            kernel.warmup(*args, grid=(1,), **kwargs)._init_handles()  # the JIT keeps it for the launch
+        except Exception as e:  # it loads (or fails) at its launch instead
+            _failed(f"loading {kernel.__name__}: {type(e).__name__}: {e}")
 
 
 class Pool:
