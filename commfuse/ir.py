@@ -509,7 +509,10 @@ def _view_affine(box: TensorBox, layout: Layout):
     index = list(vars)
     for reindex in chain:
         index = list(reindex(index))
-    return sizevars.affine_coefficients(layout.index(index), vars)
+    flat = layout.index(index)
+    # heads split off a flattened dim leave x // 24 beside x % 12 terms, affine only knowing x < 12
+    return sizevars.affine_coefficients(flat, vars) or sizevars.affine_coefficients(
+        sizevars.simplify_with_ranges(flat, dict(zip(vars, size))), vars)
 
 
 def is_strided_over_contiguous(box: TensorBox) -> bool:

@@ -34,6 +34,8 @@ class FloorDiv(sympy.Function):
             return sympy.Integer(0)
         if a.is_Integer and b.is_Integer:
             return sympy.Integer(int(a) // int(b))
+        if isinstance(a, Mod) and a.args[1].is_Integer and b.is_Integer and a.args[1] <= b:  # 0 <= x % m < b
+            return sympy.Integer(0)
         if isinstance(a, FloorDiv):  # (a // b) // c == a // (b * c)
             return FloorDiv(a.args[0], a.args[1] * b)
         if isinstance(b, FloorDiv) and b.args[0] == a and Mod(a, b.args[1]) == 0:  # a // (a // k) == k
@@ -232,14 +234,29 @@ def simplify_with_ranges(e: Expr, ranges: dict) -> Expr:
             return sum(args) if a.is_Add else math.prod(args)
         return None
 
+    def small_part(a, b):
+        """(g*y + r) // (g*k) -> y // k where 0 <= r < g, for the largest such g dividing b:
+        12*x + y over 24 with y < 12 is x // 2 (heads split off a flattened dim)."""
+        terms = sympy.Add.make_args(a)
+        n = int(b)
+        divisors = {d for i in range(1, math.isqrt(n) + 1) if n % i == 0 for d in (i, n // i)} - {1}
+        for g in map(sympy.Integer, sorted(divisors, reverse=True)):
+            rest = [t for t in terms if _quotient(t, g) is None]
+            tops = [upper(t) if t.is_nonnegative else None for t in rest]
+            if rest and len(rest) < len(terms) and None not in tops and sum(tops) < g:
+                return FloorDiv(sympy.Add(*(_quotient(t, g) for t in terms if t not in rest)), n // g)
+        return None
+
     def rewrite(a):
         if not a.args or not a.has(FloorDiv, Mod):
             return a
         inner = [rewrite(x) for x in a.args]
-        if isinstance(a, (FloorDiv, Mod)):
+        if isinstance(a, (FloorDiv, Mod)) and inner[1].is_Integer:
             top = upper(inner[0])
-            if top is not None and inner[1].is_Integer and top < inner[1]:
+            if top is not None and top < inner[1]:
                 return sympy.Integer(0) if isinstance(a, FloorDiv) else inner[0]
+            if isinstance(a, FloorDiv) and inner[0].is_Add and (split := small_part(inner[0], inner[1])) is not None:
+                return split
         return a.func(*inner)
     return simplify(rewrite(simplify(e)))
 

@@ -22,6 +22,20 @@ def test_relu_add_sum_is_one_kernel(tmp_path):
     assert summary["extern_calls"] == []
 
 
+def test_split_heads_of_a_key_transposed_stay_a_view(tmp_path):
+    """MobileViT's attention: view into heads, permute, transpose. The index of that view, with
+    x % 24 // 24 among its terms, is affine: the bmm reads the linear's output, no copy kernel."""
+    def fn(x, wq, bq, wk, bk):
+        q = F.linear(x, wq, bq).view(8, 1, 24).view(8, 1, -1, 12).permute(0, 2, 1, 3)
+        k = F.linear(x, wk, bk).view(8, 1, 24).view(8, 1, -1, 12).permute(0, 2, 1, 3)
+        return torch.matmul(q, k.transpose(-1, -2))
+    args = [torch.randn(*s, device=DEVICE) for s in ((8, 24), (24, 24), (24,), (24, 24), (24,))]
+    out, dumps = compile_and_run(fn, *args, tmp_path=tmp_path)
+    torch.testing.assert_close(out, fn(*args), atol=1e-5, rtol=1e-5)
+    summary, _ = dumps.only()
+    assert not [k for k in summary["kernels"] if k["name"].startswith("cf_poi")], summary["kernels"]
+
+
 def test_layer_norm_forward_is_one_kernel(tmp_path):
     x, w, b = torch.randn(8, 96, device=DEVICE), torch.randn(96, device=DEVICE), torch.randn(96, device=DEVICE)
     fn = lambda x, w, b: F.layer_norm(x, (96,), w, b)  # noqa: E731

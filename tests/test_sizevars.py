@@ -209,4 +209,6 @@ def test_division_by_an_integer_agrees_with_python():
             assert [int(x.subs(point)) for x in exprs] == list(want), (e, d, m, exprs)
     assert FloorDiv(8 * xs[0] + 4, 12) == FloorDiv(2 * xs[0] + 1, 3) and Mod(64 * xs[0] + xs[1], 64) == Mod(xs[1], 64)
     assert FloorDiv(sympy.Integer(9) * xs[0], 3) == 3 * xs[0]
+    y = xs[0] + xs[1]  # x % m is below m: floor-divided by m or more, 0 (else a view's index keeps a 0 term)
+    assert FloorDiv(Mod(y, 24), 24) == 0 and FloorDiv(Mod(y, 12), 24) == 0 and FloorDiv(Mod(y, 48), 24) != 0
     assert isinstance(Mod(4 * xs[0], 0), Mod) and isinstance(FloorDiv(4 * xs[0], 0), FloorDiv)  # an empty tensor's
