@@ -44,7 +44,8 @@ Workloads:
 The table gives each variant's figure and commfuse's ratios, other / commfuse (above 1: commfuse is
 better): plain commfuse against Inductor, and commfuse cuda_graphs against reduce-overhead. A
 variant that fails is listed under the table and the others go on; the exit status is then 1, as it
-is when a commfuse variant's error is above max(5 x Inductor's (else eager's), 1e-2) (marked `!`).
+is when a commfuse variant's error is above max(5 x Inductor's (else eager's), 1e-2, 4 ulps of the dtype at the
+largest reference value) (marked `!`).
 """
 from __future__ import annotations
 
@@ -152,6 +153,7 @@ def decode(model, a, dev, variants, res, failed, check_steps=4):
         return outs, [c.clone() for c in caches]
     reset()
     ref_outs, ref_caches = run(model)
+    a.scales["err decode"] = max(max_diff(t, torch.zeros_like(t)) for t in ref_outs + ref_caches)
     fns = {}
     for name in variants:
         try:
@@ -224,6 +226,7 @@ def _train(key, make, x, a, dev, variants, res, failed):
         return out
     ref, module = make("eager")
     ref_loss, ref_grads = step(ref), grads(module)
+    a.scales[f"err {key}"] = max(max_diff(t, torch.zeros_like(t)) for t in [ref_loss, *ref_grads.values()])
     for name in variants:
         fn = module = None
         try:
@@ -375,9 +378,9 @@ def table(a, res, world, device_name, variants) -> tuple[str, bool]:
             val = res[v].get(key)
             text = "—" if val is None else fmt.format(val)
             if key.startswith("err") and v.startswith("commfuse") and val is not None:
-                # yardstick: Inductor's error, else eager's own run-to-run difference
+                # yardstick: Inductor's error, else eager's own run-to-run difference, and the dtype's rounding
                 base = res.get("inductor", {}).get(key) or res.get("eager", {}).get(key) or 0
-                limit = max(5 * base, 1e-2)
+                limit = max(5 * base, 1e-2, 4 * torch.finfo(a.dtype).eps * a.scales.get(key, 0))
                 if val > limit:
                     text, flagged = text + " !", True
             cells.append(text)
@@ -391,7 +394,8 @@ def table(a, res, world, device_name, variants) -> tuple[str, bool]:
               "Self-graphing variants (reduce-overhead, cuda_graphs) cannot be captured in another CUDA graph: "
               "their per-call time is their graph time."]
     if flagged:
-        lines.append("`!`: a commfuse error above max(5 × Inductor's (else eager's), 1e-2).")
+        lines.append("`!`: a commfuse error above max(5 × Inductor's (else eager's), 1e-2, 4 ulps at the largest "
+                     "reference value).")
     return "\n".join(lines), flagged
 
 
@@ -451,7 +455,7 @@ def main(argv=None) -> int:
                          "write rank 0's GPU time per kernel and host time per op beside --out (OUT_profile.md), as "
                          "bench/profile_model.py does")
     a = ap.parse_args(argv)
-    a.profiles, a.host_profiles = {}, {}
+    a.profiles, a.host_profiles, a.scales = {}, {}, {}
     for k, v in (TINY if a.tiny else FULL).items():
         if getattr(a, k) is None:
             setattr(a, k, v)
