@@ -59,6 +59,8 @@ def _plan(sched, group, recomputable):
     produced = set(group.names)
     direct = {acc.name for n in group.nodes for acc in n.reads if acc.name not in produced}
     indirect = {acc.name for n in group.nodes for acc in n.reads if acc.indirect}
+    if not any(name in recomputable and name not in indirect for name in direct):
+        return None  # nothing to recompute: the cut is every read (most kernels; skips networkx)
     flow, seen = nx.DiGraph(), set()
     flow.add_nodes_from(["memory", "kernel"])
 
@@ -77,8 +79,6 @@ def _plan(sched, group, recomputable):
     for name in direct:
         visit(name)
         flow.add_edge(("out", name), "kernel")
-    if not direct:
-        return None
     after, (in_memory, _) = nx.minimum_cut(flow, "memory", "kernel")
     before = sum(sched._bytes(name) for name in direct)
     if after >= before:
