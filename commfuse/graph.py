@@ -164,7 +164,7 @@ class GraphLowering(torch.fx.Interpreter):
             try:
                 result = lowerings[target](*args, **kwargs)
             except ir.Unsupported as e:
-                reason = f"unsupported: {e}"
+                reason = str(e) if isinstance(e, ir.Declined) else f"unsupported: {e}"
             except ir.NoOpFallback:
                 raise
             except Exception as e:  # a lowering bug costs this op, not the graph

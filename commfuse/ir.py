@@ -29,6 +29,10 @@ class Unsupported(Exception):
     """A lowering cannot handle these arguments: fall back to the aten op."""
 
 
+class Declined(Unsupported):
+    """The aten op runs by design (its message is the whole reason the dumps give)."""
+
+
 # ----------------------------------------------------------------------------- layouts
 @dataclasses.dataclass
 class Layout:

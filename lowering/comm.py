@@ -18,7 +18,8 @@ import logging
 import torch
 
 from commfuse import ir, sizevars
-from commfuse.collectives import CommPlan, CommRequest
+from commfuse.choices import group_size
+from commfuse.collectives import CommPlan, CommRequest, algorithm
 from commfuse.ir import Pointwise, TensorBox
 from commfuse.virtualized import V, ops
 
@@ -134,4 +135,28 @@ def wait_tensor(x):
     """Our comm kernels are ordered on the stream: nothing to wait for."""
     if isinstance(x, TensorBox) and isinstance(x.data, ir.Buffer) and x.data.name in V.graph.comm_results():
         return x
-    return None  # a c10d collective: the aten wait runs where the graph waits
+    raise ir.Declined("the wait of a collective run through c10d, where the graph waits")
+
+
+def _through_c10d(name: str):
+    """A collective commfuse has no kernel for runs as the c10d op, asynchronously; its plan
+    (algorithm c10d) says so in summary.json's comm_plans and comm_fallbacks."""
+    def lower(*args, **kwargs):
+        group = kwargs.get("group_name", args[-1])
+        group = str(getattr(group, "group_name", group))
+        reduce_op = args[1] if len(args) > 1 and isinstance(args[1], str) else ""
+        try:
+            world = group_size(group)
+        except Exception:  # a group this process cannot resolve: the op itself will say so
+            world = 0
+        why = f"commfuse generates all-reduce kernels only: {name} runs through c10d"
+        V.graph.comm_plans.append(CommPlan(name, group, world, reduce_op, algorithm("c10d"), why))
+        raise ir.Declined(why)
+    return lower
+
+
+for _name in ("all_gather_into_tensor", "all_gather_into_tensor_out", "all_gather_into_tensor_coalesced",
+              "reduce_scatter_tensor", "reduce_scatter_tensor_out", "reduce_scatter_tensor_coalesced",
+              "all_reduce_coalesced", "all_reduce_coalesced_", "all_to_all_single", "broadcast", "broadcast_"):
+    if hasattr(c10d, _name):
+        register(getattr(c10d, _name).default)(_through_c10d(_name))

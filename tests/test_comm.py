@@ -506,10 +506,12 @@ def test_inference_mode_then_training():
     assert run_ranks(_inference_mode_then_training, WORLD) == [True] * WORLD
 
 
-def _other_collectives(rank, world):
-    """Collectives without a symmetric-memory lowering run c10d asynchronously; waits stay put."""
+def _other_collectives(rank, world, dump_dir):
+    """Collectives without a symmetric-memory lowering run c10d asynchronously; waits stay put.
+    The dumps say so: each has a c10d plan, with why, and its fallback reason names it."""
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
+    from commfuse import config
     g = dist.group.WORLD
 
     def fn(x, y):
@@ -517,17 +519,25 @@ def _other_collectives(rank, world):
         b = funcol.all_to_all_single(y + 1, None, None, g)
         c = funcol.broadcast(x.sin(), 1, g)
         d, e = funcol.all_reduce_coalesced([x, y], "sum", g)
-        return a.sum(0), b * 3, c, d + e.sum()
+        f = funcol.reduce_scatter_tensor(y * y, "sum", 0, g)
+        return a.sum(0), b * 3, c, d + e.sum(), f
     torch.manual_seed(rank)
     x, y = torch.randn(4, 3, device=device()), torch.randn(world * 2, 3, device=device())
-    out = torch.compile(fn, backend="commfuse")(x, y)
+    with config.patch(dump_dir=dump_dir):
+        out = torch.compile(fn, backend="commfuse")(x, y)
     for o, r in zip(out, fn(x, y)):
         torch.testing.assert_close(o, r, atol=1e-5, rtol=1e-5)
-    return True
+    (summary,) = _summaries(dump_dir, rank)
+    return sorted((p["collective"], p["world"], p["reduce_op"]) for p in summary["comm_fallbacks"]), \
+        {op: why for op, why in summary["fallback_reasons"].items() if "c10d" in op}
 
 
-def test_other_collectives_run_through_c10d():
-    assert run_ranks(_other_collectives, WORLD) == [True] * WORLD
+def test_other_collectives_run_through_c10d(tmp_path):
+    for plans, reasons in run_ranks(_other_collectives, WORLD, args=(str(tmp_path),)):
+        assert plans == [("all_gather_into_tensor", WORLD, ""), ("all_reduce_coalesced", WORLD, "sum"),
+                         ("all_to_all_single", WORLD, ""), ("broadcast", WORLD, ""),
+                         ("reduce_scatter_tensor", WORLD, "sum")], plans
+        assert all("through c10d" in why for why in reasons.values()) and len(reasons) == 6, reasons
 
 
 def _torch_algorithm(rank, world):
