@@ -50,8 +50,9 @@ def reshape_indexer(old, new):
                 nj.append(j); pn = pn * new[j]; j += 1
             else:
                 break
-        if not sizevars.equal(po, pn):
-            raise ir.Unsupported(f"reshape {old} -> {new} needs a size relation we cannot prove")
+        if not sizevars.equal(po, pn):  # sizes equal at run time (torch checked): one group, row-major
+            groups = [(list(range(len(old))), list(range(len(new))))]
+            break
         groups.append((oi, nj))
 
     def reindex(index):
@@ -233,6 +234,17 @@ def _in_range_by_hint(i, n):
     if _negative(i):
         return sympy.Integer(0)
     return n if _negative(n - i) else i
+
+
+@register(aten.unfold.default)
+def unfold(x, dimension, size, step):
+    """Windows of `size` every `step` along `dimension`, as a new last dim: an affine view."""
+    shape = list(x.get_size())
+    if not shape:
+        raise ir.Unsupported("unfold of a 0-d tensor")
+    dim, size, step = canonical_dim(dimension, len(shape)), sizevars.from_torch(size), sizevars.from_torch(step)
+    new = shape[:dim] + [FloorDiv(shape[dim] - size, step) + 1] + shape[dim + 1:] + [size]
+    return make_view(x, new, lambda idx: list(idx[:dim]) + [idx[dim] * step + idx[-1]] + list(idx[dim + 1:-1]))
 
 
 @register(aten.select.int, aten.select_copy.int)
