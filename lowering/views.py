@@ -50,9 +50,8 @@ def reshape_indexer(old, new):
                 nj.append(j); pn = pn * new[j]; j += 1
             else:
                 break
-        if not sizevars.equal(po, pn):  # sizes equal at run time (torch checked): one group, row-major
-            groups = [(list(range(len(old))), list(range(len(new))))]
-            break
+        if not sizevars.equal(po, pn):
+            raise ir.Unsupported(f"reshape {old} -> {new} needs a size relation we cannot prove")
         groups.append((oi, nj))
 
     def reindex(index):
