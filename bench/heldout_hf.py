@@ -5,7 +5,7 @@ through commfuse on CPU (Triton interpreter), as a new user would run them.
     python bench/heldout_hf.py --one NAME      # one model in this process (what each worker runs)
     python bench/heldout_hf.py --only A,B      # a subset
 
-Tiny random configs, eval mode, fp32. Per model: inference, forward + backward (the loss, or the
+Tiny random configs, eval mode (train mode with dropout 0 where eager's backward asks for it), fp32. Per model: inference, forward + backward (the loss, or the
 main output against a fixed random tensor; every parameter gradient), and a call at other sizes
 (Dynamo's symbolic-size recompile), each against eager; graph breaks and per-graph fallbacks.
 Compile errors raise (COMMFUSE_FALLBACK_ON_ERROR=0). Each model runs in its own process with a
@@ -260,6 +260,150 @@ def spec(name):
                                                                 num_attention_heads=2)),
                                     inputs={"input_ids": _tok(), "pixel_values": _image(), "return_loss": True},
                                     main="logits_per_image", loss="loss")
+
+    # ------------------------------------------- architectures whose ops no model above exercises
+    if name == "LongT5ForConditionalGeneration":
+        ids, mask = _tok(), _padmask()
+        return "LongT5Config", dict(cfg=dict(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2,
+                                             num_decoder_layers=2, num_heads=4, local_radius=2, global_block_size=4,
+                                             encoder_attention_type="transient-global",
+                                             relative_attention_num_buckets=8, pad_token_id=0, eos_token_id=1,
+                                             decoder_start_token_id=0),
+                                    inputs={"input_ids": ids.masked_fill(mask == 0, 0), "attention_mask": mask,
+                                            "labels": _tok(B, 6)}, main="logits", loss="loss")
+    if name == "BigBirdForMaskedLM":
+        return "BigBirdConfig", _mlm(**{**enc, "max_position_embeddings": 64}, attention_type="original_full",
+                                     pad_token_id=0)
+    if name == "BigBirdForMaskedLM_blocksparse":
+        s_ = 2 * S  # block sparse needs seq > (5 + 2 * num_random_blocks) * block_size = 14
+        ids = torch.randint(3, VOCAB, (B, s_))
+        lab = torch.full_like(ids, -100)
+        lab[:, 2:5] = ids[:, 2:5]
+        return "BigBirdConfig", dict(cfg={**enc, "max_position_embeddings": 64, "attention_type": "block_sparse",
+                                          "block_size": 2, "num_random_blocks": 1, "pad_token_id": 0},
+                                     inputs={"input_ids": ids, "labels": lab}, main="logits", loss="loss",
+                                     cls="BigBirdForMaskedLM")
+    if name == "FunnelForMaskedLM":
+        return "FunnelConfig", _mlm(vocab_size=VOCAB, block_sizes=[1, 1], num_decoder_layers=1, d_model=32, n_head=2,
+                                    d_head=16, d_inner=64, pad_token_id=0)
+    if name == "LEDForConditionalGeneration":
+        s = _seq2seq(max_encoder_position_embeddings=64, max_decoder_position_embeddings=32, attention_window=4)
+        s["cfg"].pop("max_position_embeddings")
+        g = torch.zeros(B, S, dtype=torch.long)
+        g[:, 0] = 1
+        s["inputs"]["global_attention_mask"] = g
+        return "LEDConfig", s
+    if name == "PerceiverForMaskedLM":
+        sp = _mlm(vocab_size=VOCAB, num_latents=8, d_latents=32, d_model=32, num_blocks=1,
+                  num_self_attends_per_block=2, num_self_attention_heads=2,
+                  num_cross_attention_heads=2, max_position_embeddings=32)
+        sp["inputs"].pop("labels")  # the decoder emits max_position_embeddings positions
+        sp["loss"] = None
+        return "PerceiverConfig", sp
+    if name == "YolosForObjectDetection":  # (no labels: the Hungarian matcher needs scipy)
+        n = 2 * S
+        return "YolosConfig", dict(cfg=dict(image_size=[16, 16], patch_size=8, hidden_size=32, num_hidden_layers=2,
+                                            num_attention_heads=2, intermediate_size=64, num_detection_tokens=4,
+                                            num_labels=3),
+                                   inputs={"pixel_values": torch.randn(B, 3, n, n)}, main="logits", loss=None)
+    if name == "DetrForObjectDetection":
+        n = 4 * S
+        return "DetrConfig", dict(cfg=dict(use_timm_backbone=False, use_pretrained_backbone=False,
+                                           backbone_config=dict(model_type="resnet", embedding_size=8,
+                                                                hidden_sizes=[8, 16], depths=[1, 1],
+                                                                layer_type="basic", out_features=["stage2"]),
+                                           d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                                           decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64,
+                                           num_queries=5, num_labels=3),
+                                  inputs={"pixel_values": torch.randn(B, 3, n, n)}, main="logits", loss=None)
+    if name == "SamModel":
+        return "SamConfig", dict(cfg=dict(vision_config=dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                                             image_size=64, patch_size=16, output_channels=16,
+                                                             window_size=2, global_attn_indexes=[1], mlp_dim=64,
+                                                             num_pos_feats=8),
+                                          prompt_encoder_config=dict(hidden_size=16, image_size=64, patch_size=16,
+                                                                     mask_input_channels=4),
+                                          mask_decoder_config=dict(hidden_size=16, num_hidden_layers=1,
+                                                                   num_attention_heads=2, mlp_dim=32,
+                                                                   iou_head_hidden_dim=16)),
+                                 inputs={"pixel_values": torch.randn(B, 3, 64, 64),
+                                         "input_points": torch.rand(B, 1, 1, 2) * 64},
+                                 main="pred_masks", loss=None)
+    if name == "Wav2Vec2ConformerModel":
+        return "Wav2Vec2ConformerConfig", dict(
+            cfg=dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                     conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16,
+                     num_conv_pos_embedding_groups=2, vocab_size=VOCAB, position_embeddings_type="relative",
+                     conv_depthwise_kernel_size=3),
+            inputs={"input_values": torch.randn(B, 50 * S)}, main="last_hidden_state", loss=None)
+    if name == "Speech2TextForConditionalGeneration":
+        t = 4 * S
+        m = torch.ones(B, t, dtype=torch.long)
+        m[1, -5:] = 0
+        return "Speech2TextConfig", dict(cfg=dict(vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2,
+                                                  encoder_attention_heads=2, decoder_attention_heads=2,
+                                                  encoder_ffn_dim=64, decoder_ffn_dim=64, input_feat_per_channel=16,
+                                                  input_channels=1, num_conv_layers=2, conv_channels=32,
+                                                  conv_kernel_sizes=[5, 5], max_source_positions=64,
+                                                  max_target_positions=32, pad_token_id=1, bos_token_id=0,
+                                                  eos_token_id=2, decoder_start_token_id=2),
+                                         inputs={"input_features": torch.randn(B, t, 16), "attention_mask": m,
+                                                 "labels": _tok(B, 6)}, main="logits", loss="loss")
+    if name == "BlipForConditionalGeneration":
+        return "BlipConfig", dict(cfg=dict(text_config=dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                                            num_hidden_layers=2, num_attention_heads=2,
+                                                            max_position_embeddings=32, bos_token_id=1,
+                                                            pad_token_id=0, sep_token_id=2, eos_token_id=2),
+                                           vision_config=dict(image_size=16, patch_size=8, hidden_size=32,
+                                                              intermediate_size=64, num_hidden_layers=2,
+                                                              num_attention_heads=2),
+                                           projection_dim=16),
+                                  inputs={"pixel_values": _image(), "input_ids": _tok(), "labels": _tok()},
+                                  main="logits", loss="loss")
+    if name == "ConvBertForMaskedLM":
+        return "ConvBertConfig", _mlm(**enc, embedding_size=32, head_ratio=2, conv_kernel_size=3, num_groups=1,
+                                      pad_token_id=0)
+    if name == "ReformerModelWithLMHead":  # backward needs train mode (dropouts 0); train mode needs S == 8
+        ids = _tok(B, 8)
+        return "ReformerConfig", dict(cfg=dict(vocab_size=VOCAB, hidden_size=32, attention_head_size=8,
+                                               num_attention_heads=2, attn_layers=["local", "lsh"],
+                                               feed_forward_size=64, axial_pos_embds=True, axial_pos_shape=[2, 4],
+                                               axial_pos_embds_dim=[16, 16], local_attn_chunk_length=4,
+                                               lsh_attn_chunk_length=4, num_buckets=2, num_hashes=1,
+                                               max_position_embeddings=32, is_decoder=True, hash_seed=0,
+                                               pad_token_id=0, eos_token_id=2, hidden_dropout_prob=0.0,
+                                               local_attention_probs_dropout_prob=0.0,
+                                               lsh_attention_probs_dropout_prob=0.0, axial_pos_embds_dim_dropout=0.0),
+                                      inputs={"input_ids": ids, "labels": ids}, main="logits", loss="loss",
+                                      train=True)
+    if name == "PatchTSTForPrediction":
+        return "PatchTSTConfig", dict(cfg=dict(num_input_channels=3, context_length=32, patch_length=8,
+                                               patch_stride=8, prediction_length=8, d_model=32,
+                                               num_attention_heads=2, num_hidden_layers=2, ffn_dim=64,
+                                               scaling="std"),
+                                      inputs={"past_values": torch.randn(B, 32, 3),
+                                              "future_values": torch.randn(B, 8, 3)},
+                                      main="prediction_outputs", loss="loss")
+    if name == "TimeSeriesTransformerForPrediction":
+        return "TimeSeriesTransformerConfig", dict(
+            cfg=dict(prediction_length=4, context_length=8, lags_sequence=[1, 2], num_time_features=1, d_model=16,
+                     encoder_layers=1, decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2,
+                     encoder_ffn_dim=32, decoder_ffn_dim=32, input_size=1),
+            inputs={"past_values": torch.randn(B, 10).abs() + 0.5, "past_time_features": torch.randn(B, 10, 1),
+                    "past_observed_mask": torch.ones(B, 10), "future_values": torch.randn(B, 4).abs() + 0.5,
+                    "future_time_features": torch.randn(B, 4, 1)},
+            main="encoder_last_hidden_state", loss="loss")
+    if name == "FNetForMaskedLM":
+        ids = _tok()
+        return "FNetConfig", dict(cfg=dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, intermediate_size=64,
+                                           max_position_embeddings=32, use_tpu_fourier_optimizations=False,
+                                           pad_token_id=0),
+                                  inputs={"input_ids": ids, "labels": _mlm_labels(ids)}, main="logits", loss="loss")
+    if name == "RwkvForCausalLM":
+        sp = _causal(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, attention_hidden_size=32,
+                     intermediate_size=64, context_length=32, bos_token_id=0, eos_token_id=0)
+        sp["inputs"]["use_cache"] = False  # (eager's backward fails on the cached state's in-place update)
+        return "RwkvConfig", sp
     raise KeyError(name)
 
 
@@ -276,6 +420,11 @@ MODELS += ["Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", "Phi3
            "MobileViTForImageClassification", "RegNetForImageClassification", "ResNetForImageClassification",
            "HubertModel", "SiglipModel"]
 MODELS += [m + "+pad" for m in MODELS if m.endswith("ForCausalLM")]  # causal LMs over a left-padded batch
+MODELS += ["LongT5ForConditionalGeneration", "BigBirdForMaskedLM", "BigBirdForMaskedLM_blocksparse", "FunnelForMaskedLM",
+          "LEDForConditionalGeneration", "PerceiverForMaskedLM", "YolosForObjectDetection", "DetrForObjectDetection",
+          "SamModel", "Wav2Vec2ConformerModel", "Speech2TextForConditionalGeneration", "BlipForConditionalGeneration",
+          "ConvBertForMaskedLM", "ReformerModelWithLMHead", "PatchTSTForPrediction",
+          "TimeSeriesTransformerForPrediction", "FNetForMaskedLM", "RwkvForCausalLM"]
 
 # --------------------------------------------------------------------------------------------- one model
 
@@ -284,7 +433,7 @@ def _tb_tail(e, n=12):
     lines = traceback.format_exception(e)
     text = "".join(lines).rstrip().splitlines()
     # commfuse frames in the traceback, innermost last
-    cf_frames = [ln.strip() for ln in text if 'File "' in ln and "/work/main/" in ln and "/.scratch/" not in ln]
+    cf_frames = [ln.strip() for ln in text if 'File "' in ln and REPO + "/" in ln and "/.scratch/" not in ln]
     return {"type": type(e).__name__, "msg": str(e)[:2000], "tail": text[-n:], "commfuse_frames": cf_frames[-6:]}
 
 
@@ -318,7 +467,7 @@ def run_one(name):
     res = {"model": name, "transformers": transformers.__version__}
     if name.endswith("+pad"):
         PAD, name = True, name[:-4]
-    if not hasattr(transformers, name):
+    if not hasattr(transformers, name.split("_")[0]):
         if name == "Gemma2ForCausalLM" and hasattr(transformers, "GemmaForCausalLM"):
             name = "GemmaForCausalLM"
         else:
@@ -329,14 +478,15 @@ def run_one(name):
     cfg_kwargs = s["cfg"]
     try:
         cfg = getattr(transformers, cfg_cls)(attn_implementation="sdpa", **cfg_kwargs)
-        model = getattr(transformers, name)(cfg)
+        model = getattr(transformers, s.get("cls", name))(cfg)
         res["attn"] = model.config._attn_implementation
     except (ValueError, ImportError) as e:
         res["sdpa_error"] = str(e)[:300]
         cfg = getattr(transformers, cfg_cls)(**cfg_kwargs)
-        model = getattr(transformers, name)(cfg)
+        model = getattr(transformers, s.get("cls", name))(cfg)
         res["attn"] = getattr(model.config, "_attn_implementation", None)
-    model.eval()
+    model.train() if s.get("train") else model.eval()
+    res["mode"] = "train" if s.get("train") else "eval"
     ref = copy.deepcopy(model)
     inputs = s["inputs"]
     main, loss_key = s["main"], s["loss"]
@@ -488,7 +638,8 @@ def main():
         print(text)
         return
     names = a.only.split(",") if a.only else MODELS
-    outdir = tempfile.mkdtemp(prefix="heldout_hf_")
+    outdir = os.environ.get("SWEEP_OUT") or tempfile.mkdtemp(prefix="heldout_hf_")
+    os.makedirs(outdir, exist_ok=True)
     with cf.ThreadPoolExecutor(a.jobs) as ex:
         results = list(ex.map(lambda n: worker(n, a.timeout, outdir), names))
     if a.results:
