@@ -273,10 +273,14 @@ def as_strided(x, size, stride, storage_offset=None):
         base = base_buf = V.graph.register_buffer(ir.ComputedBuffer, layout=ir.contiguous_layout(
             x.get_device(), x.get_dtype(), x.get_size(), ir.FixedLayout), data=Pointwise(
             x.get_device(), x.get_dtype(), base.make_loader(), list(x.get_size())))
-    if isinstance(base, ir.ReinterpretView) and storage_offset is None:
-        storage_offset = base.layout.offset
-    layout = ir.FixedLayout(x.get_device(), x.get_dtype(), to_size(size), to_size(stride),
-                            sizevars.from_torch(storage_offset or 0))
+    here = base.layout.offset if isinstance(base, ir.ReinterpretView) else sympy.Integer(0)
+    if storage_offset is None:  # x's own offset
+        offset = here
+    else:  # counted from eager's storage; an input's (or constant's) buffer starts at its own data, where
+        offset = sizevars.from_torch(storage_offset)  # eager's x sits `here` past it
+        if not ours and isinstance(eager, torch.Tensor):
+            offset = offset - (sizevars.from_torch(eager.storage_offset()) - here)
+    layout = ir.FixedLayout(x.get_device(), x.get_dtype(), to_size(size), to_size(stride), offset)
     if isinstance(base_buf, ir.ComputedBuffer):
         base_buf.freeze_layout()
     if not base_buf.layout.is_contiguous() or base_buf.layout.offset != 0:

@@ -250,3 +250,20 @@ def test_max_pool_saves_int8_offsets_for_its_backward(tmp_path):
     backward = dumps.code(next(g for g in dumps.graphs() if "backward" in g))
     assert "div_floor" not in backward and "remainder" not in backward, backward
     assert re.search(r"tmp\d+ = tl\.full\(\[XBLOCK\], 8, tl\.int32\)", backward), backward  # the last of 9 taps
+
+
+@pytest.mark.parametrize("case", ["offset", "before_own_start", "two_d", "view_in_graph", "own_offset"])
+def test_as_strided_counts_its_offset_in_the_inputs_storage(case):
+    """as_strided's storage_offset counts from the start of eager's storage, where an input (a slice
+    of a larger tensor) may sit past it; ours reads from the input's own data."""
+    base = torch.randn(100, device=DEVICE)
+    x, fn = {
+        "offset": (base[10:], lambda x: x.as_strided((3, 4), (4, 1), 20) + 1),
+        "before_own_start": (base[10:], lambda x: x.as_strided((3, 4), (4, 1), 5) - 1),
+        "two_d": (base[10:].view(9, 10)[2:], lambda x: x.as_strided((2, 3), (10, 2), 37) * 3),
+        "view_in_graph": (base[10:], lambda x: x[2:].as_strided((2, 2), (3, 1), 14) + x[5:].as_strided((2, 2), (3, 1), 4)),
+        "own_offset": (base[10:], lambda x: x[3:].as_strided((3, 4), (4, 1)) * 2),
+    }[case]
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="commfuse", dynamic=False)
+    torch.testing.assert_close(compiled(x), fn(x))
