@@ -24,7 +24,7 @@ from commfuse.ir import Pointwise, TensorBox
 from commfuse.virtualized import V, ops
 
 from . import register
-from .extern import returns_alias, fallback
+from .extern import fallback, returns_alias
 
 log = logging.getLogger("commfuse")
 c10d = torch.ops._c10d_functional
