@@ -26,6 +26,7 @@ from .compiled import AtenGraph, CompiledGraph, aot_caching, next_graph_id, seri
 from .attention import contiguous_masks, use_sdpa_gqa
 from .comm_sums import all_reduce_sums
 from .decompositions import decomposition_table
+from .dtensor_params import call_with_shards, local_shard_inputs
 from .graph import GraphLowering
 from .host_scalars import scalars_to_device
 from .one_hot import sum_one_hot
@@ -51,6 +52,7 @@ def commfuse_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | N
     if settings["sdpa_gqa"]:
         use_sdpa_gqa(gm)
     contiguous_masks(gm)
+    inputs, shards = local_shard_inputs(gm, example_inputs)
     with config.patch(settings), aot_caching(gm, example_inputs) as cached:
         precompile.warm()  # the workers start while AOTAutograd traces the graph
 
@@ -63,13 +65,13 @@ def commfuse_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | N
         # Dynamo's own AOTAutograd entry for backends, not aot_module_simplified directly: DDP's graph
         # split (DDPOptimizer) learns from it that AOTAutograd compiled a bucket, and then makes the
         # fake first call whose fake outputs a user would otherwise receive from the first real one.
-        return aot_autograd(
+        return call_with_shards(aot_autograd(
             fw_compiler=compiler("forward"), bw_compiler=compiler("backward"),
             inference_compiler=compiler("inference"),
             decompositions=decomposition_table(tuple(sorted(settings["fallback_ops"]))),
             partition_fn=_partition,
             keep_inference_input_mutations=True,
-        )(gm, example_inputs)
+        )(gm, inputs), shards)
 
 
 def _check_options(options: dict) -> dict:

@@ -188,10 +188,10 @@ def test_cuda_graph_mode_from_the_cache_updates_buffers_in_place(tmp_path):
         torch.testing.assert_close((model.cache, model.count), (ref.cache, ref.count))
 
 
-def _tp_training_sources(rank, world, cache_dir):
-    """Tensor-parallel training compiled three times; before the third the mesh's cached hash()
-    is what another process's PYTHONHASHSEED makes it. Which cache each graph came from, and
-    whether the gradients matched eager's."""
+def _tp_sources(rank, world, cache_dir, training):
+    """Tensor-parallel training (or inference) compiled three times; before the third the mesh's
+    cached hash() is what another process's PYTHONHASHSEED makes it. Which cache each graph came
+    from, and whether the gradients (or outputs) matched eager's."""
     from torch.distributed.tensor import DTensor
     from bench.llama import Config, tp_llama
     from tests.dist_utils import device
@@ -199,28 +199,35 @@ def _tp_training_sources(rank, world, cache_dir):
     model = tp_llama(Config(dim=32, n_heads=4, n_kv_heads=2, ffn=64, n_layers=1, max_batch=2, max_seq=8),
                      world, device())
     x = torch.randn(2, 8, 32, device=device())
-    model(x).square().mean().backward()
-    want = [local(p.grad).clone() for p in model.parameters()]
+
+    def run(fn):
+        if not training:
+            with torch.no_grad():
+                return [fn(x)]
+        model.zero_grad(set_to_none=True)
+        fn(x).square().mean().backward()
+        return [local(p.grad).clone() for p in model.parameters()]
+    want = run(model)
     out = []
     for attempt in range(3):
         if attempt == 2:
             mesh = next(p for p in model.parameters() if isinstance(p, DTensor)).device_mesh
             mesh._hash = hash(mesh) + 1
-        model.zero_grad(set_to_none=True)
-        _, summaries = _compiled(lambda: torch.compile(model, backend="commfuse")(x).square().mean().backward(),
-                                 cache_dir=cache_dir)
-        same = all(torch.allclose(local(p.grad), g, atol=1e-5, rtol=1e-5) for p, g in zip(model.parameters(), want))
-        out.append((_sources(summaries), same))
+        got, summaries = _compiled(lambda: run(torch.compile(model, backend="commfuse")), cache_dir=cache_dir)
+        out.append((_sources(summaries), all(torch.allclose(a, b, atol=1e-5, rtol=1e-5) for a, b in zip(got, want))))
     return out
 
 
-def test_tensor_parallel_graphs_come_from_aot_autograds_cache_in_any_process(tmp_path):
+@pytest.mark.parametrize("training", [True, False], ids=["training", "inference"])
+def test_tensor_parallel_graphs_come_from_aot_autograds_cache_in_any_process(tmp_path, training):
     """DTensor graphs: since torch 2.13 they take the DeviceMesh as an input, which pickled its
     cached hash() into AOTAutograd's key, so a new process (another PYTHONHASHSEED) missed every
-    entry; before, Dynamo's closures for from_local, redistribute and to_local were refused."""
+    entry; before, Dynamo's closures for from_local, redistribute and to_local were refused.
+    Inference graphs rebuild their DTensor weights from shards, by closures keyed the same way."""
     from tests.dist_utils import run_ranks
-    for runs in run_ranks(_tp_training_sources, 2, args=(str(tmp_path),)):
-        assert runs == [([None, None], True)] + [(["AOTAutograd", "AOTAutograd"], True)] * 2, runs
+    graphs = 2 if training else 1
+    for runs in run_ranks(_tp_sources, 2, args=(str(tmp_path), training)):
+        assert runs == [([None] * graphs, True)] + [(["AOTAutograd"] * graphs, True)] * 2, runs
 
 
 def test_a_dtensor_closure_binding_what_no_key_describes_is_not_stored():
