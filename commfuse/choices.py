@@ -82,18 +82,20 @@ class Choices:
         reads = (a.read_names | b.read_names) - a.write_names - b.write_names
         if self.read_bytes_exceeded(reads):
             return False, f"reads would exceed realize_acc_reads_size_threshold={config.realize_acc_reads_size_threshold}"
-        if a.is_reduction() and b.is_reduction() and a.walks_transposed() != b.walks_transposed():
-            # a row reduction and a column sum's parts alike in shape (parts x columns = rows): the
-            # row kernel would walk its rows in tiles (LayerNorm backward over 32768 x 4096 on H200:
-            # 810 us, Inductor 481); apart, the column sum may join it in mixed order (mix_order.py)
-            return False, "a row reduction and a reduction over columns"
+        shared = (a.read_names | a.write_names) & (b.read_names | b.write_names)
+        if a.is_reduction() and b.is_reduction() and shared & (a.walked_transposed() ^ b.walked_transposed()):
+            # a row reduction and a column sum's parts over the same data (parts x columns = rows):
+            # the row kernel would walk its rows in tiles (LayerNorm backward over 32768 x 4096 on
+            # H200: 810 us, Inductor 481); apart, the column sum may join it in mixed order
+            # (mix_order.py). A norm of `x.transpose(1, 2)` shares no data walked both ways.
+            return False, "a row reduction and a reduction over columns of the same data"
         return True, ""
 
     def keep_apart_for_memory(self, stored_anyway: bool) -> bool:
-        """For a fusion into a reduction that walks its data transposed: a value that other kernels
-        read anyway saves only one read by joining it, and in that tiled kernel it can no longer be
-        written over a dying input (measured on CPU: a GELU backward joining its bias-gradient sum
-        raised an MLP step's peak above eager's). Keep them apart, unless in-place writes are off."""
+        """For a fusion into a reduction walking the value handed over transposed: a value other
+        kernels read anyway saves one read by joining, and in that tiled kernel it can no longer be
+        written over a dying input (on CPU, a GELU backward joining its bias-gradient sum raised an
+        MLP step's peak above eager's). Keep them apart, unless in-place writes are off."""
         return stored_anyway and config.inplace_buffers
 
     def score_fusion(self, a, b, shared_bytes: int, vertical: bool) -> tuple:

@@ -46,7 +46,7 @@ def _row_kernel(a, b, parts) -> bool:
     return a is not b and not a.is_extern() and a.is_reduction() and not a.mixed_programs and \
         sizevars.is_static(a.X) and sizevars.is_static(a.R) and sizevars.equal(a.X, rows) and \
         sizevars.equal(a.R, cols) and _column_parts(a) is None and not a.reads_peers() and \
-        not a.walks_transposed() and bool((a.read_names | a.write_names) & b.read_names)
+        not a.walked_transposed() and bool((a.read_names | a.write_names) & b.read_names)
 
 
 def _mix(sched, a, b, parts):

@@ -239,9 +239,9 @@ class Group:
     def peer_groups(self) -> set:  # the process groups whose ranks' copies the kernel reads
         return {V.graph.comm_plan(a.name).group for n in self.nodes for a in n.reads if a.peer}
 
-    def walks_transposed(self) -> bool:
-        """Does some access move along rows (stride 1 in x) but jump along the reduction axis?"""
-        return any(sizevars.walks_columns(index, XSYM, RSYM) for _, _, _, index in self.kernel_accesses())
+    def walked_transposed(self) -> set:
+        """The buffers some access walks along the rows (stride 1 in x) but jumps along the reduction."""
+        return {name for _, _, name, index in self.kernel_accesses() if sizevars.walks_columns(index, XSYM, RSYM)}
 
     def __repr__(self):
         return f"Group({'+'.join(self.names)}, X={self.X}, R={self.R})"
@@ -355,7 +355,7 @@ class Scheduler:
             kind = "persistent"
         elif not g.is_reduction():
             kind = "pointwise"
-        elif g.walks_transposed():
+        elif g.walked_transposed():
             kind = "looped_tiles"
         else:
             kind = "persistent" if V.choices.is_persistent(int(R) if sizevars.is_static(R) else None, peers) \
@@ -412,7 +412,7 @@ class Scheduler:
             return "its input has other readers"
         if not sizevars.equal(buf.get_numel(), g.X * g.R):
             return "the kernel's size is not the input's"
-        if g.is_reduction() and (g.walks_transposed() or not sizevars.is_static(g.R)
+        if g.is_reduction() and (g.walked_transposed() or not sizevars.is_static(g.R)
                                  or not V.choices.is_persistent(int(g.R), reads_peers=True)):
             return "the kernel loops over its rows"
         for _, kind, name, index in g.kernel_accesses():
@@ -509,17 +509,18 @@ class Scheduler:
         if config.loop_ordering_after_fusion and (merged is None or self._walked_apart(merged, a, b)):
             reordered, undo = self._merge_reordered(a, b)
             merged = reordered or merged
-        if merged is not None and merged.is_reduction() and merged.walks_transposed() and \
-                V.choices.keep_apart_for_memory(self._stored_anyway(merged, a, b)):
+        handed = (a.write_names & b.read_names) | (b.write_names & a.read_names)
+        if merged is not None and merged.is_reduction() and handed & merged.walked_transposed() and \
+                V.choices.keep_apart_for_memory(self._stored_anyway(merged, handed)):
             if undo:  # a pointwise group left permuted for a fusion that did not happen walks strided
                 undo()
             return None
         return merged
 
-    def _stored_anyway(self, merged: Group, a: Group, b: Group) -> bool:
+    def _stored_anyway(self, merged: Group, handed: set) -> bool:
         """Is a value one side hands the other also read outside the fused kernel (or returned)?"""
         inside = {n.name for n in merged.nodes}
-        for name in (a.write_names & b.read_names) | (b.write_names & a.read_names):
+        for name in handed:
             if name in self.output_names or any(
                     name in n.read_names for n in self.nodes if n.name not in inside and n.name not in self.removed):
                 return True

@@ -68,3 +68,22 @@ def test_small_column_sums_stay_apart(tmp_path):
     summary, code = _mixed_backward(tmp_path, _rms_norm, (2100, 96), torch.float32, 1)
     assert summary["mixed_order"] == [] and "tl.num_programs(0)" not in code, code
     assert len(set(_readers(code, "tangents_1"))) == 2, code
+
+
+def test_a_norm_over_a_transposed_view_fuses_with_the_next_norm(tmp_path):
+    """Segformer's patch embedding: LayerNorm over `x.flatten(2).transpose(1, 2)` reads x down its
+    columns, and the block's first LayerNorm reads the result by rows. They share no data walked
+    both ways (unlike a row kernel and its column sums), so both norms are one kernel."""
+    def fn(x, w1, b1, w2, b2):
+        h = F.layer_norm(x.flatten(2).transpose(1, 2), (16,), w1, b1)
+        return h, F.layer_norm(h, (16,), w2, b2)
+    torch.manual_seed(0)
+    args = [torch.randn(2, 16, 8, 8, device=DEVICE)] + [torch.randn(16, device=DEVICE) for _ in range(4)]
+    torch._dynamo.reset()
+    with config.patch(dump_dir=str(tmp_path)):
+        got = torch.compile(fn, backend="commfuse")(*args)
+    for g, w in zip(got, fn(*args), strict=True):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+    dumps = Dumps(tmp_path)
+    (graph,) = dumps.graphs()
+    assert len(dumps.summary(graph)["kernels"]) == 1, dumps.code(graph)
