@@ -7,7 +7,7 @@
 
 Models are built from configs with random weights, nothing downloaded: HF transformers GPT-2 (12
 layers, 768 wide), Llama and Qwen2 (8 layers each, grouped-query attention), BERT-base, T5-small,
-ViT-base (SDPA attention); torchvision resnet18 and mobilenet_v3_small; a 6-layer
+ViT-base (SDPA attention), Segformer (MiT-b0, 512 x 512); torchvision resnet18 and mobilenet_v3_small; a 6-layer
 nn.TransformerEncoder; and Llama decode, one token over a static KV cache filled by a 512-token
 prompt (inference only). All in eval mode (dropout off), so that every backend computes the same
 function. A training step is forward + loss + backward, no optimizer.
@@ -151,6 +151,17 @@ def vit(tiny, dev):
                 lambda o: (o.logits,), lambda o: o.loss)
 
 
+def segformer(tiny, dev):  # MiT-b0 at 512 x 512: strided-conv patch embeddings, each LayerNorm'd through a transpose
+    cfg = (dict(num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[16, 32], num_attention_heads=[1, 2],
+                decoder_hidden_size=32, patch_sizes=[7, 3], strides=[4, 2], mlp_ratios=[2, 2]) if tiny else {})
+    I, B, K = (32, 2, 10) if tiny else (512, 8, 150)
+    model = _hf("SegformerForSemanticSegmentation", "SegformerConfig", num_labels=K, **cfg)
+    x = torch.randn(B, 3, I, I, device=dev)
+    labels = torch.randint(0, K, (B, I, I), device=dev)
+    return Spec(model, lambda m: {"pixel_values": x.to(m.dtype), "labels": labels},
+                lambda o: (o.logits,), lambda o: o.loss)
+
+
 def _torchvision(name, tiny, dev):
     import torchvision
     B, I = (4, 32) if tiny else (64, 224)
@@ -204,7 +215,7 @@ def llama_decode(tiny, dev):
     return Spec(model, inputs, lambda o: (o.logits,), None)
 
 
-MODELS = {f.__name__: f for f in (gpt2, llama, qwen2, bert, t5, vit, resnet18, mobilenet_v3_small,
+MODELS = {f.__name__: f for f in (gpt2, llama, qwen2, bert, t5, vit, segformer, resnet18, mobilenet_v3_small,
                                   transformer_encoder, llama_decode)}
 INFERENCE_ONLY = {"llama_decode"}
 
