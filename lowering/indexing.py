@@ -4,7 +4,7 @@ Indices are loaded, wrapped when negative, bounds-checked on the device, and mas
 so an out-of-range index can never read outside the buffer. Mutations (scatter_add,
 scatter in general) run through aten; a scatter that puts a few values per row is pointwise (the
 one-hot of cross entropy's backward, topk's), and index_put runs in place on a buffer of our own
-(rows added at one index with atomic adds: runtime/scatter.py).
+(values added at indices with atomic adds: runtime/scatter.py).
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 
 from commfuse import ir, sizevars
 from commfuse.ir import Pointwise, TensorBox
-from commfuse.runtime.scatter import can_add_rows
+from commfuse.runtime.scatter import can_add_at
 from commfuse.virtualized import V, ops
 
 from . import register
@@ -118,15 +118,20 @@ def scatter(x, dim, index_t, src):
 @register(aten.index_put.default)
 def index_put(x, indices, values, accumulate=False):
     """An in-place index_put_ on a new buffer holding `x` (zeros, for embedding's backward: the
-    fill kernel writes it): the out-of-place op would allocate and copy a second one. Rows added
-    at one index along dim 0 take runtime/scatter.py's atomic adds, others aten's op."""
+    fill kernel writes it): the out-of-place op would allocate and copy a second one. Values added
+    at indices of adjacent dims (an embedding's, an upsample's backward) take runtime/scatter.py's
+    atomic adds, others aten's op."""
     target = TensorBox(Pointwise(x.get_device(), x.get_dtype(), x.make_loader(), list(x.get_size())))
     target.realize()
-    rows = accumulate and len(indices) == 1 and indices[0] is not None and x.get_size() \
-        and can_add_rows(x.get_dtype(), indices[0].get_dtype()) and isinstance(values, TensorBox) \
-        and indices[0].get_device() == values.get_device() == x.get_device()  # aten takes a CPU index
-    if rows:
-        fallback(torch.ops.commfuse.index_add_rows_.default, (target, indices[0], values), {}, None)
+    lead = next((d for d, i in enumerate(indices) if i is not None), len(indices))
+    given = list(indices[lead:])
+    while given and given[-1] is None:
+        given.pop()
+    atomic = accumulate and given and None not in given and isinstance(values, TensorBox) \
+        and can_add_at(x.get_dtype(), [i.get_dtype() for i in given]) \
+        and all(i.get_device() == x.get_device() for i in (*given, values))  # aten takes a CPU index
+    if atomic:
+        fallback(torch.ops.commfuse.index_add_at_.default, (target, given, lead, values), {}, None)
     else:
         fallback(aten.index_put_.default, (target, indices, values, accumulate), {}, None)
     return target

@@ -420,5 +420,5 @@ def test_cross_entropy_and_embedding_backward_without_copies(tmp_path):
     (graph,) = [g for g in dumps.graphs() if "_backward_" in os.path.basename(g)]
     summary = dumps.summary(graph)
     assert not any("scatter" in op for op in summary["fallback_ops"] + summary["extern_calls"])
-    assert "commfuse.index_add_rows_.default" in summary["extern_calls"]  # in place, atomic adds
+    assert "commfuse.index_add_at_.default" in summary["extern_calls"]  # in place, atomic adds
     assert "aten.index_put.out" not in summary["extern_calls"]
