@@ -146,12 +146,11 @@ def _may_walk_both_ways(g) -> bool:
             continue
         origin = {v: 0 for v in ivars}
         for acc in [a for a in n.reads if a.name not in produced] + n.writes:
-            if acc.indirect:
-                continue
             at0 = acc.index.xreplace(origin)
             steps = [acc.index.xreplace({**origin, v: 1}) - at0 for v in ivars]
-            cols |= steps[-1] == 1
-            rows |= steps[-1] not in (0, 1) and any(s == 1 for s in steps[:-1])
+            cols |= steps[-1] == 1 and not acc.indirect
+            # a gather contiguous along an outer loop walks the innermost through what it loaded
+            rows |= steps[-1] not in ((1,) if acc.indirect else (0, 1)) and any(s == 1 for s in steps[:-1])
     return rows and cols
 
 
@@ -219,8 +218,9 @@ class Group:
     def names(self):
         return [n.name for n in self.nodes]
 
-    def kernel_accesses(self, names=None):
-        """Reads/writes of each node with indices in kernel coordinates (of nodes touching `names`)."""
+    def kernel_accesses(self, names=None, gathers=False):
+        """Reads/writes of each node with indices in kernel coordinates (of nodes touching `names`);
+        an indirect read's index is None, or with `gathers` a "gather", its loaded terms symbols."""
         for n in self.nodes:
             if names is not None and not (n.read_names | n.write_names) & names:
                 continue
@@ -228,6 +228,8 @@ class Group:
             for acc in n.reads:
                 if acc.peer:  # an all-reduce reads every rank's copy at this index
                     yield n, "peer", acc.name, sizevars.simplify(acc.index.xreplace(m))
+                elif acc.indirect and gathers:
+                    yield n, "gather", acc.name, sizevars.simplify(acc.index.xreplace(m))
                 else:
                     yield n, "read", acc.name, (None if acc.indirect else sizevars.simplify(acc.index.xreplace(m)))
             for acc in n.writes:
@@ -379,14 +381,18 @@ class Scheduler:
             if X == 1 or R == 1 or any(n.kernel_index_map(X, R) is None for n in g.nodes):
                 continue
             along_rows = along_columns = False
-            for _, kind, name, index in Group(g.nodes, X, R, g.order).kernel_accesses():
-                if kind == "read" and name in produced:  # a value in registers
+            for _, kind, name, index in Group(g.nodes, X, R, g.order).kernel_accesses(gathers=True):
+                if kind in ("read", "gather") and name in produced:  # a value in registers
                     continue
-                aff = index is not None and sizevars.affine_coefficients(index, [XSYM, RSYM])
-                if not aff:
+                if kind == "gather":  # its loaded terms make no affine index: steps from the origin
+                    steps = sizevars.walk_steps(index, [XSYM, RSYM])
+                else:
+                    aff = index is not None and sizevars.affine_coefficients(index, [XSYM, RSYM])
+                    steps = aff and aff[0]
+                if not steps:
                     continue
-                (cx, cr), _ = aff
-                along_rows |= cx == 1 and cr not in (0, 1)
+                cx, cr = steps  # a gather walks the columns through what it loaded, too
+                along_rows |= cx == 1 and cr not in ((1,) if kind == "gather" else (0, 1))
                 along_columns |= cr == 1
             if along_rows and along_columns and V.choices.should_tile(sizevars.hint(X), sizevars.hint(R)):
                 return X, R

@@ -343,11 +343,17 @@ def walks_columns(index: Expr | None, x: sympy.Symbol, r: sympy.Symbol) -> bool:
     """Does an access move by 1 along the rows `x` but jump along the reduction `r` (a column)?
     An index that is not affine (a concatenation's rows, `Mod(x, n)`) is judged by its steps at
     the origin: where the first rows are, so are the rest, for coalescing."""
-    if index is None:
-        return False
-    aff = affine_coefficients(index, [x, r])
-    steps = aff[0] if aff else _steps_at_origin(index, [x, r])
+    steps = walk_steps(index, [x, r])
     return steps is not None and steps[0] == 1 and steps[1] not in (0, 1)
+
+
+def walk_steps(index: Expr | None, vars: Sequence[sympy.Symbol]):
+    """How far an access moves for a step along each var: an affine index's coefficients, else its
+    steps at the origin (where the first rows are, so are the rest, for coalescing); None if unknown."""
+    if index is None:
+        return None
+    aff = affine_coefficients(index, vars)
+    return aff[0] if aff else _steps_at_origin(index, vars)
 
 
 def _steps_at_origin(expr: Expr, vars: Sequence[sympy.Symbol]):

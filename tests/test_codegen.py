@@ -138,6 +138,19 @@ def test_transposed_input_tiles_2d(tmp_path):
     count(code, "tl.program_id(1)", 1)
 
 
+def test_gather_across_a_layout_tiles_2d(tmp_path):
+    """A bilinear upsample of channels-last data into NCHW (Segformer's decode head; the
+    decomposition writes NCHW): each output row gathers pixels whose channels lie contiguous down
+    the rows. Tiled, both sides coalesce; 1-D, each lane of a warp reads its own sector."""
+    fn = lambda x: torch.nn.functional.interpolate(x.permute(0, 3, 1, 2), scale_factor=4, mode="bilinear")  # noqa: E731
+    x = torch.randn(2, 8, 8, 32, device=DEVICE)
+    out, dumps = compile_and_run(fn, x, tmp_path=tmp_path)
+    torch.testing.assert_close(out, fn(x))
+    summary, _ = dumps.only()
+    (gather,) = [k for k in summary["kernels"] if "arg0_1" in k["reads"]]  # its weights are apart
+    assert gather["tiled"], summary["kernels"]
+
+
 def test_contiguous_pointwise_stays_1d(tmp_path):
     fn = lambda x, y: x + y  # noqa: E731
     x, y = torch.randn(64, 32, device=DEVICE), torch.randn(64, 32, device=DEVICE)
