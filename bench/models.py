@@ -152,8 +152,9 @@ def vit(tiny, dev):
 
 
 def segformer(tiny, dev):  # MiT-b0 at 512 x 512: strided-conv patch embeddings, each LayerNorm'd through a transpose
-    cfg = (dict(num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[16, 32], num_attention_heads=[1, 2],
-                decoder_hidden_size=32, patch_sizes=[7, 3], strides=[4, 2], mlp_ratios=[2, 2]) if tiny else {})
+    cfg = (dict(num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[16, 32],
+                num_attention_heads=[1, 2], decoder_hidden_size=32, patch_sizes=[7, 3], strides=[4, 2],
+                mlp_ratios=[2, 2]) if tiny else {})
     I, B, K = (32, 2, 10) if tiny else (512, 8, 150)
     model = _hf("SegformerForSemanticSegmentation", "SegformerConfig", num_labels=K, **cfg)
     x = torch.randn(B, 3, I, I, device=dev)

@@ -173,9 +173,8 @@ def _dtensor_closures(gm) -> dict:
     """Before torch 2.13, Dynamo puts DTensor's from_local, redistribute and to_local in the graph
     as closures over their constant arguments (mesh, placements); dtensor_params does so in every
     version. AOTAutograd's cache refuses them, and could not name them in its key (pickle finds no
-    local function). Each is named here
-    by what it binds, as an attribute of this module (kept for the process: one per meaning), and
-    marked cacheable under that digest: {its name: the digest}."""
+    local function). Each is named here by what it binds, as an attribute of this module (kept for
+    the process: one per meaning), and marked cacheable under that digest: {its name: the digest}."""
     marked = {}
     for node in gm.graph.nodes:
         fn = node.target
