@@ -98,6 +98,11 @@ class Choices:
         MLP step's peak above eager's). Keep them apart, unless in-place writes are off."""
         return stored_anyway and config.inplace_buffers
 
+    def keep_apart_for_peak(self, held: int, peak_fused: int, peak: int) -> bool:
+        """Keep two kernels apart where fusing them holds `held` bytes of outputs early and raises
+        the estimated peak by over 1/16; outputs under 1 MiB (a split reduction's parts) never."""
+        return config.reorder_for_peak_memory and held >= 1 << 20 and peak_fused > peak + peak // 16
+
     def score_fusion(self, a, b, shared_bytes: int, vertical: bool) -> tuple:
         """Higher first: vertical fusions (a pass over memory saved) before horizontal ones,
         then by bytes saved, then nodes that were close in program order."""

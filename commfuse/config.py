@@ -59,7 +59,7 @@ mm_template = True            # few-row matmuls (decode) by our own Triton kerne
 mm_template_max_rows = 16     # ... up to this many rows (beyond, cuBLAS is as fast: bench/results)
 
 # Memory.
-reorder_for_peak_memory = True  # try memory-aware kernel orders, keep the lowest estimated peak
+reorder_for_peak_memory = True  # memory-aware kernel orders (lowest estimated peak), no fusion raising it
 inplace_buffers = True          # a kernel may write its output over an input it is last to read
 rematerialize = True              # a kernel recomputes pointwise values of other kernels where
                                   # that reads fewer bytes than loading them (min-cut, remat.py)

@@ -262,6 +262,7 @@ class Scheduler:
         self.node_of = {n.name: n for n in self.nodes}
         self.groups = [self._single(n) for n in self.nodes]
         self.group_of = {n.name: g for g in self.groups for n in g.nodes}
+        self.internal = set()  # known once fused (compute_buffer_users): till then, all stored
         self.choose_comm_algorithms()
         self.fuse()
         self.remat_log = remat.rematerialize(self) if config.rematerialize else []
@@ -482,8 +483,12 @@ class Scheduler:
         scored.sort(key=lambda t: t[0], reverse=True)
         alive, fused_any = set(map(id, self.groups)), False
         self._succ = None
+        order = sorted(self.groups, key=lambda g: g.order)  # as the round starts: an estimate
+        live, step = memory.live_bytes(self, order), {id(g): i for i, g in enumerate(order)}
         for _, a, b in scored:
             if id(a) not in alive or id(b) not in alive:
+                continue
+            if self._raises_peak(a, b, live, step, writer):
                 continue
             merged = self.try_fuse(a, b)
             if merged is None:
@@ -496,6 +501,16 @@ class Scheduler:
             self._succ = None
             fused_any = True
         return fused_any
+
+    def _raises_peak(self, a: Group, b: Group, live: list, step: dict, writer: dict) -> bool:
+        """Would the fusion raise the estimated peak? The later kernel's outputs are then computed
+        once all its inputs are, and held until its own place (an upsample's backward: four 1.26
+        GB values from one gradient, each read by its own atomic-add extern)."""
+        first, last = sorted((a, b), key=lambda g: step[id(g)])
+        ready = max([step[id(first)]] + [step[id(writer[n])] for n in last.read_names if n in writer])
+        between = live[ready + 1:step[id(last)]]
+        held = sum(self._bytes(n) for n in last.write_names)
+        return bool(between) and V.choices.keep_apart_for_peak(held, max(between) + held, max(live))
 
     def _bytes(self, name) -> int:
         try:

@@ -422,3 +422,28 @@ def test_cross_entropy_and_embedding_backward_without_copies(tmp_path):
     assert not any("scatter" in op for op in summary["fallback_ops"] + summary["extern_calls"])
     assert "commfuse.index_add_at_.default" in summary["extern_calls"]  # in place, atomic adds
     assert "aten.index_put.out" not in summary["extern_calls"]
+
+
+def four_scatters(g, idx, w):
+    """Four values from one input, each added at its own indices by its own extern (the shape of
+    an upsample's backward: a tap's weight times the gradient, per tap)."""
+    out = 0
+    for k in range(4):
+        out = out + torch.ops.aten.index_put(torch.zeros(8, 64, device=g.device), [idx[k]], g * w[k],
+                                             accumulate=True)
+    return out
+
+
+def test_values_for_separate_externs_are_not_held_together(tmp_path):
+    """Fused, the four values (1 MiB each) would be computed at once and held until the last
+    extern ran; each is computed before its own extern instead, and the peak holds one."""
+    g, w = torch.randn(4096, 64, device=DEVICE), torch.randn(4, device=DEVICE)
+    idx = torch.randint(0, 8, (4, 4096), device=DEVICE)
+    out, dumps = compile_and_run(four_scatters, g, idx, w, tmp_path=tmp_path)
+    torch.testing.assert_close(out, four_scatters(g, idx, w), rtol=1e-5, atol=1e-4)
+    summary, code = dumps.only()
+    values = re.findall(r"index_add_at_\.default\(\w+, \[[^]]*\], \d+, (\w+)\)", code)
+    writers = [i for i, k in enumerate(summary["kernels"]) for v in values if v in k["writes"]]
+    assert len(values) == 4 and len(writers) == 4 and len(set(writers)) == 4, (values, summary["kernels"])
+    value_bytes = 4096 * 64 * 4
+    assert summary["peak_memory_estimate"] < 2 * value_bytes, summary["peak_memory_estimate"]
