@@ -40,25 +40,20 @@ def index_add_at_(target: torch.Tensor, indices: list[torch.Tensor], lead: int, 
     if not target.is_contiguous():  # elements at strides of their own: aten's op
         target.index_put_((None,) * lead + tuple(indices), values, accumulate=True)
         return
-    sizes = target.shape[lead:lead + len(indices)]
+    indices = torch.broadcast_tensors(*indices)
+    sizes, tail = target.shape[lead:lead + len(indices)], target.shape[lead + len(indices):]
     flat, bad = 0, False  # each index wrapped and checked in its own dim, then row-major over them
-    for i, n in zip(torch.broadcast_tensors(*indices), sizes):
+    for i, n in zip(indices, sizes):
         i = torch.where(i < 0, i + n, i).long()
         flat, bad = flat * n + i, bad | (i < 0) | (i >= n)
     flat = torch.where(bad, -1, flat).reshape(-1)
-    P, M, K = target.shape[:lead].numel(), sizes.numel(), flat.numel()
-    T = target.shape[lead + len(indices):].numel()
-    values = values.expand(_value_shape(target, indices, lead)).reshape(P, K, T).contiguous()
+    P, M, K, T = target.shape[:lead].numel(), sizes.numel(), flat.numel(), tail.numel()
+    values = values.expand(*target.shape[:lead], *indices[0].shape, *tail).reshape(P, K, T).contiguous()
     if P * K * T == 0:
         return
     bt = min(triton.next_power_of_2(T), BLOCK)
     grid = (P * triton.cdiv(K, BLOCK // bt), triton.cdiv(T, bt))
     _add_at[grid](target, flat, values, K, M, T, BLOCK_K=BLOCK // bt, BLOCK_T=bt, sanitize_overflow=False)
-
-
-def _value_shape(target, indices, lead) -> tuple:
-    return (*target.shape[:lead], *torch.broadcast_shapes(*(i.shape for i in indices)),
-            *target.shape[lead + len(indices):])
 
 
 def can_add_at(target_dtype: torch.dtype, index_dtypes) -> bool:
