@@ -114,7 +114,9 @@ def _partition(joint, inputs, **kwargs):
 def compile_graph(gm: torch.fx.GraphModule, example_inputs, kind: str = "inference"):
     graph_id = graph_id_for(gm, kind)
     try:
-        return _compile(gm, example_inputs, graph_id, kind, donated_inputs(gm, kind), saved_outputs(gm, kind))
+        compiled = _compile(gm, example_inputs, graph_id, kind, donated_inputs(gm, kind), saved_outputs(gm, kind))
+        compiled.donation_at_first_call = _donation_at_first_call(kind)
+        return compiled
     except Exception as e:
         if not config.fallback_on_error:
             raise
@@ -136,9 +138,10 @@ _unseen_outputs = weakref.WeakValueDictionary()  # by id: tensors compare elemen
 def donated_inputs(gm: torch.fx.GraphModule, kind: str) -> set:
     """The backward inputs AOTAutograd donates: saved activations aliasing no forward input or
     output, whose references it drops before calling the backward, so the graph's are the last
-    ones. (It then refuses `retain_graph=True`, whichever backend compiled the graph.) Its indices
-    are not trusted alone (with effect tokens torch 2.13 counts them off by one, naming user
-    outputs): each must name a tensor the forward's own graph shows nobody else holds."""
+    ones (none where the backward is compiled at a call that keeps the graph: see
+    `_donation_at_first_call`). Its indices are not trusted alone (with effect tokens torch 2.13
+    counts them off by one, naming user outputs): each must name a tensor the forward's own graph
+    shows nobody else holds."""
     if kind == "forward":
         def vals(op):
             nodes = gm.graph.find_nodes(op=op)
@@ -162,6 +165,22 @@ def saved_outputs(gm: torch.fx.GraphModule, kind: str) -> tuple:
     is ours to choose."""
     ctx = torch._guards.TracingContext.try_get()
     if kind != "forward" or ctx is None or ctx.fw_metadata is None or ctx.output_strides is None \
+def _donation_at_first_call(kind: str) -> bool:
+    """AOTAutograd compiles a backward at its first call, and donates saved tensors unless that call
+    keeps the graph (`retain_graph=True`); once it has, it refuses a kept graph. We compile the
+    backward with its forward where AOTAutograd's cache stores the pair (compiled.aot_caching), before
+    that call: the check then moves to the graph, which makes the same choice at its first call
+    (`CompiledGraph.kept`). A backward AOTAutograd itself compiles early (sizes saved for it) keeps
+    its check, as under Inductor."""
+    ctx = torch._guards.TracingContext.try_get()
+    meta = ctx.fw_metadata if ctx is not None else None
+    if kind != "backward" or meta is None or not meta.bw_donated_idxs or meta.num_symints_saved_for_bw \
+            or not torch._functorch.config.force_non_lazy_backward_lowering:
+        return False
+    meta.bw_donated_idxs.clear()  # the list the runtime's own check reads (outer and inner metadata share it)
+    return True
+
+
             or ctx.fw_metadata.tokens:
         return ()
     outputs = gm.graph.find_nodes(op="output")[0].args[0]
@@ -239,6 +258,8 @@ def _generate(gm, example_inputs, graph_id, kind, donated, saved) -> graph_cache
         "comm_fallbacks": [p.record() for p in graph.comm_plans if p.algorithm.name == "c10d"],
         "peak_memory_estimate": sched.peak_memory,
         "peak_memory_by_order": sched.peak_memory_by_order,
+        "overwritten_inputs": [i for i, n in enumerate(graph.placeholder_names) if n in graph.donated and any(
+            n in (a.get("in_place_of"), a.get("reuses")) for a in wrapper.allocations)],  # donated ones
         "cross_kernel_bytes": cross_kernel_bytes(sched),
         "rematerialized": sched.remat_log,
         "mixed_order": sched.mixed,

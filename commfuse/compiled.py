@@ -44,6 +44,7 @@ def next_graph_id(kind: str, digest: str) -> str:
 class CompiledGraph(OutputCode):
     """The boxed callable AOTAutograd calls: `compiled(args_list)`."""
     __eq__, __hash__ = object.__eq__, object.__hash__  # OutputCode is a dataclass: by identity
+    donation_at_first_call, donating = False, None  # a backward's choice, see `kept`
 
     def __init__(self, gen: graph_cache.Generated, kind: str, roles, cache_key: str | None):
         self._boxed_call = True  # on the instance: wrappers (Dynamo's `disable`) copy its __dict__
@@ -78,11 +79,34 @@ class CompiledGraph(OutputCode):
     def __call__(self, args):
         if self.pending is not None:
             self.pending = self.pending.wait()
+        if self.donation_at_first_call:
+            self.kept(args)
         return self.call(args)
+
+    def kept(self, args: list) -> None:
+        """AOTAutograd's rule for a backward compiled at its first call (backend._donation_at_first_call):
+        saved tensors are donated unless that call keeps the graph (`retain_graph=True`), and once
+        donated, a kept graph is refused. Where it is not refused, our writes over donated inputs
+        go to copies: the next backward reads the saved tensors again."""
+        keep = torch._C._autograd._get_current_graph_task_keep_graph()
+        if self.donating is None:
+            self.donating = not keep
+        if not keep:
+            return
+        if self.donating and torch._functorch.config.donated_buffer:  # AOTAutograd's own words
+            raise RuntimeError(
+                "This backward function was compiled with non-empty donated buffers which requires "
+                "create_graph=False and retain_graph=False. Please keep backward(create_graph=False, "
+                "retain_graph=False) across all backward() function calls, or set "
+                "torch._functorch.config.donated_buffer=False to disable donated buffer.")
+        for i in self.gen.summary.get("overwritten_inputs", ()):
+            t = args[i]
+            args[i] = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t)
 
     # ---- AOTAutograd's cache: pickled (a copy, after prepare_for_serialization), loaded on a hit
     def __getstate__(self):
-        return {"gen": self.gen, "kind": self.kind, "roles": self.roles, "cache_key": self.cache_key}
+        return {"gen": self.gen, "kind": self.kind, "roles": self.roles, "cache_key": self.cache_key,
+                "donation_at_first_call": self.donation_at_first_call}
 
     def __setstate__(self, state):
         self.__dict__.update(state, _boxed_call=True, call=None)

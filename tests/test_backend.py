@@ -187,3 +187,83 @@ def test_compiled_autograd_with_a_saved_python_scalar():
     grad, lin.weight.grad = lin.weight.grad, None
     step(xs, ys)
     torch.testing.assert_close(grad, lin.weight.grad)
+
+
+def _mlp(width=32):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.GELU(), torch.nn.Linear(width, width),
+                               torch.nn.Tanh(), torch.nn.Linear(width, 4)).to(DEVICE)
+
+
+def _backward_summaries():
+    from commfuse.compiled import summaries
+    return [s for s in summaries if "_backward_" in s["graph_id"]]
+
+
+@pytest.mark.parametrize("graph_cache", [True, False])
+def test_backward_twice_with_retain_graph(graph_cache):
+    """`loss.backward(retain_graph=True)` then `loss.backward()`: the gradients add up as in eager.
+    Where AOTAutograd's cache keeps the backward with its forward (compiled before its first call),
+    it donates the saved activations, which our backward writes over in place, and AOTAutograd
+    refused a kept graph: now the first call decides, as AOTAutograd does for a backward compiled
+    then (Inductor's case), and a kept graph's writes go to copies."""
+    x = torch.randn(64, 8, device=DEVICE)
+    grads = []
+    for compiled in (False, True):
+        model = _mlp()
+        fn = torch.compile(model, backend="commfuse", options={"graph_cache": graph_cache}) if compiled else model
+        loss = fn(x).square().sum()
+        loss.backward(retain_graph=True)
+        loss.backward()
+        grads.append([p.grad for p in model.parameters()])
+    torch.testing.assert_close(*grads)
+    if graph_cache:  # the backward wrote over saved activations it got donated: the copies mattered
+        assert _backward_summaries()[-1]["overwritten_inputs"]
+
+
+def test_two_losses_from_a_shared_trunk_and_a_gan_loop():
+    """Two losses from one compiled trunk, each backward keeping the graph for the next; and a GAN's
+    step, whose discriminator loss keeps the generator's graph for the generator's loss."""
+    x = torch.randn(16, 8, device=DEVICE)
+    results = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        trunk, head_a, head_b = _mlp(), torch.nn.Linear(4, 1).to(DEVICE), torch.nn.Linear(4, 3).to(DEVICE)
+
+        def losses(x):
+            h = trunk(x)
+            return head_a(h).square().mean(), head_b(h).tanh().sum()
+        fn = torch.compile(losses, backend="commfuse") if compiled else losses
+        for _ in range(2):
+            a, b = fn(x)
+            a.backward(retain_graph=True)
+            b.backward(retain_graph=True)
+        gen, disc = _mlp(), torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.GELU(), torch.nn.Linear(16, 1)).to(DEVICE)
+        g_opt, d_opt = torch.optim.SGD(gen.parameters(), lr=0.1), torch.optim.SGD(disc.parameters(), lr=0.1)
+        g, d = (torch.compile(gen, backend="commfuse"), torch.compile(disc, backend="commfuse")) if compiled else (gen, disc)
+        real = torch.randn(16, 4, device=DEVICE)
+        for step in range(3):
+            fake = g(x + step)
+            d_opt.zero_grad()
+            d_loss = F.softplus(-d(real)).mean() + F.softplus(d(fake)).mean()
+            d_loss.backward(retain_graph=True)  # keeps the generator's graph for g_loss
+            d_opt.step()
+            g_opt.zero_grad()
+            F.softplus(-d(fake)).mean().backward()
+            g_opt.step()
+        results.append([p.grad for p in trunk.parameters()] + [head_a.weight.grad, head_b.weight.grad]
+                       + [p.detach() for p in (*gen.parameters(), *disc.parameters())])
+    torch.testing.assert_close(*results)
+
+
+@pytest.mark.parametrize("graph_cache", [True, False])
+def test_retain_graph_after_a_donating_backward_is_refused_as_by_aotautograd(graph_cache):
+    """A backward whose first call did not keep the graph donated its saved tensors: a later kept
+    graph is refused, with AOTAutograd's own error (as under Inductor), not run over values the
+    first call wrote over."""
+    fn = torch.compile(_mlp(), backend="commfuse", options={"graph_cache": graph_cache})
+    x = torch.randn(64, 8, device=DEVICE)
+    fn(x).sum().backward()
+    with pytest.raises(RuntimeError, match="non-empty donated buffers which requires create_graph=False "
+                                           "and retain_graph=False"):
+        fn(x).sum().backward(retain_graph=True)
