@@ -142,6 +142,8 @@ class WrapperCodegen:
             self.body.writeline("comm = _comm.current()")
         self.bind_sizes()
         for sym, fn, args, kwargs in g.scalar_nodes:
+            if sym in g.symbol_defs:  # computed where the schedule has its extern
+                continue
             call_args = ", ".join([self.value(a) for a in args] + [f"{k}={self.value(v)}" for k, v in kwargs.items()])
             self.body.writeline(f"{sym} = {self.value(fn)}({call_args})")
         inputs = {name for name, b in g.graph_inputs.items() if isinstance(b, ir.InputBuffer)}
@@ -173,7 +175,7 @@ class WrapperCodegen:
                 self.body.writeline(f"del {self.ref(name)}")
                 if name in recyclable:  # the del goes if a later buffer takes the memory over
                     pool[self.alloc_key(g.get_buffer(name))].append((self.ref(name), len(self.body.lines) - 1))
-        if cuda is not None and self.sites:
+        if cuda is not None and self.sites and not g.symbol_defs:  # the JIT's key would miss the data's sizes
             self.body.lines[stream_line] = self.launch_key(inputs)
         self.body.lines = [line for line in self.body.lines if line is not None]
         outs = [self.output(o) for o in g.graph_outputs]
@@ -380,10 +382,15 @@ class WrapperCodegen:
         if buf.out_variant:
             self.allocate_out(buf, pool)
             self.body.writeline(f"{call}({args}{', ' if args else ''}out={buf.name})")
-        elif buf.side_effect or buf.multi_output:
-            self.body.writeline(f"{buf.name if buf.multi_output else '_'} = {call}({args})")
+        elif buf.side_effect or buf.multi_output or buf.binds:
+            self.body.writeline(f"{buf.name if buf.multi_output or buf.binds else '_'} = {call}({args})")
         else:
             self.body.writeline(f"{buf.name} = {self.checked_layout(f'{call}({args})', buf, buf.aliases)}")
+        for sym, path in buf.binds.items():  # data-dependent sizes, read off the result before any use
+            self.body.writeline(f"{sym} = {_keypath(buf.name, path)}")
+            self.bound.add(sym)
+        if buf.binds and not (buf.side_effect or buf.multi_output or buf.out_variant or buf.aliases):
+            self.body.writeline(f"{buf.name} = {self.checked_layout(buf.name, buf, False)}")
 
     def checked_layout(self, value: str, buf: ir.Buffer, aliases: bool) -> str:
         """An aten result in the layout its meta function promised, which the kernels after it
@@ -528,6 +535,23 @@ def _lines(src: str) -> IndentedBuffer:
     b = IndentedBuffer()
     b.lines = src.rstrip("\n").split("\n")
     return b
+
+
+def _keypath(value: str, path) -> str:
+    """Python for the part of `value` that torch's keypath (an unbacked binding) names."""
+    for k in path:
+        kind = type(k).__name__
+        if kind == "CallMethodKey":
+            value = f"{value}.{k.name}()"
+        elif kind == "SequenceKey":
+            value = f"{value}[{k.idx}]"
+        elif kind == "DivideByKey":
+            value = f"({value} // {k.divisor})"
+        elif kind == "ConvertIntKey":
+            value = f"int({value})"
+        else:
+            raise ir.Unsupported(f"a data-dependent size at {k!r}")
+    return value
 
 
 def _is_aten(op) -> bool:

@@ -106,8 +106,14 @@ def _cse_would_merge_draws(gm: torch.fx.GraphModule) -> bool:
     return any(draws(n) for n in gm.graph.nodes)
 
 
+def _cse_would_merge_sizes(gm: torch.fx.GraphModule) -> bool:
+    """Two ops whose sizes come from the data (`x[x > 0]` twice) bind two symbols: merged, the
+    users of the second keep sizes in a symbol nobody binds (torch's pass spares only item())."""
+    return any(n.meta.get("unbacked_bindings") for n in gm.graph.nodes)
+
+
 def _partition(joint, inputs, **kwargs):
-    with torch._functorch.config.patch(cse=not _cse_would_merge_draws(joint)):
+    with torch._functorch.config.patch(cse=not _cse_would_merge_draws(joint) and not _cse_would_merge_sizes(joint)):
         return min_cut_rematerialization_partition(joint, inputs, **kwargs)
 
 
@@ -189,7 +195,7 @@ def _donation_at_first_call(kind: str) -> bool:
 
 def _compile(gm, example_inputs, graph_id, kind="inference", donated=frozenset(), saved=()):
     t0 = time.time()
-    if kind == "inference" and not _cse_would_merge_draws(gm):  # as the partitioner for training
+    if kind == "inference" and not _cse_would_merge_draws(gm) and not _cse_would_merge_sizes(gm):  # as the partitioner for training
         gm.graph = fx_graph_cse(gm.graph)  # layers that each compute the same mask: one buffer
         gm.recompile()
     scalars_to_device(gm)

@@ -15,6 +15,7 @@ from typing import Any
 import sympy
 import torch
 import torch.fx
+from torch._prims_common import is_contiguous_or_false
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.multiprocessing.reductions import StorageWeakRef
 
@@ -56,9 +57,11 @@ class GraphLowering(torch.fx.Interpreter):
         self.comm_plans: list = []                   # every collective, decided (commfuse/collectives.py)
         self.fallback_ops: list[str] = []             # aten ops run as they are, in graph order
         self.fallback_reasons: dict[str, str] = {}    # ... and why each was not lowered
-        self.scalar_nodes: list[tuple] = []           # (symbol, fn, args, kwargs) computed at run time
+        self.scalar_nodes: list[tuple] = []           # (symbol, fn, args, kwargs) computed at run time (first,
+                                                      # unless in symbol_defs: then by an extern in the schedule)
         self.float_scalars: set = set()               # ... those of them that are floats
         self.derived_sizes: dict = {}                 # torch's size with float steps -> its symbol (sizevars)
+        self.symbol_defs: dict = {}                   # data-dependent symbol (u0, sv0 after it) -> the extern binding it
         self.device_types: set[str] = set()
         self.random_seeds: dict = {}                  # device -> this call's seed (lowering/random.py)
         self.random_streams = 0                       # random ops lowered: each draws its own stream
@@ -151,14 +154,16 @@ class GraphLowering(torch.fx.Interpreter):
         val = node.meta.get("val")
         if val is None and isinstance(target, torch._ops.HigherOrderOperator):
             val = node.meta["val"] = _fake_value(node)  # checkpointed RNG (run_and_save_rng_state) has none
-        if isinstance(val, torch.SymInt) or (isinstance(val, (int, bool)) and target is not operator.getitem):
+        binds = self.unbacked_bindings(node)
+        if not binds and (isinstance(val, torch.SymInt) or (isinstance(val, (int, bool)) and target is not operator.getitem)):
             return sizevars.from_torch(val) if isinstance(val, torch.SymInt) else val
-        if isinstance(val, (torch.SymFloat, torch.SymBool)):
+        if not binds and isinstance(val, (torch.SymFloat, torch.SymBool)):
             return self.runtime_scalar(target, args, kwargs)
         if target is operator.getitem:
             return args[0][args[1]]
         self._store_reads_before_mutation(target, args, kwargs)
-        result, reason = None, _why_not_lowered(target, lowerings, args, kwargs, val)
+        first = len(self.buffers)
+        result, reason = None, "data-dependent output size" if binds else _why_not_lowered(target, lowerings, args, kwargs, val)
         if reason is None:
             self._bound_read_bytes(args, kwargs)
             try:
@@ -177,8 +182,32 @@ class GraphLowering(torch.fx.Interpreter):
             result = fallback(target, args, kwargs, val)
             self.fallback_ops.append(str(target))
             self.fallback_reasons.setdefault(str(target), reason)
+        if binds:
+            self.bind_symbols(next(b for b in self.buffers[first:] if isinstance(b, ir.ExternKernel)), binds, val)
         self._maybe_realize(node, result)
         return result
+
+    def unbacked_bindings(self, node) -> dict:
+        """{data-dependent symbol this node's value introduces: where in the value it is}, under the
+        names the graph's values use (torch renames them after tracing)."""
+        binds = node.meta.get("unbacked_bindings")
+        if not binds:
+            return {}
+        renamed = getattr(self.shape_env, "unbacked_renamings", {})
+        return {renamed.get(s, s): path for s, path in binds.items()}
+
+    def bind_symbols(self, kernel: ir.ExternKernel, binds: dict, val=None) -> None:
+        """The wrapper reads `binds`' symbols from `kernel`'s result right after it runs; kernels
+        using them are scheduled after it. Heuristics size them as torch's fallback hint does."""
+        kernel.binds = {**kernel.binds, **binds}
+        for sym in binds:
+            self.symbol_defs[sym] = kernel.name
+            try:
+                self.size_hints[sym] = int(self.shape_env.optimization_hint(sym, fallback=8192))
+            except Exception:  # no shape env, or a float
+                self.size_hints[sym] = 8192
+            if isinstance(val, torch.SymFloat):
+                self.float_scalars.add(sym)
 
     def _store_reads_before_mutation(self, target, args, kwargs):
         """Values not stored yet are computed where they are used, which may be after this op
@@ -204,9 +233,16 @@ class GraphLowering(torch.fx.Interpreter):
     def runtime_scalar(self, target, args, kwargs):
         """A SymFloat/SymBool: the wrapper computes it at run time and passes it to kernels."""
         sym = sympy.Symbol(f"sv{len(self.scalar_nodes)}")
-        self.scalar_nodes.append((sym, target, args, kwargs))
         if isinstance(self.current_node.meta.get("val"), torch.SymFloat):
             self.float_scalars.add(sym)  # a kernel takes it as fp64 (Triton would type a float fp32)
+        leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+        if any(isinstance(a, TensorBox) or isinstance(a, sympy.Basic) and a.free_symbols & set(self.symbol_defs)
+               for a in leaves):  # computed after what it reads, where the schedule has it
+            dev = next((a.get_device() for a in leaves if isinstance(a, TensorBox)), torch.device("cpu"))
+            kernel = self.register_buffer(ir.ExternKernel, layout=ir.Layout(dev, torch.uint8, [], []), op=target,
+                                          args=tuple(args), kwargs=dict(kwargs), side_effect=True)
+            self.bind_symbols(kernel, {sym: ()})
+        self.scalar_nodes.append((sym, target, args, kwargs))
         return sym
 
     def _maybe_realize(self, node, result):
@@ -313,9 +349,9 @@ def _whole_storages(gm, names) -> set:
 
 def _dense(v: torch.Tensor) -> bool:
     """Strides a permutation of contiguous ones (with symbolic sizes: contiguous)."""
-    dims = [(st, sz) for st, sz in zip(v.stride(), v.shape) if sz != 1]
+    dims = [(st, sz) for st, sz in zip(v.stride(), v.shape) if not statically_known_true(sz == 1)]
     if not all(isinstance(x, int) for d in dims for x in d):
-        return v.is_contiguous()
+        return is_contiguous_or_false(v)  # no guard on a data-dependent size
     expected = 1
     for st, sz in sorted(dims):
         if st != expected:

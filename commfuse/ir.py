@@ -314,6 +314,7 @@ class ExternKernel(Buffer):
     aliases: bool = False       # outputs may alias inputs: never reuse the inputs' memory
     side_effect: bool = False   # no output; never dead code
     out_view: "ReinterpretView | None" = None  # writes into this slice of another buffer (a cat)
+    binds: dict = dataclasses.field(default_factory=dict)  # data-dependent symbol -> keypath into the result
 
     def inputs(self) -> list:
         leaves = torch.utils._pytree.tree_leaves((self.args, self.kwargs))

@@ -14,6 +14,7 @@ import dataclasses
 import itertools
 
 import sympy
+import torch
 
 from . import collectives, config, ir, loop_order, memory, mix_order, remat, sizevars
 from .dependencies import InlineLoads, MemoryAccess, index_vars, trace_body
@@ -290,7 +291,8 @@ class Scheduler:
 
     def remove_dead_nodes(self):
         """Drop the nodes whose values nobody needs (from their groups too, once fused)."""
-        needed = set(self.output_names)
+        defs = self.graph.symbol_defs
+        needed = set(self.output_names) | {defs[s] for s in _free_symbols(self.graph.graph_outputs) if s in defs}
         for n in self.nodes:
             if getattr(n.buf, "side_effect", False) or getattr(n.buf, "mutates", None):
                 needed.add(n.name)
@@ -298,7 +300,7 @@ class Scheduler:
         for n in reversed(self.nodes):
             if n.name in needed or n.write_names & needed:
                 keep.append(n)
-                needed |= n.read_names
+                needed |= n.read_names | self.symbol_deps(n)
         dead = {n.name for n in self.nodes} - {n.name for n in keep}
         self.removed |= dead
         self.nodes = list(reversed(keep))
@@ -316,12 +318,25 @@ class Scheduler:
                 if w in last_writer:
                     deps.add(last_writer[w])
                 deps |= readers[w]
-            n.deps = deps - {n.name}
+            n.deps = (deps | self.symbol_deps(n)) - {n.name}
             for r in n.read_names:
                 readers[r].add(n.name)
             for w in n.write_names:
                 last_writer[w] = n.name
                 readers[w] = set()
+
+    def symbol_deps(self, n: SchedulerNode) -> set:
+        """The externs binding the data-dependent symbols (u0, ...) that `n` uses: in its sizes, its
+        indices, its body's values, its arguments."""
+        defs = self.graph.symbol_defs
+        if not defs:
+            return set()
+        buf, exprs = n.buf, [n.buf.layout]
+        if isinstance(buf, ir.ComputedBuffer):
+            exprs += [n.body_ranges, n.rranges, trace_body(buf.data, buf.name, buf.layout, n.inlined).lines]
+        else:
+            exprs += [getattr(buf, "args", ()), getattr(buf, "kwargs", {})]
+        return {defs[s] for s in _free_symbols(exprs) if s in defs}
 
     def group_deps(self, g: Group) -> set:
         return {id(self.group_of[d]) for n in g.nodes for d in n.deps if self.group_of[d] is not g}
@@ -717,6 +732,20 @@ class Scheduler:
                 out.append(f"    {n.buf}{recomputes}" + (code(n) if len(g.nodes) > 1 else ""))
             out.append("    kernel:" + code(g))
         return "\n".join(out) + "\n"
+
+
+def _free_symbols(values) -> set:
+    """The symbols of the sizes in `values`: expressions, and the layouts of buffers and views."""
+    out = set()
+    for x in torch.utils._pytree.tree_leaves(values):
+        if isinstance(x, ir.TensorBox):
+            x = x.data
+        if isinstance(x, (ir.ReinterpretView, ir.Layout)):
+            lay = x if isinstance(x, ir.Layout) else x.layout
+            out |= _free_symbols([*lay.size, *lay.stride, lay.offset])
+        elif isinstance(x, sympy.Basic):
+            out |= x.free_symbols
+    return out
 
 
 def _output_names(graph) -> set:

@@ -124,8 +124,9 @@ def fallback(op, args, kwargs, meta):
     graph = V.graph
     fields = dict(op=op, args=tuple(args), kwargs=dict(kwargs), mutates=mutates,
                   aliases=returns_alias(op))
-    if isinstance(meta, torch.Tensor):
-        out = out_overload(op)
+    if isinstance(meta, torch.Tensor):  # no `out=` where the size comes from the data: allocated by aten
+        node = V.graph.current_node
+        out = None if node is not None and node.meta.get("unbacked_bindings") else out_overload(op)
         layout = meta_layout(meta)
         if out is not None and op.overloadpacket in MATMULS:  # BLAS writes rows at the out's stride
             layout = V.choices.pad_rows(layout)
@@ -188,6 +189,8 @@ def _plain_value(m):
     value is known when compiling; a symbolic one is an expression over the graph's sizes."""
     if isinstance(m, torch.SymInt):
         return sizevars.from_torch(m)
+    if isinstance(m, torch.SymFloat) and isinstance(m.node.expr, sympy.Symbol):  # item() of a float: bound at run time
+        return m.node.expr
     if m is None or isinstance(m, (int, float, bool)):
         return m
     raise ir.Unsupported(f"output of type {type(m).__name__}")
