@@ -65,12 +65,14 @@ def barrier_lines(world: int, params: dict, release: bool, inline_ptx: bool) -> 
         lines += [f"tl.atomic_xchg({dst} + slot + {rank}, epoch + tl.zeros_like(peer), live, "
                   f"sem=\"{sem}\", scope=\"sys\")"]
         poll = f"tl.load({own} + slot + peer, live, other=0, volatile=True)"
-    # the wait is bounded, at no cost where no peer is missing: the clock starts in the loop
+    # the wait is bounded, at no cost where no peer is missing: the clock starts in the loop, and a
+    # wait that gives up (deadline -1: a peer gone or late, runtime/triton_helpers.py) leaves it
+    hdr = timeout_word(w)
     lines += [f"seen = {poll}",
               "deadline = tl.full([], 0, tl.int64)",
-              "while tl.min(tl.where(live, seen - epoch, 0)) < 0:",
-              f"    deadline = triton_helpers.barrier_deadline(deadline, {own} + {timeout_word(w)}, "
-              f"tl.where(live & (seen < epoch), peer, -1), {rank})",
+              "while (tl.min(tl.where(live, seen - epoch, 0)) < 0) & (deadline >= 0):",
+              f"    deadline = triton_helpers.barrier_deadline(deadline, {own} + {hdr}, {dst} + {hdr}, "
+              "tl.where(live & (seen < epoch), peer, -1))",
               f"    seen = {poll}"]
     if not inline_ptx:  # the volatile polls carry no order: one acquire on what they saw
         lines.append(f"tl.atomic_add({own} + slot + peer, 0, live, sem=\"acquire\", scope=\"sys\")")

@@ -515,6 +515,8 @@ class WrapperCodegen:
         self.comm_protocol.append({"kernel": name, "reads": algorithm, "programs": programs,
                                    "barriers": src.count(comm_codegen.BARRIER_STEP), "collectives": collectives,
                                    **shape})
+        if programs and comm_codegen.interpreting():  # a wait that gave up raises here, before its
+            self.body.writeline(f"comm.check({name!r})")  # outputs are used (a GPU's host learns later)
 
     def output(self, o) -> str:
         if isinstance(o, (ir.Buffer, ir.ReinterpretView)):

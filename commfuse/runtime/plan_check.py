@@ -13,10 +13,13 @@ from __future__ import annotations
 import datetime
 import json
 import re
+import time
 
 import torch.distributed as dist
 
 from commfuse import config
+
+from .peers import PeerError, proc_gone, proc_id
 
 _sequence: dict = {}
 
@@ -78,16 +81,10 @@ def check_plans_agree(graph_id: str, pools: dict, buffers: list, groups: dict, p
         store = _get_default_store()
         prefix = f"commfuse/plan/{group_name}/{seq}"
         me = dist.get_rank()
+        store.set(f"commfuse/proc/{me}", proc_id())  # where the peers find this process, to see it gone
         store.set(f"{prefix}/{me}", mine)
-        keys = [f"{prefix}/{r}" for r in ranks]
-        try:
-            store.wait(keys, datetime.timedelta(seconds=timeout_s))
-        except Exception as e:
-            missing = [r for r in ranks if not store.check([f"{prefix}/{r}"])]
-            raise RuntimeError(
-                f"commfuse: rank(s) {missing} did not reach the comm-buffer plan check of graph {graph_id} "
-                f"(group {group_name}, check #{seq}) within {timeout_s}s: the ranks "
-                f"are running different programs (e.g. a rank-dependent branch)") from e
+        _wait(store, prefix, ranks, timeout_s, f"the comm-buffer plan check of graph {graph_id} "
+              f"(group {group_name}, check #{seq})")
         for r in ranks:
             theirs = store.get(f"{prefix}/{r}").decode()
             if _collectives(theirs) != _collectives(mine):
@@ -96,6 +93,31 @@ def check_plans_agree(graph_id: str, pools: dict, buffers: list, groups: dict, p
                                    "compiled different programs: a rank-dependent branch, or a config (options=, "
                                    "config.patch, COMMFUSE_* environment) or comm.table set on some ranks only; "
                                    "the ranks' dumps (dump_dir) show both")
+
+
+def _wait(store, prefix: str, ranks: list, timeout_s: float, what: str) -> None:
+    """Every rank's key under `prefix`, in `timeout_s`; a rank whose process is gone (on this host)
+    or a store gone (it lived in a rank that exited) ends the wait at once."""
+    end = time.monotonic() + timeout_s
+    while True:
+        try:
+            store.wait([f"{prefix}/{r}" for r in ranks], datetime.timedelta(seconds=min(0.5, max(end - time.monotonic(), 0.01))))
+            return
+        except Exception as e:
+            try:
+                missing = [r for r in ranks if not store.check([f"{prefix}/{r}"])]
+                gone = [r for r in missing if store.check([f"commfuse/proc/{r}"])
+                        and proc_gone(store.get(f"commfuse/proc/{r}").decode())]
+            except Exception as lost:  # the store's host (rank 0, or the launcher) is gone
+                raise PeerError(f"commfuse: the c10d store is gone while waiting at {what} ({lost}): the rank "
+                                "or launcher that hosted it exited", [0]) from e
+            if gone:
+                raise PeerError(f"commfuse: rank(s) {gone} exited before reaching {what}", gone) from e
+            if time.monotonic() > end:
+                raise PeerError(
+                    f"commfuse: rank(s) {missing} did not reach {what} within {timeout_s}s "
+                    "(comm.plan_check_timeout_s): the ranks are running different programs (e.g. a "
+                    "rank-dependent branch), or a rank hangs", missing) from e
 
 
 def _collectives(plan: str) -> dict:

@@ -19,6 +19,7 @@ import uuid
 import torch
 import torch.distributed as dist
 
+from . import peers
 from .plan_check import check_plans_agree
 
 ALIGN = 128          # bytes: every buffer starts on a vectorizable boundary
@@ -32,12 +33,12 @@ def signal_stride(world: int) -> int:
 
 
 def signal_bytes(world: int) -> int:
-    return (timeout_word(world) + 32) * 4  # the slots, then one line for the barrier timeout
+    return (timeout_word(world) + 32) * 4  # the slots, then one line: the rank's header
 
 
 def timeout_word(world: int) -> int:
-    """The int32 of a rank's own pad, past every slot, where its kernels find how many ms a barrier
-    may wait (triton_helpers.barrier_deadline)."""
+    """The int32 of a rank's own pad, past every slot, where its header starts (runtime/peers.py):
+    first how many ms a barrier may wait (triton_helpers.barrier_deadline)."""
     return SIGNAL_PROGRAMS * signal_stride(world)
 
 
@@ -73,12 +74,69 @@ class SymmPool:
             self._init_shared_memory(group)
         self._cache: dict = {}
         self.set_barrier_timeout(None)
+        self.failed = None  # the PeerError this pool's kernels gave up with: every later call raises it
+        _on_exit_mark_pools()
 
     def set_barrier_timeout(self, seconds: float | None) -> None:
         """Bound the comm kernels' barrier waits: `seconds`, or the group's timeout (a collective
         that waits longer is an error under c10d too)."""
         seconds = group_timeout_s(group_of(self.group_name), self.device) if seconds is None else seconds
         self.signals[self.rank][timeout_word(self.world_size)] = int(min(max(seconds, 1e-3) * 1000, 2**31 - 1))
+        self.timeout_s = seconds
+
+    def _write_header(self):
+        """This rank's pid and pid namespace, where waiting peers look (before the ranks' barrier)."""
+        hdr = timeout_word(self.world_size)
+        self.signals[self.rank][hdr + peers.H_PID: hdr + peers.H_NS + 1] = torch.tensor(
+            [os.getpid(), peers.pid_namespace()], dtype=torch.int32)
+        if self.device.type == "cuda":  # the host learns of its kernels' give-ups by a copy each call
+            self.fail_host = torch.zeros(2, dtype=torch.int32).pin_memory()
+
+    def headers(self) -> list:
+        hdr = timeout_word(self.world_size)
+        return [s[hdr: hdr + 6].tolist() for s in self.signals]
+
+    def mark(self, state: int) -> None:
+        """This rank is going (runtime/peers.py: STATES): its peers' waits end now, not at the timeout."""
+        word = timeout_word(self.world_size) + peers.H_STATE
+        if int(self.signals[self.rank][word]) == 0 or state > 1:
+            self.signals[self.rank][word] = state
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+
+    def failure(self, where, start: bool) -> peers.PeerError | None:
+        """The error of a wait that gave up, by this rank's kernels or (CPU) by a peer's, or, at a
+        call's `start`, of a peer gone (after a kernel it may have left rightly). On a GPU it reads the copy of the own header that the previous call
+        queued (no synchronization), so it is one or two calls late."""
+        if self.failed is not None:
+            return self.failed
+        if self.device.type == "cuda":
+            own = self.fail_host.tolist()
+            if not torch.cuda.is_current_stream_capturing():
+                hdr = timeout_word(self.world_size) + peers.H_FAIL
+                self.fail_host.copy_(self.signals[self.rank][hdr: hdr + 2], non_blocking=True)
+            if not own[0]:
+                return None
+        heads = self.headers()  # on a GPU, a synchronization: only once a wait gave up
+        gone = [r for r, h in enumerate(heads) if r != self.rank and (h[peers.H_STATE] and start or h[peers.H_FAIL])]
+        if not heads[self.rank][peers.H_FAIL] and not gone:
+            return None
+        where, group = where(), group_of(self.group_name)
+        global_rank = lambda r: dist.get_global_rank(group, r)  # noqa: E731
+        me, mine = global_rank(self.rank), heads[self.rank]
+        if mine[peers.H_FAIL]:
+            ranks = [r for r in range(self.world_size) if mine[peers.H_MISSING] >> r & 1]
+            what = (f"rank {me} gave up waiting for rank(s) {[global_rank(r) for r in ranks]} "
+                    f"({peers.REASONS.get(mine[peers.H_FAIL])}) at a barrier of {where[0]}: ")
+        else:
+            ranks = gone
+            what = f"rank {me} cannot run {where[1]}: "
+        self.failed = peers.PeerError(
+            f"commfuse: {what}{peers.describe(self.rank, ranks, heads, self.group_name, global_rank)}. "
+            f"Process group {self.group_name}; comm.barrier_timeout_s={self.timeout_s:g} s bounds the wait for a "
+            "live peer, a peer's exit ends it at once. The pool's ranks can no longer meet: end the job",
+            [global_rank(r) for r in ranks])
+        return self.failed
 
     # backends -----------------------------------------------------------------
     def _init_cuda(self, group):
@@ -94,6 +152,7 @@ class SymmPool:
         self.local, self.peers = whole[: self.nbytes], [m[: self.nbytes] for m in maps]
         self.signals = [m[self.nbytes:].view(torch.int32) for m in maps]
         self.signals[self.rank].zero_()
+        self._write_header()
         torch.cuda.synchronize(self.device)
         dist.barrier(group)
 
@@ -107,11 +166,12 @@ class SymmPool:
             f.truncate(total)
         dist.barrier(group)
         maps = [torch.from_file(p, shared=True, size=total, dtype=torch.uint8) for p in paths]
-        dist.barrier(group)
-        os.unlink(paths[self.rank])  # the mappings stay valid; nothing is left behind
-        self.local = maps[self.rank][: self.nbytes]
+        self.local, self.paths = maps[self.rank][: self.nbytes], paths
         self.peers = [m[: self.nbytes] for m in maps]
         self.signals = [m[self.nbytes:].view(torch.int32) for m in maps]
+        self._write_header()
+        dist.barrier(group)
+        os.unlink(paths[self.rank])  # the mappings stay valid; nothing is left behind
 
     # views --------------------------------------------------------------------
     @torch.inference_mode(False)
@@ -137,6 +197,36 @@ class SymmPool:
         if offset % ALIGN or offset + span > self.nbytes:
             raise RuntimeError(f"commfuse: pool slice [{offset}, {offset + span}) outside the "
                                f"{self.nbytes}-byte pool of group {self.group_name}")
+
+
+_exit_hooked = []
+
+
+def _on_exit_mark_pools() -> None:
+    """Once per process: at exit (normal, an uncaught exception, a multiprocessing child's end) mark
+    this rank gone in every pool, so that a peer waiting at a barrier stops now. os._exit and
+    SIGKILL run no handler: on a CPU the peers see the pid gone; on a GPU they wait out the timeout."""
+    if _exit_hooked:
+        return
+    _exit_hooked.append(True)
+    import atexit
+    import multiprocessing.util
+    import sys
+
+    def mark(state):
+        for pool in list(shared_pools.pools.values()):
+            try:
+                pool.mark(state)
+            except Exception:  # the device or the mapping may be gone already
+                pass
+    previous = sys.excepthook
+
+    def excepthook(*exc):
+        mark(2)
+        previous(*exc)
+    sys.excepthook = excepthook
+    atexit.register(mark, 1)
+    multiprocessing.util.Finalize(None, mark, args=(1,), exitpriority=100)
 
 
 def _shm_dir() -> str:
@@ -190,6 +280,7 @@ class CommState:
         self.barrier_timeout_s = barrier_timeout_s  # the compile's comm.barrier_timeout_s
         groups = {g: group_of(g) for g, _, _ in pools.values()}
         check_plans_agree(graph_id, pools, buffers, groups, list(protocol), timeout_s)
+        self.collectives = {p["kernel"]: p["collectives"] for p in protocol}  # for the errors
         self.refresh()
 
     def refresh(self):
@@ -207,7 +298,26 @@ class CommState:
     def current(self) -> "CommState":
         if any(shared_pools.gen(g, d) != self.gens[name] for name, (g, d, _) in self.pools_needed.items()):
             self.refresh()
+        self.check(None)
         return self
+
+    def check(self, kernel: str | None) -> None:
+        """Raise the error of a barrier that gave up: after comm kernel `kernel` (CPU: the wrapper
+        checks after each), or at a call's start (None: an earlier kernel, maybe of another graph)."""
+        for pool in self.pools.values():
+            err = pool.failure(lambda: self.where(kernel), kernel is None)  # the text only for an error
+            if err is not None:
+                raise err
+
+    def where(self, kernel: str | None) -> tuple[str, str]:
+        """(the comm kernel whose wait gave up, the graph about to run), for the error."""
+        def kernel_text(k):
+            return f"{k} (" + ", ".join(f"{c['collective']} {c['reduce_op']} at offset {c['offset']} of pool "
+                                        f"{c['pool']}" for c in self.collectives.get(k, [])) + ")"
+        graph = f"graph {self.graph_id} (comm kernels: {', '.join(map(kernel_text, self.collectives))})"
+        if kernel is None:  # a GPU learns of a give-up a call or two late
+            return f"a comm kernel that ran before this call of {graph}", graph
+        return f"comm kernel {kernel_text(kernel)} of graph {self.graph_id}", graph
 
     def __getitem__(self, name):
         return self.tensors[name] if name in self.tensors else self.pools[name]

@@ -244,32 +244,47 @@ if not interpreting():
 
 
 # A comm kernel's barrier wait, bounded (codegen/comm.py: barrier_lines). Only a poll that finds a
-# peer missing calls this: the first starts the clock, and past the timeout in this rank's pad
-# (runtime/symm.py: timeout_word; the group's timeout by default) the kernel fails instead of
-# hanging. On a GPU it traps, as torch's symmetric-memory barriers do on theirs: the CUDA context is
-# lost and the next CUDA call raises, as NCCL's watchdog aborts a collective that waited too long;
-# no wrong value is returned. Under the interpreter it raises, naming the peers it waited for.
+# peer missing calls this: the first starts the clock (so the wait costs nothing where no peer is
+# missing). Past the timeout in this rank's header (runtime/peers.py; comm.barrier_timeout_s), or
+# once a peer waited for is gone (its exit handler's state; on a CPU also its pid), or once an
+# earlier barrier of this rank gave up, the wait gives up: after one more poll (a peer that
+# signalled, then exited, has not failed) it records why in the header and returns -1, and the
+# kernel leaves its barriers without waiting. The device never hangs and never traps (a trap
+# loses the CUDA context and cannot say which rank); the host reads the record and raises.
+@triton.jit
+def barrier_deadline(deadline, header, peer_header, waiting):
+    missing = waiting >= 0
+    now = clock_ns()
+    if deadline == 0:
+        deadline = now + tl.load(header).to(tl.int64) * 1000000
+    state = tl.load(peer_header + 3, missing, other=0, volatile=True)
+    pids = tl.load(peer_header + 1, missing, other=0, volatile=True)
+    gone = (tl.max(state, 0) != 0) | peer_pids_gone(pids, tl.load(peer_header + 2, missing, other=0, volatile=True))
+    if gone | (tl.load(header + 4, volatile=True) != 0) | (now > deadline):
+        if deadline == 1:
+            tl.atomic_cas(header + 4, 0, tl.where(gone, 2, 1))
+            bit = tl.full(waiting.shape, 1, tl.int32) << tl.minimum(tl.maximum(waiting, 0), 30)
+            tl.atomic_or(header + 5, tl.sum(tl.where(missing & (waiting < 31), bit, 0)))  # ranks 0-30
+            deadline = tl.full([], -1, tl.int64)
+        else:
+            deadline = tl.full([], 1, tl.int64)  # one more poll, then give up
+    return deadline
+
+
 if interpreting():
-    def barrier_deadline(deadline, timeout_ptr, waiting, rank):
+    def clock_ns():
         import time
-        now, timeout_ms = time.monotonic_ns(), int(tl.load(timeout_ptr).handle.data.item())
-        deadline = int(deadline.handle.data.item()) if isinstance(deadline, tl.tensor) else deadline
-        if deadline == 0:
-            return now + timeout_ms * 1_000_000
-        if now > deadline:
-            peers = sorted({int(p) for p in waiting.handle.data.ravel() if p >= 0})
-            raise RuntimeError(
-                f"commfuse: a comm kernel of rank {int(rank.handle.data.item())} of its process group waited "
-                f"{timeout_ms / 1000:g} s at a barrier for rank(s) {peers} of that group: a peer stopped calling "
-                "this graph, exited, or runs another program. The wait is bounded by comm.barrier_timeout_s "
-                "(default: the process group's timeout)")
-        return deadline
+        time.sleep(0.0005)  # only while waiting: leave the CPU to the peer being waited for
+        return tl.full([], time.monotonic_ns(), tl.int64)
+
+    def peer_pids_gone(pids, namespaces):
+        from .peers import any_pid_gone
+        return tl.full([], any_pid_gone(pids.handle.data.ravel(), namespaces.handle.data.ravel()), tl.int1)
 else:
     @triton.jit
-    def barrier_deadline(deadline, timeout_ptr, waiting, rank):
-        now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
-        if deadline == 0:
-            deadline = now + tl.load(timeout_ptr).to(tl.int64) * 1000000
-        tl.inline_asm_elementwise("{ .reg .pred p; setp.gt.s64 p, $1, $2; @p trap; mov.b32 $0, 0; }", "=r,l,l",
-                                  [now, deadline], dtype=tl.int32, is_pure=False, pack=1)
-        return deadline
+    def clock_ns():
+        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+
+    @triton.jit
+    def peer_pids_gone(pids, namespaces):  # a GPU cannot see processes: the exit handlers' state only
+        return tl.zeros([], tl.int1)
