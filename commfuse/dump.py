@@ -1,11 +1,15 @@
 """Per-rank dumps: COMMFUSE_DUMP_DIR/rank<R>/<graph-id>/ with the FX graph, the IR before
-and after fusion, the generated module and a JSON summary."""
+and after fusion, the generated module and a JSON summary, all byte-identical from run to run of
+the same program (the rank diff, `commfuse.diff`, compares them); what belongs to one run (compile
+time, cache) goes to timing.json beside them."""
 from __future__ import annotations
 
 import json
 import os
 
 from . import config
+
+RUN_KEYS = ("compile_seconds", "cache_hit", "cache", "cache_key", "cache_skipped")  # timing.json's
 
 
 def rank() -> int:
@@ -28,6 +32,8 @@ def write(graph_id: str, files: dict[str, str], summary: dict) -> str | None:
     for name, text in files.items():
         with open(os.path.join(path, name), "w") as f:
             f.write(text)
-    with open(os.path.join(path, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=1, default=str)
+    run = {k: summary[k] for k in RUN_KEYS if k in summary}
+    for name, value in (("summary.json", {k: v for k, v in summary.items() if k not in run}), ("timing.json", run)):
+        with open(os.path.join(path, name), "w") as f:
+            json.dump(value, f, indent=1, default=str)
     return path

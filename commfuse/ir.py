@@ -385,6 +385,8 @@ def _arg_str(a):
         return a.name
     if isinstance(a, ReinterpretView):
         return f"reinterpret({a.base.name}, {a.layout.size}, {a.layout.stride})"
+    if isinstance(a, (list, tuple)):  # an index list: buffers by name, never a repr with addresses
+        return f"[{', '.join(map(_arg_str, a))}]"
     return repr(a)
 
 

@@ -249,7 +249,7 @@ def test_dumps_on_a_hit(tmp_path):
         _, summaries = _compile(fn, x, y, cache_dir=cache, dump_dir=str(dumps))
         assert _hits(summaries) == [hit]
         folder = os.path.join(str(dumps), "rank0", summaries[0]["graph_id"])
-        with open(os.path.join(folder, "summary.json")) as f:
+        with open(os.path.join(folder, "timing.json")) as f:  # facts of this run, beside summary.json
             assert json.load(f)["cache_hit"] is hit
         for name in ("fx_graph.txt", "ir_pre_fusion.txt", "ir_post_fusion.txt", "output_code.py"):
             with open(os.path.join(folder, name)) as f:

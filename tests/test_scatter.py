@@ -151,7 +151,7 @@ w, idx, v = torch.ones(10, 3, 40), torch.tensor([0, 0, 3, 9]), torch.full((4, 3,
 fn = lambda w, idx, v: torch.ops.aten.index_put(torch.zeros_like(w), [idx], v, accumulate=True) + w
 with config.patch(dump_dir=sys.argv[1]):
     out = torch.compile(fn, backend="commfuse")(w, idx, v)
-summary = json.load(open(next(pathlib.Path(sys.argv[1]).rglob("summary.json"))))
+summary = json.load(open(next(pathlib.Path(sys.argv[1]).rglob("timing.json"))))
 print(json.dumps([summary["cache_hit"], torch.equal(out, fn(w, idx, v))]))
 """
 
