@@ -406,8 +406,11 @@ def _trusted_dirs() -> tuple:
 
 # ------------------------------------------------------------------------------------ entries
 def cache_dir() -> str:
-    from .runtime.loader import cache_dir as base
-    path = os.path.join(base(), "graphs")
+    from .runtime.loader import persistent_cache_dir
+    base = persistent_cache_dir()
+    if base is None:  # said in a warning there
+        raise Uncacheable("the cache folder cannot be written")
+    path = os.path.join(base, "graphs")
     os.makedirs(path, mode=0o700, exist_ok=True)
     return path
 
@@ -479,21 +482,32 @@ def _fetch(gm, target: str):
 
 
 def constant_ref(gm, name: str, value):
-    """How a hit finds a constant again: a tensor as the graph attribute holding it (its value
-    is never stored), or by value without a graph (AOTAutograd's cache keeps none); anything else
-    by import path."""
-    if isinstance(value, torch.Tensor):
+    """How a hit finds a constant again: a tensor, or a higher-order op's subgraph (flex_attention's
+    score_mod), as the graph attribute holding it (the key has the subgraph's code; a tensor's value
+    is never stored), or by value without a graph (AOTAutograd's cache keeps none); plain data
+    (flex_attention's kernel options) by value; anything else by import path."""
+    if isinstance(value, (torch.Tensor, torch.fx.GraphModule)):
+        if gm is None and isinstance(value, torch.fx.GraphModule):
+            return ("module", value)  # pickles as its code
         if gm is None:  # on the CPU, outside fake mode: a CUDA tensor pickles only so
             with torch._subclasses.fake_tensor.unset_fake_temporarily():
                 return ("value", (value.detach().cpu(), str(value.device)))
         for node in gm.graph.find_nodes(op="get_attr"):
             if _fetch(gm, node.target) is value:
                 return ("attr", node.target)
-        raise Uncacheable(f"tensor constant {name} is no attribute of the graph")
+        raise Uncacheable(f"constant {name} is no attribute of the graph")
+    if _is_plain(value):
+        return ("plain", value)
     ref = _reference(value)
     if not (_resolve(ref) is value or isinstance(value, slice) and _resolve(ref) == value):
         raise Uncacheable(f"constant {name} ({value!r}) is not found again by {ref}")
     return ("ref", ref)
+
+
+def _is_plain(v) -> bool:
+    if isinstance(v, dict):
+        return all(type(k) is str and _is_plain(x) for k, x in v.items())
+    return v is None or type(v) in (bool, int, float, str) or type(v) in (list, tuple) and all(map(_is_plain, v))
 
 
 def _reference(obj) -> tuple:
@@ -538,9 +552,11 @@ def constant(gm, ref: tuple):
     kind, what = ref
     if kind == "value":
         return what[0].to(what[1])
+    if kind in ("module", "plain"):
+        return what
     if kind == "attr":
         value = _fetch(gm, what)
-        if not isinstance(value, torch.Tensor):
-            raise ValueError(f"graph attribute {what} is no tensor")
+        if not isinstance(value, (torch.Tensor, torch.fx.GraphModule)):
+            raise ValueError(f"graph attribute {what} is no tensor or subgraph")
         return value
     return _resolve(what)
