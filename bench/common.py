@@ -26,7 +26,7 @@ def commfuse_options(ap, items: list[str]) -> dict:
         name, _, value = item.partition("=")
         if name not in config.snapshot():
             ap.error(f"unknown commfuse option {name!r}")
-        options[name] = config._coerce(value, config.get(name))
+        options[name] = config.parse(name, value, f"--set {name}")
     return options
 
 

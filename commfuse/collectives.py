@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from commfuse import sizevars
+from commfuse import config, sizevars
 from commfuse.codegen import comm as comm_codegen
 
 
@@ -85,6 +85,7 @@ ALGORITHMS: dict[str, CommAlgorithm] = {}
 
 def register_algorithm(algorithm: CommAlgorithm) -> CommAlgorithm:
     ALGORITHMS[algorithm.name] = algorithm
+    config.add_choice("comm.algorithm", algorithm.name)  # config.comm.algorithm may force it
     return algorithm
 
 

@@ -125,46 +125,83 @@ class comm:
 _SECTIONS = {"comm": comm}
 
 
-def _coerce(value: str, default: Any) -> Any:
-    if isinstance(default, list) and not value.lstrip().startswith("["):
-        return [v.strip() for v in value.split(",") if v.strip()]  # COMMFUSE_FALLBACK_OPS=aten.sort,aten.topk
-    if isinstance(default, (dict, list)):
-        import json
-        parsed = json.loads(value)
-        return {int(k): v for k, v in parsed.items()} if isinstance(parsed, dict) else parsed
-    if isinstance(default, bool) or default is None and value.lower() in ("0", "1", "true", "false"):
-        return value.lower() in ("1", "true", "yes", "on")
-    if isinstance(default, int):
-        return int(value)
-    if isinstance(default, float):
-        return float(value)
-    if value.lower() == "none":
-        return None
-    if value.isdigit():
-        return int(value)
-    return value
-
-
-_POWERS_OF_TWO = ("max_block", "comm.block", "comm.bulk_block")  # block sizes of tl.arange
 _KINDS = ((bool, (bool,)), (int, (int,)), (float, (int, float)), (str, (str, os.PathLike)),
           (list, (list, tuple, set)), (dict, (dict,)))
+_SPELLED = {bool: "bool (1/0, true/false, yes/no, on/off)", list: "a list (comma-separated or JSON)",
+            dict: "a JSON object"}
+
+# What an option's type allows but its meaning does not: (what it must be, the test, the options).
+# A dict's values are tested. Every option is also checked against its type.
+_RULES = (
+    ("above 0", lambda v: v > 0, ("max_fusion_size", "persistent_reduction_max", "split_reduction_programs",
+                                  "split_reduction_min", "comm.max_programs", "comm.persistent_reduction_max",
+                                  "comm.plan_check_timeout_s", "comm.barrier_timeout_s")),
+    ("0 or more", lambda v: v >= 0, ("realize_users_threshold", "realize_reads_threshold", "realize_opcount_threshold",
+                                     "realize_acc_reads_threshold", "realize_acc_reads_size_threshold",
+                                     "mm_template_max_rows", "pad_rows_min_bytes", "mix_order_min_elements",
+                                     "compile_workers", "comm.one_shot_max_bytes", "comm.two_shot_max_bytes")),
+    ("a power of 2", lambda v: v > 0 and v & (v - 1) == 0, ("max_block", "comm.block", "comm.bulk_block",
+                                                             "comm.num_warps")),  # tl.arange sizes, warps
+    ("at most 1024", lambda v: v <= 1024, ("comm.max_programs",)),  # barrier slots
+)
+# the built-in algorithms (collectives.register_algorithm adds any other) and their aliases: seeded
+# here so that the environment, read at import, is checked too
+_ONE_OF = {"comm.algorithm": {"auto", "torch", "one_shot", "one_shot_apart", "two_shot", "torch_one_shot", "c10d"}}
+# COMMFUSE_ variables of the project's own that are not options (tests, examples, benchmarks)
+_NOT_OPTIONS = ("COMMFUSE_TEST_", "COMMFUSE_EXAMPLE_", "COMMFUSE_BENCH_", "COMMFUSE_OPINFO_")
 
 
-# A value a compile would misread is refused, naming the option: the type of its default (or of its
-# annotation where the default is None), and the few options with a narrower range.
-def _check(name: str, value: Any, default: Any) -> None:
+def add_choice(name: str, value: str) -> None:
+    """Another value an enumerated option may take (a registered algorithm's name)."""
+    _ONE_OF[name].add(value)
+
+
+def _kind(name: str) -> tuple[type | None, bool]:
+    """(the type of an option's values, whether None is one): its annotation's, else its default's."""
     obj, attr = _owner(name)
-    hint = str(getattr(obj, "__annotations__", {}).get(attr, ""))
-    if value is None and (default is None or "None" in hint):
+    hint, default = str(getattr(obj, "__annotations__", {}).get(attr, "")), getattr(obj, attr)
+    words = hint.replace("|", " ").split()
+    kind = next((t for t, _ in _KINDS if t.__name__ in words), None) or \
+        next((t for t, _ in _KINDS if isinstance(default, t)), None)
+    return kind, default is None or "None" in words
+
+
+def _parse(text: str, kind: type | None, nullable: bool) -> Any:
+    if nullable and text.strip().lower() == "none":
+        return None
+    if kind is bool:
+        for value, words in ((True, ("1", "true", "yes", "on")), (False, ("0", "false", "no", "off"))):
+            if text.strip().lower() in words:
+                return value
+        raise ValueError
+    if kind is list and not text.lstrip().startswith("["):
+        return [v.strip() for v in text.split(",") if v.strip()]  # COMMFUSE_FALLBACK_OPS=aten.sort,aten.topk
+    if kind in (list, dict):
+        import json
+        parsed = json.loads(text)
+        return {int(k): v for k, v in parsed.items()} if kind is dict and isinstance(parsed, dict) else parsed
+    if kind in (int, float, str):
+        return kind(text)
+    raise ValueError
+
+
+# A value a compile would misread is refused, naming the option: the type of its values, and the
+# rules above.
+def _check(name: str, value: Any) -> None:
+    kind, nullable = _kind(name)
+    if value is None and nullable or kind is None:  # None, or an option of no type (choices)
         return
-    for t, accepted in _KINDS:
-        if isinstance(default, t) if default is not None else t.__name__ in hint:
-            if not isinstance(value, accepted) or (t is not bool and isinstance(value, bool)):
-                raise TypeError(f"commfuse option {name}={value!r}: expected {t.__name__}"
-                                f"{' or None' if 'None' in hint else ''} (docs/config.md)")
-            break
-    if name in _POWERS_OF_TWO and not (value > 0 and value & (value - 1) == 0):
-        raise ValueError(f"commfuse option {name}={value!r}: a block size must be a power of 2")
+    accepted = dict(_KINDS).get(kind, ())
+    if not isinstance(value, accepted) or (kind is not bool and isinstance(value, bool)):
+        raise TypeError(f"commfuse option {name}={value!r}: expected {_SPELLED.get(kind, getattr(kind, '__name__', kind))}"
+                        f"{' or None' if nullable else ''} (docs/config.md)")
+    numbers = list(value.values()) if isinstance(value, dict) else [value]
+    for what, ok, names in _RULES:
+        if name in names and not all(type(v) in (int, float) and ok(v) for v in numbers):
+            raise ValueError(f"commfuse option {name}={value!r}: must be {what}"
+                             f"{' (each value)' if isinstance(value, dict) else ''} (docs/config.md)")
+    if name in _ONE_OF and value not in _ONE_OF[name]:
+        raise ValueError(f"commfuse option {name}={value!r}: must be one of {sorted(_ONE_OF[name])}")
     if name == "fallback_ops":
         for op in value:
             if not _is_aten_op(op):
@@ -209,13 +246,39 @@ def get(name: str) -> Any:
     return getattr(obj, attr)
 
 
+def parse(name: str, text: str, source: str | None = None) -> Any:
+    """Option `name`'s value from text (an environment variable's, a command line's), checked; an
+    error names `source` (the variable), the text and what was expected."""
+    source = source or name
+    kind, nullable = _kind(name)
+    try:
+        value = _parse(text, kind, nullable)
+    except ValueError:
+        expected = _SPELLED.get(kind, getattr(kind, "__name__", None))
+        raise ValueError(f"{source}={text!r}: expected {expected}{' or None' if nullable else ''} "
+                         f"(commfuse option {name}, docs/config.md)" if expected else
+                         f"{source}: commfuse option {name} cannot be set from text (docs/config.md)") from None
+    try:
+        _check(name, value)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{source}={text!r}: {e}") from None
+    return value
+
+
 def _load_env() -> None:
-    for name, default in _options().items():
-        env = os.environ.get(f"COMMFUSE_{name.replace('.', '_').upper()}")
-        if env is not None:
-            value = _coerce(env, default)
-            _check(name, value, default)
-            _set(name, value)
+    """Options from `COMMFUSE_<NAME>` (empty: not set). A value that does not parse or check is an
+    error naming the variable; a COMMFUSE_ variable that names no option, a warning."""
+    names = {f"COMMFUSE_{name.replace('.', '_').upper()}": name for name in _options()}
+    for var, name in names.items():
+        if os.environ.get(var):
+            _set(name, parse(name, os.environ[var], var))
+    for var in sorted(os.environ):
+        if var.startswith("COMMFUSE_") and var not in names and not var.startswith(_NOT_OPTIONS):
+            import difflib
+            import warnings
+            close = difflib.get_close_matches(var[9:], [n[9:] for n in names], n=1)
+            warnings.warn(f"{var} is not a commfuse option{f'; did you mean COMMFUSE_{close[0]}?' if close else ''}"
+                          " (docs/config.md)", stacklevel=2)
 
 
 def snapshot() -> dict[str, Any]:
@@ -229,7 +292,7 @@ class _Patch(contextlib.ContextDecorator):
         if unknown:
             raise ValueError(f"unknown commfuse option(s) {unknown}; known: {sorted(known)}")
         for k, v in changes.items():
-            _check(k, v, known[k])
+            _check(k, v)
         self.changes = changes
         self.saved: list[dict[str, Any]] = []
 

@@ -2,9 +2,13 @@
 source from disk), imported, its constants installed."""
 from __future__ import annotations
 
+import atexit
+import functools
 import hashlib
 import importlib.util
+import logging
 import os
+import shutil
 import sys
 import tempfile
 
@@ -13,9 +17,41 @@ from .interpret import interpreting
 
 
 def cache_dir() -> str:
+    """The folder generated modules are written to: the configured one, or, where that cannot be
+    written, a temporary folder of this process's (the caches are then off: `persistent_cache_dir`)."""
+    return persistent_cache_dir() or _scratch_dir()
+
+
+_writable: dict[str, bool] = {}  # by folder: tried once, warned about once
+
+
+def persistent_cache_dir() -> str | None:
+    """The configured cache folder, None where it cannot be written (said once, in a warning)."""
     d = config.cache_dir or os.environ.get("COMMFUSE_CACHE_DIR") or os.path.join(
         tempfile.gettempdir(), f"commfuse_{os.getuid() if hasattr(os, 'getuid') else 'user'}")
-    os.makedirs(d, exist_ok=True)
+    if _writable.get(d) is False:
+        return None
+    try:
+        os.makedirs(d, exist_ok=True)
+        if d not in _writable:  # its mode bits do not say (root writes anyway): try
+            fd, probe = tempfile.mkstemp(dir=d)
+            os.close(fd)
+            os.unlink(probe)
+        _writable[d] = True
+        return d
+    except OSError as e:
+        _writable[d] = False
+        logging.getLogger("commfuse").warning(
+            "commfuse: cannot write the cache folder %s (%s: %s); the graph caches are off, generated modules "
+            "go to %s (set cache_dir / COMMFUSE_CACHE_DIR to a writable folder)", d, type(e).__name__,
+            e.strerror or e, _scratch_dir())
+        return None
+
+
+@functools.lru_cache(None)
+def _scratch_dir() -> str:
+    d = tempfile.mkdtemp(prefix="commfuse_")
+    atexit.register(shutil.rmtree, d, True)
     return d
 
 

@@ -37,7 +37,7 @@ _logged: set = set()
 def workers() -> int:
     """`config.compile_workers`; None: this host's CPUs shared among its ranks (LOCAL_WORLD_SIZE)."""
     if config.compile_workers is not None:
-        return int(config.compile_workers)  # from the environment, "0" and "1" arrive as booleans
+        return config.compile_workers
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, cpus // max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1)))
 
