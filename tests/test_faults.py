@@ -294,8 +294,6 @@ def test_bad_option_names_the_option():
     _record("options={'comm.barrier_timeout_s': 'soon'}", line.strip(), time.monotonic() - start)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 37 item 8: an unwritable cache folder turns every graph into eager "
-                   "aten (another change makes it warn once and compile)")
 def test_unwritable_cache_folder_warns_once_and_compiles(tmp_path):
     from commfuse import config
     blocker = tmp_path / "a_file"

@@ -6,11 +6,11 @@ import atexit
 import functools
 import hashlib
 import importlib.util
-import logging
 import os
 import shutil
 import sys
 import tempfile
+import warnings
 
 from .. import compat, config
 from .interpret import interpreting
@@ -41,10 +41,9 @@ def persistent_cache_dir() -> str | None:
         return d
     except OSError as e:
         _writable[d] = False
-        logging.getLogger("commfuse").warning(
-            "commfuse: cannot write the cache folder %s (%s: %s); the graph caches are off, generated modules "
-            "go to %s (set cache_dir / COMMFUSE_CACHE_DIR to a writable folder)", d, type(e).__name__,
-            e.strerror or e, _scratch_dir())
+        warnings.warn(f"commfuse: cannot write the cache folder {d} ({type(e).__name__}: {e.strerror or e}); the "
+                      f"graph caches are off, generated modules go to {_scratch_dir()} (set cache_dir / "
+                      "COMMFUSE_CACHE_DIR to a writable folder)", stacklevel=2)
         return None
 
 
