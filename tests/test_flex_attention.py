@@ -148,3 +148,63 @@ def test_another_score_mod_is_another_entry(tmp_path, cache):
             got = _run(torch.compile(with_slope(slope), backend="commfuse"), *inputs)
         assert [s["cache"] for s in backend.summaries[before:]] == [None, None]
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_dynamic_sequence_length(tmp_path):
+    """One graph for two lengths: the block mask's sizes are the graph's symbols."""
+    def fn(q, k, v, bias):
+        return mask_inside(q, k, v, bias) + alibi_out(q, k, v)
+
+    def alibi_out(q, k, v):
+        return flex_attention(q, k, v, score_mod=alibi)
+    compiled = torch.compile(fn, backend="commfuse", dynamic=True)
+    before = len(backend.summaries)
+    with config.patch(dump_dir=str(tmp_path)):
+        for seq in (256, 192):
+            torch.manual_seed(seq)
+            inputs = [torch.randn(1, 2, seq, D, device=DEVICE, requires_grad=True) for _ in range(3)] + [_bias()]
+            torch.testing.assert_close(_run(compiled, *inputs), _run(fn, *inputs), atol=1e-5, rtol=1e-5)
+    assert [s["graph_id"].split("_")[1] for s in backend.summaries[before:]] == ["forward", "backward"]
+
+
+class Attention(torch.nn.Module):
+    """torchtitan's layout: projections viewed as (B, L, N, H), transposed for flex_attention and
+    back; grouped K/V heads; a learned per-head slope in the score_mod."""
+    def __init__(self, dim=64, heads=4, kv_heads=2):
+        super().__init__()
+        self.heads, self.kv_heads, self.hd = heads, kv_heads, dim // heads
+        self.wq = torch.nn.Linear(dim, dim, bias=False)
+        self.wkv = torch.nn.Linear(dim, 2 * kv_heads * self.hd, bias=False)
+        self.wo = torch.nn.Linear(dim, dim, bias=False)
+        self.slope = torch.nn.Parameter(torch.full((heads,), 0.1))
+
+    def forward(self, x, mask):
+        b, t, _ = x.shape
+        q = self.wq(x).view(b, t, self.heads, self.hd).transpose(1, 2)
+        k, v = self.wkv(x).view(b, t, 2, self.kv_heads, self.hd).unbind(2)
+        slope = self.slope
+
+        def score_mod(score, b_, h, qi, ki):
+            return score - slope[h] * (qi - ki)
+        o = flex_attention(q, k.transpose(1, 2), v.transpose(1, 2), score_mod=score_mod, block_mask=mask,
+                           enable_gqa=True)
+        return self.wo(o.transpose(1, 2).reshape(b, t, -1)) + x
+
+
+def test_training_steps_of_an_attention_block():
+    torch.manual_seed(0)
+    model = Attention().to(DEVICE)
+    ref = Attention().to(DEVICE)
+    ref.load_state_dict(model.state_dict())
+    compiled = torch.compile(model, backend="commfuse")
+    mask = create_block_mask(causal, None, None, 64, 64, device=DEVICE)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (ref, model)]
+    for _ in range(2):
+        x = torch.randn(2, 64, 64, device=DEVICE)
+        for m, opt in zip((ref, compiled), opts):
+            m(x, mask).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        for a, b in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert model.slope.grad is None and not torch.equal(model.slope, torch.full_like(model.slope, 0.1))
