@@ -21,6 +21,7 @@ import logging
 
 import torch
 import torch.fx
+import torch.nn.attention
 import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
@@ -103,7 +104,7 @@ def contiguous_masks(gm: torch.fx.GraphModule) -> int:
     gives 0 and the fused ones do not. Such rows are unmasked in the mask passed, and their output
     is set to 0 after; their gradients are then 0 too, as the math kernel's are."""
     changed, done = 0, {}  # mask -> (its rows with a key left, the mask passed): layers share one mask
-    graph = gm.graph
+    graph, old = gm.graph, set(gm.graph.nodes)
     for node, bound in _sdpa_calls(gm):
         mask = bound.get("attn_mask")
         value = mask.meta.get("example_value") if isinstance(mask, torch.fx.Node) else None
@@ -119,14 +120,37 @@ def contiguous_masks(gm: torch.fx.GraphModule) -> int:
             out = graph.call_function(torch.where, (live, node, 0.0))
         node.replace_all_uses_with(out, delete_user_cb=lambda user: user is not out)
         changed += 1
-    give_example_values(gm)
+    if changed:
+        give_example_values(gm, old)
     return finish(gm, changed)
 
 
+def _with_math(gm: torch.fx.GraphModule) -> set:
+    """The SDPA calls that run with the math backend enabled: the state at compile time, changed
+    where the graph enters or leaves an `sdpa_kernel` region (Dynamo keeps its `_sdpa_kernel` calls;
+    each names every backend it enables, by `_backend_from_string` or as a constant)."""
+    def name(b):
+        if isinstance(b, torch.fx.Node) and b.target is torch.nn.attention._backend_from_string:
+            return b.args[0]
+        return getattr(b, "name", None)
+    on, calls = torch.backends.cuda.math_sdp_enabled(), set()
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is torch.nn.attention._sdpa_kernel:
+            backends = node.args[0] if node.args else node.kwargs.get("backends", ())
+            on = "MATH" in map(name, backends if isinstance(backends, (list, tuple)) else [backends])
+        elif on and node.op == "call_function" and node.target in _SDPA:
+            calls.add(node)
+    return calls
+
+
 def use_sdpa_gqa(gm: torch.fx.GraphModule) -> int:
-    """Pass unrepeated K/V to SDPA with `enable_gqa=True`; returns how many calls changed."""
-    changed = 0
+    """Pass unrepeated K/V to SDPA with `enable_gqa=True`; returns how many calls changed. Only
+    where the math backend is enabled: it takes grouped K/V whatever the dtype, so no backend choice
+    (`sdpa_kernel([EFFICIENT_ATTENTION])`, which refuses them) is left without a kernel."""
+    changed, old, math = 0, set(gm.graph.nodes), _with_math(gm)
     for node, bound in _sdpa_calls(gm):
+        if node not in math:
+            continue
         q = _shape(bound["query"])
         k, v = repeated_heads(bound["key"]), repeated_heads(bound["value"])
         if bound.get("enable_gqa") or q is None or k is None or v is None or k[1] != v[1] or len(q) != 4:
@@ -141,5 +165,5 @@ def use_sdpa_gqa(gm: torch.fx.GraphModule) -> int:
         changed += 1
     if changed:
         log.debug("commfuse: %d attention call(s) take unrepeated K/V (enable_gqa)", changed)
-    give_example_values(gm)
+        give_example_values(gm, old)
     return finish(gm, changed)

@@ -12,18 +12,24 @@ def erase_unused(graph: torch.fx.Graph, nodes) -> None:
             graph.erase_node(n)
 
 
-def give_example_values(gm: torch.fx.GraphModule) -> None:
+def give_example_values(gm: torch.fx.GraphModule, old) -> None:
     """In Dynamo's graph every node carries its fake value (`example_value`): AOTAutograd's cache
-    refuses a method called on a node without one. The nodes a rewrite added get theirs."""
+    refuses a method called on a node without one. The nodes a rewrite added (those not in `old`)
+    get theirs; Dynamo's own nodes without one (a context manager's calls) are not run."""
+    def value(n):
+        if "example_value" not in n.meta:
+            raise LookupError(n.name)
+        return n.meta["example_value"]
     for node in gm.graph.nodes:
-        if node.op == "call_function" and "example_value" not in node.meta:
-            args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["example_value"])
-            try:  # under the values' own fake mode, not the context's; without a value, the graph
-                # only misses AOTAutograd's cache
-                with next(v.fake_mode for v in torch.utils._pytree.tree_leaves(args) if hasattr(v, "fake_mode")):
-                    node.meta["example_value"] = node.target(*args, **kwargs)
-            except Exception:
-                continue
+        if node in old or node.op != "call_function" or "example_value" in node.meta:
+            continue
+        try:  # under the values' own fake mode, not the context's; without a value, the graph
+            # only misses AOTAutograd's cache
+            args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), value)
+            with next(v.fake_mode for v in torch.utils._pytree.tree_leaves(args) if hasattr(v, "fake_mode")):
+                node.meta["example_value"] = node.target(*args, **kwargs)
+        except Exception:
+            continue
 
 
 def finish(gm: torch.fx.GraphModule, changed: int) -> int:

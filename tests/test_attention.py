@@ -216,6 +216,41 @@ def test_math_attention_gradients(tmp_path, q_len):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
 
 
+class KernelChoice(torch.nn.Module):
+    """torchtitan's SDPA: the call inside `sdpa_kernel(backends, set_priority=True)`, whose enter and
+    exit Dynamo keeps in the graph as calls with no fake value; K/V repeated HF's way when grouped."""
+
+    def __init__(self, backends, group):
+        super().__init__()
+        self.backends, self.group = backends, group
+
+    def forward(self, q, k, v):
+        from torch.nn.attention import sdpa_kernel
+        if self.group > 1:
+            k, v = repeat_kv(k, self.group), repeat_kv(v, self.group)
+        with sdpa_kernel(self.backends, set_priority=True):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True) * 2
+
+
+@pytest.mark.parametrize("math", [True, False])
+@pytest.mark.parametrize("group", [1, 4])
+def test_attention_inside_sdpa_kernel(tmp_path, math, group):
+    """Forward and backward match eager. K/V go unrepeated only where the math backend is enabled,
+    which takes them whatever the dtype: the backends chosen are never left without a kernel."""
+    from torch.nn.attention import SDPBackend
+    backends = [SDPBackend.MATH, SDPBackend.FLASH_ATTENTION] if math else [SDPBackend.FLASH_ATTENTION]
+    fn = KernelChoice(backends, group)
+    inputs = _inputs(heads=8, kv_heads=8 // group)
+    want = fn(*inputs)
+    want_grads = torch.autograd.grad(want, inputs, torch.ones_like(want))
+    got, grads, summaries = _run(fn, inputs, tmp_path)
+    torch.testing.assert_close(got, want, **TOL)
+    for g, w in zip(grads, want_grads):
+        torch.testing.assert_close(g, w, **TOL)
+    assert all(s["compiled"] for s in summaries)
+    assert _rewrites(fn, [t.detach() for t in inputs]) == (group > 1 and math)
+
+
 class CachedAttention(torch.nn.Module):
     """One decode layer over a static KV cache kept as module buffers: the new K/V are written at
     `pos` in place, and the mask comes from `pos`."""
