@@ -35,6 +35,7 @@ ATTENTION_BIAS_ARG = {torch.ops.aten._scaled_dot_product_efficient_attention.def
                       torch.ops.aten._scaled_dot_product_cudnn_attention_backward.default: 8}
 ATTENTION_BIAS_ALIGN = 16
 DEFAULT_SMS = 132  # H100 / H200
+INTERPRETED_BLOCK = 1 << 16  # lanes of an interpreted reduction's program (interpreted_reduction_config)
 INTERPRETED_MATH_FP32 = ("atan", "asin", "acos", "atan2", "erfc")  # see kernel_math_exact
 POW_MULTIPLY_MAX = 32
 SCATTER_INDICES_PER_ROW = 8
@@ -318,9 +319,11 @@ class Choices:
         """Tile a transposing pointwise kernel when both sides are big enough to matter."""
         return rows >= 16 and cols >= 16 and -(-cols // 32) < 65536
 
-    def kernel_config(self, kind: str, xnumel: int, rnumel: int, accumulators: int = 1) -> dict:
+    def kernel_config(self, kind: str, xnumel: int, rnumel: int, accumulators: int = 1, device=None) -> dict:
         """Blocks and warps of a kernel of this kind: pointwise, tiled, persistent or looped."""
         # accumulators: the values each lane of a looped reduction carries through its loop
+        if device is not None and device.type == "cpu" and kind in ("persistent", "looped", "looped_tiles"):
+            return self.interpreted_reduction_config(kind, xnumel, rnumel)
         if kind == "pointwise":
             block = min(config.max_block, next_pow2(max(xnumel, 1)))
             return {"XBLOCK": max(block, 16), "num_warps": 4 if block <= 512 else 8}
@@ -342,6 +345,18 @@ class Choices:
             warps = 4 if rblock * xblock <= 2048 else 8 if rblock * xblock <= 8192 else 16
             return {"XBLOCK": xblock, "RBLOCK": rblock, "num_warps": warps}
         return {"XBLOCK": 1, "RBLOCK": 2048, "num_warps": 8}
+
+    def interpreted_reduction_config(self, kind: str, xnumel: int, rnumel: int) -> dict:
+        """A reduction's blocks under Triton's interpreter (CPU): each program and each op in it
+        costs Python time (tens of µs to ms) whatever its block, and numpy then does the block's
+        work at its own speed: few programs of up to INTERPRETED_BLOCK lanes. A std(0) of
+        (8, 20000) in 625 programs of 32 x 32 lanes (a GPU's tiles) took minutes. The kind, and
+        so the splits the GPU's shapes decide, stay as on a GPU: CPU runs test that code."""
+        rblock = next_pow2(max(rnumel, 1))
+        if kind != "persistent":  # a looped row keeps the GPU's RBLOCK; columns take their rows whole
+            rblock = min(rblock, 2048 if kind == "looped" else INTERPRETED_BLOCK // 16)
+        xblock = max(1, min(next_pow2(max(xnumel, 1)), INTERPRETED_BLOCK // rblock))
+        return {"XBLOCK": xblock, "RBLOCK": rblock, "num_warps": 4}
 
     def comm_max_programs(self) -> int:
         """Programs of one comm kernel: each owns a barrier slot of the signal pad."""

@@ -379,7 +379,7 @@ class Scheduler:
             kind = "persistent" if V.choices.is_persistent(int(R) if sizevars.is_static(R) else None, peers) \
                 else "looped"
         blocks = V.choices.comm_kernel_config(kind, int(X), int(R)) if peers else \
-            V.choices.kernel_config(kind, sizevars.hint(X), sizevars.hint(R), g.lane_accumulators())
+            V.choices.kernel_config(kind, sizevars.hint(X), sizevars.hint(R), g.lane_accumulators(), g.device)
         if g.mixed_programs:
             blocks = {**blocks, "programs": g.mixed_programs}
         return KernelShape(kind, X, R, blocks)

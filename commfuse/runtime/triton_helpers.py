@@ -71,7 +71,7 @@ def welford_update(mean, m2, count, v, valid):
 def welford_combine(mean_a, m2_a, count_a, mean_b, m2_b, count_b):
     count = count_a + count_b
     delta = mean_b - mean_a
-    frac_b = tl.where(count == 0.0, 0.0, count_b / count)
+    frac_b = count_b / tl.maximum(count, 1.0)  # counts are whole: 0 where both are empty, without a 0 / 0
     return mean_a + delta * frac_b, m2_a + m2_b + delta * delta * count_a * frac_b, count
 
 
