@@ -35,7 +35,9 @@ def test_unknown_option_is_a_clear_error():
 @pytest.mark.parametrize("option, value, error", [
     ("max_fusion_size", "lots", "max_fusion_size='lots': expected int"),
     ("cuda_graphs", 1, "cuda_graphs=1: expected bool"),
-    ("max_block", 100, "max_block=100: a block size must be a power of 2"),
+    ("max_block", 100, "max_block=100: must be a power of 2"),
+    ("comm.algorithm", "bogus", "comm.algorithm='bogus': must be one of"),
+    ("max_fusion_size", 0, "max_fusion_size=0: must be above 0"),
     ("fallback_ops", ["aten.not_an_op"], "'aten.not_an_op' names no op"),
 ])
 def test_a_bad_option_value_is_a_clear_error(option, value, error):
