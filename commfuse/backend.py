@@ -180,8 +180,8 @@ def _donation_at_first_call(kind: str) -> bool:
     its check, as under Inductor."""
     ctx = torch._guards.TracingContext.try_get()
     meta = ctx.fw_metadata if ctx is not None else None
-    if kind != "backward" or meta is None or not meta.bw_donated_idxs or meta.num_symints_saved_for_bw \
-            or not torch._functorch.config.force_non_lazy_backward_lowering:
+    if kind != "backward" or meta is None or not meta.bw_donated_idxs \
+            or getattr(meta, "num_symints_saved_for_bw", 0) or not torch._functorch.config.force_non_lazy_backward_lowering:
         return False
     meta.bw_donated_idxs.clear()  # the list the runtime's own check reads (outer and inner metadata share it)
     return True

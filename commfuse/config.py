@@ -193,7 +193,7 @@ def _check(name: str, value: Any) -> None:
         return
     accepted = dict(_KINDS).get(kind, ())
     if not isinstance(value, accepted) or (kind is not bool and isinstance(value, bool)):
-        raise TypeError(f"commfuse option {name}={value!r}: expected {_SPELLED.get(kind, getattr(kind, '__name__', kind))}"
+        raise TypeError(f"commfuse option {name}={value!r}: expected {_SPELLED.get(kind, kind.__name__)}"
                         f"{' or None' if nullable else ''} (docs/config.md)")
     numbers = list(value.values()) if isinstance(value, dict) else [value]
     for what, ok, names in _RULES:
