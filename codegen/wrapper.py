@@ -125,6 +125,14 @@ class WrapperCodegen:
             self.kernels.writeline()
         return first
 
+    def effect(self, what: str) -> None:
+        """Marks the next line as writing a graph input or meeting other ranks: a first run that
+        fails there or later cannot be rerun through aten (compiled.py)."""
+        self.body.writeline(f"# effect: {what}")
+
+    def is_input(self, name: str) -> bool:
+        return isinstance(self.graph.graph_inputs.get(name), ir.InputBuffer)
+
     def dtype(self, name: str) -> str:
         return str(self.graph.get_dtype(name))
 
@@ -272,18 +280,23 @@ class WrapperCodegen:
             self.body.writeline(f"{buf.name} = comm[{buf.name!r}]  # {p['pool']} [{p['offset']}, +{p['bytes']})")
             return
         if isinstance(lay, ir.MutationLayout):
+            self.effect(f"stores into input {lay.target}")
             self.body.writeline(f"{buf.name} = {self.ref(lay.target)}  # stored into in place")
             return
         nbytes = lay.nbytes_hint()
         self.allocated.add(buf.name)
         if buf.name in self.sched.inplace:
             old = self.sched.inplace[buf.name]
+            if self.is_input(old):
+                self.effect(f"overwrites input {old}")
             self.body.writeline(f"{buf.name} = {self.view_as(self.ref(old), old, buf)}  # in place over {old}")
             self.allocations.append({"name": buf.name, "bytes": nbytes, "in_place_of": old})
             return
         if pool.get(self.alloc_key(buf)):
             old, free_line = pool[self.alloc_key(buf)].pop()
             self.body.lines[free_line] = None
+            if self.is_input(old):
+                self.effect(f"overwrites input {old}")
             self.body.writeline(f"{buf.name} = {self.view_as(old, old, buf)}; del {old}  # reuse")
             self.allocations.append({"name": buf.name, "bytes": nbytes, "reuses": old})
             return
@@ -339,6 +352,8 @@ class WrapperCodegen:
             self.body.writeline(f"# {name} skipped: empty")
         else:
             launch = self.launch(name, grid, args, specs, f"{consts}, num_warps={blocks['num_warps']}")
+            if plans:
+                self.effect("issues a collective")
             if not sizevars.is_static(X):
                 self.body.writeline(f"if {self.expr(X)} > 0:")
             with self.body.indent(0 if sizevars.is_static(X) else 1):
@@ -379,6 +394,10 @@ class WrapperCodegen:
         args = ", ".join([self.value(a) for a in buf.args] +
                          [f"{k}={self.value(v)}" for k, v in buf.kwargs.items()])
         self.extern_calls.append(str(op))
+        if "c10d" in getattr(op, "namespace", ""):
+            self.effect("issues a collective")
+        elif any(self.is_input(n) for n in buf.mutates):
+            self.effect(f"updates input {', '.join(n for n in buf.mutates if self.is_input(n))}")
         if buf.out_variant:
             self.allocate_out(buf, pool)
             self.body.writeline(f"{call}({args}{', ' if args else ''}out={buf.name})")
@@ -473,6 +492,7 @@ class WrapperCodegen:
         Triton kernel launched over the peers' copies of the placed input."""
         plan, src = buf.plan, buf.input.name
         algo = plan.algorithm
+        self.effect("issues a collective")
         if algo.call is not None:
             if plan.inplace:
                 self.body.writeline(f"{buf.name} = {src}")

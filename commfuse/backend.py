@@ -209,8 +209,10 @@ def _compile(gm, example_inputs, graph_id, kind="inference", donated=frozenset()
         if key is not None:
             skipped = graph_cache.store(key, description, gm, gen)
             key = None if skipped else key
-    roles = input_roles(gm, kind) if config.cuda_graphs and gen.device_types == {"cuda"} else None
+    roles = input_roles(gm, kind) if config.cuda_graphs and gen.device_types == {"cuda"} \
+        and not gen.summary.get("data_dependent_sizes") else None  # sizes a replay could not change
     compiled = CompiledGraph(gen, kind, roles, key).load(t0, "graph" if hit else None, skipped)
+    compiled.aten_gm = gm  # what a failed first run reruns
     ctx = torch._guards.TracingContext.try_get()
     if ctx is not None and ctx.output_strides is not None and compiled.summary["output_strides"]:
         ctx.output_strides.extend(compiled.summary["output_strides"])
@@ -257,6 +259,7 @@ def _generate(gm, example_inputs, graph_id, kind, donated, saved) -> graph_cache
         "extern_calls": wrapper.extern_calls,
         "fallback_ops": graph.fallback_ops,
         "fallback_reasons": graph.fallback_reasons,
+        "data_dependent_sizes": sorted(map(str, graph.symbol_defs)),
         "buffers": wrapper.allocations,
         "comm_plans": [p.record() for p in graph.comm_plans],
         "comm_buffers": list(wrapper.comm_placements.values()),

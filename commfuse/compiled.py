@@ -18,6 +18,7 @@ import itertools
 import json
 import logging
 import pickle
+import re
 import sys
 import time
 
@@ -60,6 +61,7 @@ class CompiledGraph(OutputCode):
         self.module, self.path = load_module(gen.source, gen.constants)
         self.pending = precompile.start(self.module)  # lowering the next graph overlaps with these compiles
         self.graph_id, self.call = gen.graph_id, self.module.call
+        self.ran, self.aten_gm = False, None  # the backend gives the aten graph a failed first run may rerun
         if self.roles is not None:  # CUDA-graph mode, and the graph is all on CUDA
             launches = len(gen.summary["kernels"]) + len(gen.summary["extern_calls"])
             self.call = CudaGraphed(self.call, gen.graph_id, self.roles, choices.current().cuda_graph_captures(),
@@ -81,7 +83,44 @@ class CompiledGraph(OutputCode):
             self.pending = self.pending.wait()
         if self.donation_at_first_call:
             self.kept(args)
-        return self.call(args)
+        if self.ran:
+            return self.call(args)
+        inputs = list(args)  # the call clears `args`: kept, should the first run be rerun through aten
+        try:
+            out = self.call(args)
+        except Exception as e:
+            rerun = self._first_run_failed(e)
+            if rerun is None:
+                raise
+            return rerun(inputs)
+        self.ran, self.aten_gm = True, None
+        return out
+
+    def _first_run_failed(self, e: Exception):
+        """A first run that raised: where, and the aten graph to rerun it by (None: why not, in a
+        note on `e`). Not past a line that wrote an input (the update would apply twice) or met
+        the other ranks (this one would meet them again, on another path)."""
+        op, done = _failure_site(e, self.path, self.gen.source)
+        where = f"commfuse: graph {self.graph_id} failed at its first run, in {op}"
+        why = ("fallback_on_error is off" if not config.fallback_on_error else
+               f"it had already run a line that {done[-1]}" if done else
+               "its all-reduces meet the peers in symmetric memory" if hasattr(self.module, "_setup_comm") else
+               "it came from AOTAutograd's cache, without its aten graph" if self.aten_gm is None else None)
+        if why is not None:
+            e.add_note(f"{where}; not rerun through aten: {why}")
+            return None
+        strides = self.gen.summary.get("output_strides")
+
+        def rerun(args):
+            out = _in_strides(AtenGraph(self.aten_gm)(args), strides)
+            # it ran: the error was ours, not the program's (that one would have raised again)
+            log.warning("%s (%s: %s); it runs through aten, op by op, from now on. Set "
+                        "fallback_on_error=False to raise instead.", where, type(e).__name__, e)
+            self.summary["first_run_error"] = f"{op}: {type(e).__name__}: {e}"
+            aten, self.aten_gm, self.ran = AtenGraph(self.aten_gm), None, True
+            self.call = lambda args: _in_strides(aten(args), strides)
+            return out
+        return rerun
 
     def kept(self, args: list) -> None:
         """AOTAutograd's rule for a backward compiled at its first call (backend._donation_at_first_call):
@@ -128,6 +167,36 @@ class CompiledGraph(OutputCode):
 
     def set_triton_bundle(self, triton_bundle) -> None:
         pass  # Triton keeps its own cache of our kernels
+
+
+def _failure_site(e: Exception, path: str, source: str) -> tuple[str, list]:
+    """(the op a generated module's `call` raised in, as its line names it; the effects it ran
+    before that, or at it: the wrapper's `# effect:` marks)."""
+    line = None
+    tb = e.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if code.co_filename == path and code.co_name in ("call", "_call"):
+            line = tb.tb_lineno
+        tb = tb.tb_next
+    if line is None:
+        return "its first call, before any op", []
+    lines = source.splitlines()
+    text = lines[line - 1].strip()
+    start = max(i for i in range(line) if lines[i].startswith("def "))
+    done = [x.split("# effect: ", 1)[1] for x in lines[start:line] if x.strip().startswith("# effect: ")]
+    launch = re.match(r"(\w+)_launch\d+\(", text)
+    return (f"kernel {launch.group(1)}" if launch else f"line {line}: {text[:160]}"), done
+
+
+def _in_strides(outs, strides):
+    """aten's outputs in the strides the compiled graph reported (AOTAutograd gave them to the
+    backward's inputs)."""
+    if not strides or len(strides) != len(outs):
+        return outs
+    return [torch.empty_strided(o.shape, s, dtype=o.dtype, device=o.device).copy_(o)
+            if s is not None and isinstance(o, torch.Tensor) and o.stride() != tuple(s) else o
+            for o, s in zip(outs, strides)]
 
 
 class AtenGraph(OutputCode):
