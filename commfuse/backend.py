@@ -165,12 +165,6 @@ def donated_inputs(gm: torch.fx.GraphModule, kind: str) -> set:
             if _unseen_outputs.get(id(v)) is v}
 
 
-def saved_outputs(gm: torch.fx.GraphModule, kind: str) -> tuple:
-    """The forward's outputs that only its backward reads (saved activations), where AOTAutograd
-    takes the output strides we report and restrides the backward's inputs to them: their layout
-    is ours to choose."""
-    ctx = torch._guards.TracingContext.try_get()
-    if kind != "forward" or ctx is None or ctx.fw_metadata is None or ctx.output_strides is None \
 def _donation_at_first_call(kind: str) -> bool:
     """AOTAutograd compiles a backward at its first call, and donates saved tensors unless that call
     keeps the graph (`retain_graph=True`); once it has, it refuses a kept graph. We compile the
@@ -187,6 +181,12 @@ def _donation_at_first_call(kind: str) -> bool:
     return True
 
 
+def saved_outputs(gm: torch.fx.GraphModule, kind: str) -> tuple:
+    """The forward's outputs that only its backward reads (saved activations), where AOTAutograd
+    takes the output strides we report and restrides the backward's inputs to them: their layout
+    is ours to choose."""
+    ctx = torch._guards.TracingContext.try_get()
+    if kind != "forward" or ctx is None or ctx.fw_metadata is None or ctx.output_strides is None \
             or ctx.fw_metadata.tokens:
         return ()
     outputs = gm.graph.find_nodes(op="output")[0].args[0]
