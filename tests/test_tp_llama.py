@@ -266,3 +266,165 @@ def test_hf_llama_tensor_parallel_matches_eager():
         # forward and backward, compiled; an all-reduce per row-parallel output, and in the
         # backward one per summed input gradient (q/k/v, gate/up): 2 per layer each way
         assert graphs == [(True, 4), (True, 4)], graphs
+
+
+def _titan_blocks(rank, world, layers=3, steps=2):
+    """torchtitan's Llama 3 (0.2's model and apply_tp: sequence-parallel norms, PrepareModuleInput,
+    loss parallel; its SDPA inside sdpa_kernel) with identical blocks, each compiled on its own
+    (apply_compile), trained beside the same model run eagerly; returns the losses. The embedding is
+    column-parallel: torch 2.13's backward of a row-parallel one (MaskPartial) feeding a compiled
+    block fails under every backend (eager's DTensor grad arrives as a plain tensor)."""
+    import torch.nn as nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, loss_parallel, parallelize_module)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    dim, heads, kv_heads, vocab, seq = 32, 4, 2, 64, 8
+
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.hd = dim // heads
+            self.wq, self.wk, self.wv = (nn.Linear(dim, n * self.hd, bias=False) for n in (heads, kv_heads, kv_heads))
+            self.wo = nn.Linear(dim, dim, bias=False)
+
+        def forward(self, x, freqs_cis):
+            b, s, _ = x.shape
+            q, k, v = (w(x).view(b, s, -1, self.hd) for w in (self.wq, self.wk, self.wv))
+            q, k = (torch.view_as_real(torch.view_as_complex(t.float().reshape(b, s, -1, self.hd // 2, 2))
+                                       * freqs_cis[:s].view(1, s, 1, -1)).flatten(3) for t in (q, k))
+            k, v = (t.unsqueeze(3).expand(b, s, t.shape[2], heads // kv_heads, self.hd).reshape(b, s, -1, self.hd)
+                    for t in (k, v))  # torchtitan's repeat_kv
+            with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.MATH], set_priority=True):
+                out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=True)
+            return self.wo(out.transpose(1, 2).contiguous().view(b, s, -1))
+
+    class FeedForward(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w1, self.w2, self.w3 = nn.Linear(dim, 64, bias=False), nn.Linear(64, dim, bias=False), nn.Linear(dim, 64, bias=False)
+
+        def forward(self, x):
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attention, self.feed_forward = Attention(), FeedForward()
+            self.attention_norm, self.ffn_norm = nn.RMSNorm(dim, eps=1e-5), nn.RMSNorm(dim, eps=1e-5)
+
+        def forward(self, x, freqs_cis):
+            h = x + self.attention(self.attention_norm(x), freqs_cis)
+            return h + self.feed_forward(self.ffn_norm(h))
+
+    class Transformer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tok_embeddings, self.norm = nn.Embedding(vocab, dim), nn.RMSNorm(dim, eps=1e-5)
+            freqs = torch.outer(torch.arange(seq).float(), 1.0 / (1e4 ** (torch.arange(0, dim // heads, 2).float() / (dim // heads))))
+            self.register_buffer("freqs_cis", torch.polar(torch.ones_like(freqs), freqs), persistent=False)
+            self.layers = nn.ModuleDict({str(i): Block() for i in range(layers)})
+            self.output = nn.Linear(dim, vocab, bias=False)
+
+        def forward(self, tokens):
+            h = self.tok_embeddings(tokens)
+            for layer in self.layers.values():
+                h = layer(h, self.freqs_cis)
+            return self.output(self.norm(h))
+
+    mesh = init_device_mesh("cpu", (world,))
+
+    def build():
+        torch.manual_seed(0)
+        model = Transformer()
+        parallelize_module(model, mesh, {
+            "tok_embeddings": ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)})
+        for block in model.layers.values():
+            parallelize_module(block, mesh, {
+                "attention_norm": SequenceParallel(),
+                "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+                "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
+                "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+                "ffn_norm": SequenceParallel(),
+                "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                "feed_forward.w1": ColwiseParallel(), "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+                "feed_forward.w3": ColwiseParallel()})
+        return model, torch.optim.SGD(model.parameters(), lr=0.1)
+    runs = [build(), build()]
+    for name, block in runs[1][0].layers.named_children():
+        runs[1][0].layers.register_module(name, torch.compile(block, backend="commfuse", fullgraph=True))
+    losses = []
+    for step in range(steps):
+        torch.manual_seed(step)
+        tokens, labels = torch.randint(0, vocab, (2, seq)), torch.randint(0, vocab, (2, seq))
+        for model, opt in runs:
+            with loss_parallel():
+                loss = F.cross_entropy(model(tokens).flatten(0, 1), labels.flatten())
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.full_tensor().item())
+    from commfuse import backend
+    return losses, [s["cache"] for s in backend.summaries]
+
+
+def test_torchtitan_blocks_compiled_one_by_one_match_eager(tmp_path, monkeypatch):
+    """Identical blocks compiled one by one, from fresh cache folders with both caches on (the
+    defaults): every step matches eager. Dynamo runs the later blocks on the first one's graphs."""
+    monkeypatch.setenv("COMMFUSE_CACHE_DIR", str(tmp_path / "commfuse"))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    for losses, caches in run_ranks(_titan_blocks, RANKS):
+        torch.testing.assert_close(losses[1::2], losses[0::2], atol=1e-5, rtol=1e-5)
+        assert caches == [None, None], caches  # one forward, one backward, compiled for all blocks
+
+
+def _titan_steps(rank, world, steps=2):
+    """torchtitan's way (bench/llama.py titan_llama): each layer compiled on its own, the loss
+    vocabulary-parallel under loss_parallel() in eager, AdamW steps. On 2 ranks TP alone; on 4 a
+    2x2 mesh (FSDP2 over dp, TP over tp). Losses and updated weights against the same model and
+    plan run eagerly (the same seed, init and data); returns what differs, and the graphs."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import loss_parallel
+    from bench.llama import titan_llama
+    from commfuse import backend
+    mesh = init_device_mesh(device().type, (world // 2, 2), mesh_dim_names=("dp", "tp"))
+    dp = mesh["dp"] if world > 2 else None
+    eager, compiled = (titan_llama(CFG, device(), mesh["tp"], dp) for _ in range(2))
+    before = len(backend.summaries)
+    for layer in compiled.layers:
+        layer.compile(backend="commfuse")
+    optims = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (eager, compiled)]
+    torch.manual_seed(1 + mesh["dp"].get_local_rank())  # one batch per TP group
+    bad = {}
+    for step in range(steps):
+        tokens, targets = (torch.randint(0, CFG.vocab, (2, 8), device=device()) for _ in range(2))
+        losses = []
+        for model, opt in zip((eager, compiled), optims):
+            opt.zero_grad()
+            with loss_parallel():
+                loss = F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
+                loss.backward()
+            opt.step()
+            losses.append(_local(loss))
+        bad[f"loss {step}"] = _mismatch(losses[1], losses[0])
+    for (name, p), q in zip(compiled.named_parameters(), eager.parameters()):
+        bad[name] = _mismatch(_local(p), _local(q), atol=1e-4, rtol=1e-4)
+    graphs = [(s["graph_id"], s["compiled"]) for s in backend.summaries[before:]]
+    dist.barrier()
+    return {k: v for k, v in bad.items() if v is not None}, graphs
+
+
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)], ids=["tp", "dp2xtp2"])
+def test_torchtitan_style_training_matches_eager(world):
+    """torchtitan's Llama 3 plan, hand-written (bench/torchtitan_llama.py runs torchtitan itself):
+    the identical layers share one compiled forward and backward (the graph cache hands the
+    second layer the first one's code), every graph compiles, and the losses and AdamW-updated
+    weights match eager."""
+    for bad, graphs in run_ranks(_titan_steps, world):
+        assert not bad, f"losses or weights differ from eager (max |diff|): {bad}"
+        assert [g.split("_")[1] for g, _ in graphs] == ["forward", "backward"], graphs
+        assert all(ok for _, ok in graphs), graphs
