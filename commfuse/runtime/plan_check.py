@@ -92,7 +92,8 @@ def check_plans_agree(graph_id: str, pools: dict, buffers: list, groups: dict, p
                                    f"(group {group_name}): {_first_difference(me, mine, r, theirs)}. The ranks "
                                    "compiled different programs: a rank-dependent branch, or a config (options=, "
                                    "config.patch, COMMFUSE_* environment) or comm.table set on some ranks only; "
-                                   "the ranks' dumps (dump_dir) show both")
+                                   "the ranks' dumps (dump_dir) show both, and `python -m commfuse.diff DUMP_DIR` "
+                                   "compares them")
 
 
 def _wait(store, prefix: str, ranks: list, timeout_s: float, what: str) -> None:
