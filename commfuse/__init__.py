@@ -70,3 +70,7 @@ def _register() -> None:
 
 
 _register()
+
+from . import dump as _dump  # noqa: E402
+
+_dump.register_torch_logging()  # TORCH_LOGS="+commfuse", "output_code" (torch reads it at its import)

@@ -239,20 +239,25 @@ def _cached(gm, example_inputs, graph_id, kind, donated, saved):
         log.warning("commfuse: graph %s: no cache key (%s: %s); compiling it", graph_id, type(e).__name__, e)
         return None, None, None, f"no key: {type(e).__name__}: {e}"
     key = graph_cache.digest(description)
-    gen = graph_cache.lookup(key, description, gm, graph_id, need_ir=bool(config.dump_dir))
+    gen = graph_cache.lookup(key, description, gm, graph_id, need_ir=dump.ir_wanted())
     return key, description, gen, None
 
 
 def _generate(gm, example_inputs, graph_id, kind, donated, saved) -> graph_cache.Generated:
     """Lower, schedule and generate the module's source: what a cache hit skips."""
+    t = [time.time()]
     with graph_cache.recording_messages() as messages, choices.install():
         graph = GraphLowering(gm, example_inputs, graph_id, donated, saved, kind).run()
         with V.set_graph(graph):
-            pre_fusion = "\n".join(str(b) for b in graph.buffers) if config.dump_dir else ""  # printing costs
+            want_ir = dump.ir_wanted()  # printing costs
+            pre_fusion = "\n".join(str(b) for b in graph.buffers) if want_ir else ""
+            t.append(time.time())
             sched = Scheduler(graph)
+            t.append(time.time())
             wrapper = WrapperCodegen(graph, sched)
             source = wrapper.generate()
-            post_fusion = sched.debug_str() if config.dump_dir else ""
+            post_fusion = sched.debug_str() if want_ir else ""
+            t.append(time.time())
     summary = {
         "compiled": True,
         "kernels": wrapper.kernel_info,
@@ -278,5 +283,8 @@ def _generate(gm, example_inputs, graph_id, kind, donated, saved) -> graph_cache
                            for o in graph.graph_outputs] if saved else None,
     }
     computed = {b.get_device().type for b in graph.buffers if isinstance(b, ir.ComputedBuffer)}
-    return graph_cache.Generated(graph_id, source, wrapper.constants, summary, set(graph.device_types),
-                                 computed, pre_fusion, post_fusion, messages)
+    gen = graph_cache.Generated(graph_id, source, wrapper.constants, summary, set(graph.device_types),
+                                computed, pre_fusion, post_fusion, messages)
+    gen.stats = {"nodes": len(gm.graph.nodes), "seconds": dict(zip(("lowering", "scheduling", "codegen"), map(
+        float.__sub__, t[1:], t)))}  # for the progress line (compiled.py), not the cache key
+    return gen

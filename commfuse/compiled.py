@@ -28,7 +28,7 @@ from torch._functorch._aot_autograd.autograd_cache import (BypassAOTAutogradCach
 from torch._functorch.aot_autograd import SerializableAOTDispatchCompiler
 from torch._inductor.output_code import OutputCode
 
-from . import choices, config, graph_cache
+from . import choices, config, dump, graph_cache
 from .runtime import precompile
 from .runtime.cudagraphs import CudaGraphed
 from .runtime.loader import check_triton_mode, load_module
@@ -72,6 +72,10 @@ class CompiledGraph(OutputCode):
                         "cache_hit": cache is not None, "cache": cache, "cache_key": self.cache_key,
                         **({"cache_skipped": skipped} if skipped else {})}
         summaries.append(self.summary)
+        dump.publish(gen.graph_id, gen.source, gen.pre_fusion, gen.post_fusion, self.summary)
+        stats = getattr(gen, "stats", {})  # compiled here: the stages' seconds; the rest is rewrites, key, load
+        stages = {} if cache else {**stats.get("seconds", {}), "other": seconds - sum(stats.get("seconds", {}).values())}
+        dump.progress(gen.graph_id, self.summary, stats.get("nodes"), stages, cache)
         if config.debug:
             log.warning("commfuse: %s %s: %d kernels, %d extern calls (not lowered: %s) -> %s", gen.graph_id,
                         f"loaded from the {cache} cache" if cache else "compiled", len(gen.summary["kernels"]),
