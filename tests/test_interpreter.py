@@ -168,3 +168,17 @@ def test_combined_reductions_match_eager(tmp_path, op):
         torch.testing.assert_close(out.double(), fn(x.double()), rtol=1e-5, atol=0, equal_nan=True)
     else:
         torch.testing.assert_close(out, fn(x), equal_nan=True)
+
+
+def test_ieee_values_without_numpy_warnings(tmp_path):
+    """What eager computes without a word (log(0) = -inf, x / 0, 0 / 0), and lanes past the mask or
+    in a where() branch not taken (Kahan's expm1 at 0 divides 0 / 0), warn from numpy in the
+    interpreter unless launches run in IEEE arithmetic quietly."""
+    x = torch.tensor([0.0, 1e-3, -2.0, 3.0, 0.0, 5.0, 7.0])
+    fn = lambda x: (torch.expm1(x), torch.log(x), x / x, (x / 0.0).amax())  # noqa: E731
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out, _ = compile_and_run(fn, x, tmp_path=tmp_path)
+    assert not [w for w in caught if issubclass(w.category, RuntimeWarning)], [str(w.message) for w in caught]
+    for got, want in zip(out, fn(x)):
+        torch.testing.assert_close(got, want, equal_nan=True)
