@@ -49,7 +49,8 @@ def measure(sizes, dtype=torch.bfloat16) -> list[dict]:
     pool = SymmPool(group.group_name, dev, max(sizes))
     ks = kernels(world, dtype)
     rows = []
-    for nbytes in sizes:
+    for i, nbytes in enumerate(sizes):
+        progress(f"all-reduce alone, size {i + 1}/{len(sizes)}: {nbytes} B, {len(ks) + 1} algorithms")
         numel = nbytes // dtype.itemsize
         out = torch.empty(numel, dtype=dtype, device=dev)
         plain = torch.randn(numel, dtype=dtype, device=dev)
@@ -65,6 +66,12 @@ def measure(sizes, dtype=torch.bfloat16) -> list[dict]:
         row["c10d"] = cuda_graph_time_us(lambda: dist.all_reduce(plain))
         rows.append(row)
     return rows
+
+
+def progress(what: str) -> None:
+    """One line on rank 0 per step of the grid: the whole run takes minutes."""
+    if dist.get_rank() == 0:
+        print(f"commfuse.tune: {what}", file=sys.stderr, flush=True)
 
 
 def rms_norm(x, w, eps=1e-6):
@@ -97,6 +104,9 @@ def measure_fused(rows_grid, hiddens, dtype=torch.bfloat16, k=16) -> list[dict]:
             def fn(x, res, produce=produce):
                 return step(produce(x), res)
             for rows in rows_grid:
+                done = len(out) + 1
+                progress(f"all-reduce + RMSNorm, case {done}/{len(hiddens) * 2 * len(rows_grid)}: {rows} rows x "
+                         f"{hidden * dtype.itemsize} B, {'pointwise' if prologue else 'matmul'} producer (compiles each algorithm)")
                 x = torch.randn(rows, width, dtype=dtype, device=dev)
                 res = torch.randn(rows, hidden, dtype=dtype, device=dev)
                 want = fn(x, res)
@@ -129,10 +139,11 @@ def main(argv=None):
                     help="row lengths of the fused grid (comma-separated; empty: skip it)")
     args = ap.parse_args(argv)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if not torch.cuda.is_available() or local_rank >= torch.cuda.device_count():
-        ap.error("the tuner times CUDA kernels over NVLink: run it with torchrun, one process per GPU "
-                 f"(this process is local rank {local_rank}; CUDA GPUs visible: "
-                 f"{torch.cuda.device_count() if torch.cuda.is_available() else 0})")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if local_rank >= gpus:
+        ap.error(f"the tuner times CUDA kernels over NVLink and needs CUDA GPUs, one per process: this "
+                 f"process is local rank {local_rank} and sees {gpus} (on a CPU there is nothing to tune: "
+                 "the interpreter's timings mean nothing, and the built-in thresholds apply)")
     if "WORLD_SIZE" not in os.environ:
         ap.error("run it under torchrun: torchrun --nproc-per-node N -m commfuse.tune --out TABLE.json")
     torch.cuda.set_device(local_rank)

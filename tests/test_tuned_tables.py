@@ -70,10 +70,17 @@ def test_shipped_tables_are_complete():
 
 
 def test_tuner_outside_torchrun_says_how_to_run_it(tmp_path, capsys, monkeypatch):
+    """With GPUs: run it under torchrun. On a CPU, under torchrun or not: it needs CUDA GPUs."""
     import pytest
+    import torch
     from commfuse import tune
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    with pytest.raises(SystemExit) as e:
-        tune.main(["--out", str(tmp_path / "t.json")])
-    assert e.value.code == 2 and "torchrun" in capsys.readouterr().err
+    for world in (None, "2") if not torch.cuda.is_available() else (None,):
+        if world:
+            monkeypatch.setenv("WORLD_SIZE", world)
+        with pytest.raises(SystemExit) as e:
+            tune.main(["--out", str(tmp_path / "t.json")])
+        err = capsys.readouterr().err
+        assert e.value.code == 2, err
+        assert ("torchrun" in err) if torch.cuda.is_available() else ("needs CUDA GPUs" in err and "torchrun" not in err)
     assert not (tmp_path / "t.json").exists()
