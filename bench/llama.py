@@ -54,7 +54,9 @@ def repeat_kv(x, n):
 
 class Attention(nn.Module):
     """After parallelize_module the projections hold this rank's heads (n_heads / world query
-    heads, n_kv_heads / world K/V heads), and so does the KV cache."""
+    heads, n_kv_heads / world K/V heads), and so does the KV cache. `attend` is SDPA, or what
+    a parallelization wraps it in (titan_llama: local_map over DTensor heads)."""
+    attend = staticmethod(F.scaled_dot_product_attention)
 
     def __init__(self, cfg: Config, world: int):
         super().__init__()
@@ -79,7 +81,7 @@ class Attention(nn.Module):
             self.cache_v.index_copy_(2, pos, v)
             k, v = self.cache_k, self.cache_v
             mask, causal = torch.arange(k.shape[2], device=x.device)[None, :] <= pos[:, None], False
-        y = F.scaled_dot_product_attention(q, repeat_kv(k, self.group), repeat_kv(v, self.group),
+        y = self.attend(q, repeat_kv(k, self.group), repeat_kv(v, self.group),
                                            attn_mask=mask, is_causal=causal)
         return self.wo(y.transpose(1, 2).reshape(b, s, -1))
 
@@ -172,6 +174,41 @@ def tp_llama(cfg: Config, world: int, device, dtype=torch.float32, seed=0, seque
     for layer in model.layers:
         parallelize_module(layer, mesh, plan)
     return model
+
+
+def titan_llama(cfg: Config, device, tp, dp=None, dtype=torch.float32, seed=0) -> Llama:
+    """`llama` parallelized as torchtitan's Llama 3 (its DTensor plan): sequence-parallel norms,
+    PrepareModuleInput around attention and feed-forward, q/k/v column-parallel with DTensor
+    outputs (use_local_output=False: RoPE on DTensors, the rotary tables made Replicate) and SDPA
+    on each rank's heads through local_map, row-parallel o/down reduce-scattered to the sequence
+    shards, the head's logits left vocabulary-sharded for loss_parallel(). The residual stream
+    stays a sequence-sharded DTensor between the layers. `tp` is the TP mesh;
+    with `dp` (a data-parallel mesh), FSDP2 on each layer and then the root. Compile per block."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.experimental import local_map
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+    model = llama(cfg, 1, device, dtype, seed)
+    parallelize_module(model, tp, {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)})
+    heads = local_map(F.scaled_dot_product_attention, out_placements=[Shard(1)], in_placements=([Shard(1)],) * 3,
+                      device_mesh=tp)
+    cols, rows = ColwiseParallel(use_local_output=False), RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
+    plan = {"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(input_layouts=(Shard(1), Replicate(), Replicate(), None),
+                                            desired_input_layouts=(Replicate(), Replicate(), Replicate(), None)),
+            "attention.wq": cols, "attention.wk": cols, "attention.wv": cols, "attention.wo": rows,
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(), "feed_forward.w2": rows}
+    for layer in model.layers:
+        parallelize_module(layer, tp, plan)
+        layer.attention.attend = heads
+        if dp is not None:
+            fully_shard(layer, mesh=dp)
+    return model if dp is None else fully_shard(model, mesh=dp)
 
 
 def fsdp_llama(cfg: Config, device, dtype=torch.float32, seed=0) -> Llama:

@@ -421,10 +421,11 @@ def _titan_steps(rank, world, steps=2):
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)], ids=["tp", "dp2xtp2"])
 def test_torchtitan_style_training_matches_eager(world):
     """torchtitan's Llama 3 plan, hand-written (bench/torchtitan_llama.py runs torchtitan itself):
-    the identical layers share one compiled forward and backward (the graph cache hands the
-    second layer the first one's code), every graph compiles, and the losses and AdamW-updated
-    weights match eager."""
+    every graph compiles, and the losses and AdamW-updated weights match eager. The first layer's
+    input comes from the embedding's async reduce-scatter and the second's does not, so Dynamo
+    traces the layer twice: two identical aten graphs whose inputs differ in tensor subclass
+    (a graph-cache hit must not hand the second the first one's subclass wrappers)."""
     for bad, graphs in run_ranks(_titan_steps, world):
         assert not bad, f"losses or weights differ from eager (max |diff|): {bad}"
-        assert [g.split("_")[1] for g, _ in graphs] == ["forward", "backward"], graphs
+        assert {g.split("_")[1] for g, _ in graphs} == {"forward", "backward"}, graphs
         assert all(ok for _, ok in graphs), graphs
