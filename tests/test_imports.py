@@ -23,7 +23,7 @@ PACKAGES = {"commfuse": "commfuse", "lowering": "commfuse.lowering", "codegen": 
 LAYERS = [
     ("entry", ["commfuse", "commfuse.backend", "commfuse.compiled", "commfuse.graph", "commfuse.graph_cache", "commfuse.attention",
                "commfuse.reinplace", "commfuse.one_hot", "commfuse.comm_sums", "commfuse.host_scalars", "commfuse.fx_rewrite", "commfuse.dtensor_params",
-               "commfuse.decompositions", "commfuse.dump", "commfuse.tune"]),
+               "commfuse.decompositions", "commfuse.diff", "commfuse.dump", "commfuse.tune"]),
     ("lowering", ["commfuse.lowering", "commfuse.lowering.*"]),
     ("codegen", ["commfuse.codegen", "commfuse.codegen.wrapper", "commfuse.codegen.triton", "commfuse.codegen.matmul"]),
     ("scheduling", ["commfuse.scheduler", "commfuse.loop_order", "commfuse.remat", "commfuse.mix_order", "commfuse.memory",
