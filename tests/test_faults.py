@@ -312,8 +312,6 @@ def test_unwritable_cache_folder_warns_once_and_compiles(tmp_path):
     assert len(named) == 1, [str(w.message) for w in caught]
 
 
-@pytest.mark.xfail(strict=False, reason="issue 37 item 7: two threads calling one compiled function can raise in "
-                   "Triton's interpreter (another change); a race, so not strict")
 def test_concurrent_threads():
     fn = torch.compile(lambda x: torch.softmax(x * 2, -1) + 1, backend="commfuse")
     xs = [torch.randn(16, 64) for _ in range(4)]

@@ -10,7 +10,6 @@ collectives. A rank that never arrives (it took a branch with no collective) is 
 """
 from __future__ import annotations
 
-import datetime
 import json
 import re
 import time
@@ -99,26 +98,26 @@ def check_plans_agree(graph_id: str, pools: dict, buffers: list, groups: dict, p
 def _wait(store, prefix: str, ranks: list, timeout_s: float, what: str) -> None:
     """Every rank's key under `prefix`, in `timeout_s`; a rank whose process is gone (on this host)
     or a store gone (it lived in a rank that exited) ends the wait at once."""
-    end = time.monotonic() + timeout_s
-    while True:
+    end, keys, pause = time.monotonic() + timeout_s, [f"{prefix}/{r}" for r in ranks], 0.001
+    while True:  # polled with check(), not wait(): a wait that times out logs a c10d warning each time
         try:
-            store.wait([f"{prefix}/{r}" for r in ranks], datetime.timedelta(seconds=min(0.5, max(end - time.monotonic(), 0.01))))
-            return
-        except Exception as e:
-            try:
-                missing = [r for r in ranks if not store.check([f"{prefix}/{r}"])]
-                gone = [r for r in missing if store.check([f"commfuse/proc/{r}"])
-                        and proc_gone(store.get(f"commfuse/proc/{r}").decode())]
-            except Exception as lost:  # the store's host (rank 0, or the launcher) is gone
-                raise PeerError(f"commfuse: the c10d store is gone while waiting at {what} ({lost}): the rank "
-                                "or launcher that hosted it exited", [0]) from e
-            if gone:
-                raise PeerError(f"commfuse: rank(s) {gone} exited before reaching {what}", gone) from e
-            if time.monotonic() > end:
-                raise PeerError(
-                    f"commfuse: rank(s) {missing} did not reach {what} within {timeout_s}s "
-                    "(comm.plan_check_timeout_s): the ranks are running different programs (e.g. a "
-                    "rank-dependent branch), or a rank hangs", missing) from e
+            if store.check(keys):
+                return
+            missing = [r for r in ranks if not store.check([f"{prefix}/{r}"])]
+            gone = [r for r in missing if store.check([f"commfuse/proc/{r}"])
+                    and proc_gone(store.get(f"commfuse/proc/{r}").decode())]
+        except Exception as lost:  # the store's host (rank 0, or the launcher) is gone
+            raise PeerError(f"commfuse: the c10d store is gone while waiting at {what} ({lost}): the rank "
+                            "or launcher that hosted it exited", [0]) from lost
+        if gone:
+            raise PeerError(f"commfuse: rank(s) {gone} exited before reaching {what}", gone)
+        if time.monotonic() > end:
+            raise PeerError(
+                f"commfuse: rank(s) {missing} did not reach {what} within {timeout_s}s "
+                "(comm.plan_check_timeout_s): the ranks are running different programs (e.g. a "
+                "rank-dependent branch), or a rank hangs", missing)
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
 
 
 def _collectives(plan: str) -> dict:

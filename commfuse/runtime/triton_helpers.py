@@ -251,23 +251,30 @@ if not interpreting():
 # signalled, then exited, has not failed) it records why in the header and returns -1, and the
 # kernel leaves its barriers without waiting. The device never hangs and never traps (a trap
 # loses the CUDA context and cannot say which rank); the host reads the record and raises.
+BARRIER_GRACE_NS = tl.constexpr(100_000)  # ns
+
+
 @triton.jit
 def barrier_deadline(deadline, header, peer_header, waiting):
     missing = waiting >= 0
     now = clock_ns()
+    timeout = tl.load(header).to(tl.int64) * 1000000
     if deadline == 0:
-        deadline = now + tl.load(header).to(tl.int64) * 1000000
-    state = tl.load(peer_header + 3, missing, other=0, volatile=True)
-    pids = tl.load(peer_header + 1, missing, other=0, volatile=True)
-    gone = (tl.max(state, 0) != 0) | peer_pids_gone(pids, tl.load(peer_header + 2, missing, other=0, volatile=True))
-    if gone | (tl.load(header + 4, volatile=True) != 0) | (now > deadline):
-        if deadline == 1:
-            tl.atomic_cas(header + 4, 0, tl.where(gone, 2, 1))
-            bit = tl.full(waiting.shape, 1, tl.int32) << tl.minimum(tl.maximum(waiting, 0), 30)
-            tl.atomic_or(header + 5, tl.sum(tl.where(missing & (waiting < 31), bit, 0)))  # ranks 0-30
-            deadline = tl.full([], -1, tl.int64)
-        else:
-            deadline = tl.full([], 1, tl.int64)  # one more poll, then give up
+        deadline = now + timeout
+    # The peers' headers are remote reads (a microsecond each over NVLink): a barrier looks at them
+    # only once it has waited BARRIER_GRACE_NS, so an ordinary wait polls as fast as it can.
+    if now - (deadline - timeout) > BARRIER_GRACE_NS:
+        state = tl.load(peer_header + 3, missing, other=0, volatile=True)
+        pids = tl.load(peer_header + 1, missing, other=0, volatile=True)
+        gone = (tl.max(state, 0) != 0) | peer_pids_gone(pids, tl.load(peer_header + 2, missing, other=0, volatile=True))
+        if gone | (tl.load(header + 4, volatile=True) != 0) | (now > deadline):
+            if deadline == 1:
+                tl.atomic_cas(header + 4, 0, tl.where(gone, 2, 1))
+                bit = tl.full(waiting.shape, 1, tl.int32) << tl.minimum(tl.maximum(waiting, 0), 30)
+                tl.atomic_or(header + 5, tl.sum(tl.where(missing & (waiting < 31), bit, 0)))  # ranks 0-30
+                deadline = tl.full([], -1, tl.int64)
+            else:
+                deadline = tl.full([], 1, tl.int64)  # one more poll, then give up
     return deadline
 
 
