@@ -95,13 +95,14 @@ def _moe_dispatch(rank, world):
         got = funcol.all_to_all_single(x[order] * 2, recv_splits, send_splits, g)
         return (got.sin() + 1).sum(0), got.shape[0]
 
+    from tests.dist_utils import device
     torch.manual_seed(0)
-    router = torch.nn.Linear(8, experts)
+    router = torch.nn.Linear(8, experts).to(device())
     fn = torch.compile(dispatch, backend="commfuse", options={"fallback_on_error": False})
     results = []
     for step in range(3):  # different routings, different splits
         torch.manual_seed(10 * step + rank)
-        x = torch.randn(6 + 3 * rank + step, 8)
+        x = torch.randn(6 + 3 * rank + step, 8, device=device())
         out, n = fn(x, router)
         ref, n_ref = dispatch(x, router)
         assert n == n_ref, (n, n_ref)

@@ -20,10 +20,12 @@ def _program(rank, world, diverge=False):
     With `diverge`, rank 1 takes another branch: its all-reduce covers half the columns."""
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
+    from tests.dist_utils import device
     torch.manual_seed(0)
-    emb, w = torch.randn(10, 16, requires_grad=True), torch.randn(16, 32, requires_grad=True)
-    norm_w = torch.randn(32, requires_grad=True)
-    idx, res = torch.tensor([1, 3, 3, 7, 0, 9, 2, 2]), torch.randn(8, 32)
+    dev = device()  # NCCL ranks on GPUs, gloo on CPU
+    emb, w = torch.randn(10, 16, device=dev, requires_grad=True), torch.randn(16, 32, device=dev, requires_grad=True)
+    norm_w = torch.randn(32, device=dev, requires_grad=True)
+    idx, res = torch.tensor([1, 3, 3, 7, 0, 9, 2, 2], device=dev), torch.randn(8, 32, device=dev)
 
     def step(idx, res):
         h = torch.relu(emb[idx]) @ w
