@@ -251,13 +251,16 @@ if not interpreting():
 # signalled, then exited, has not failed) it records why in the header and returns -1, and the
 # kernel leaves its barriers without waiting. The device never hangs and never traps (a trap
 # loses the CUDA context and cannot say which rank); the host reads the record and raises.
+# Every branch here is taken by all of the program's threads together: the values it tests (the
+# clock, the own and the peers' headers) are reduced over the program first. A warp that left the
+# loop before the others would pair its reductions' barriers with theirs: wrong values, or a hang.
 BARRIER_GRACE_NS = tl.constexpr(100_000)  # ns
 
 
 @triton.jit
 def barrier_deadline(deadline, header, peer_header, waiting):
     missing = waiting >= 0
-    now = clock_ns()
+    now = clock_ns(waiting)
     timeout = tl.load(header).to(tl.int64) * 1000000
     if deadline == 0:
         deadline = now + timeout
@@ -267,7 +270,8 @@ def barrier_deadline(deadline, header, peer_header, waiting):
         state = tl.load(peer_header + 3, missing, other=0, volatile=True)
         pids = tl.load(peer_header + 1, missing, other=0, volatile=True)
         gone = (tl.max(state, 0) != 0) | peer_pids_gone(pids, tl.load(peer_header + 2, missing, other=0, volatile=True))
-        if gone | (tl.load(header + 4, volatile=True) != 0) | (now > deadline):
+        failed = tl.max(tl.load(header + 4 + 0 * waiting, volatile=True), 0) != 0  # an earlier barrier gave up
+        if gone | failed | (now > deadline):
             if deadline == 1:
                 tl.atomic_cas(header + 4, 0, tl.where(gone, 2, 1))
                 bit = tl.full(waiting.shape, 1, tl.int32) << tl.minimum(tl.maximum(waiting, 0), 30)
@@ -279,7 +283,7 @@ def barrier_deadline(deadline, header, peer_header, waiting):
 
 
 if interpreting():
-    def clock_ns():
+    def clock_ns(lanes):
         import time
         time.sleep(0.0005)  # only while waiting: leave the CPU to the peer being waited for
         return tl.full([], time.monotonic_ns(), tl.int64)
@@ -289,8 +293,9 @@ if interpreting():
         return tl.full([], any_pid_gone(pids.handle.data.ravel(), namespaces.handle.data.ravel()), tl.int1)
 else:
     @triton.jit
-    def clock_ns():
-        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+    def clock_ns(lanes):  # each thread reads its own clock; their max is the program's
+        return tl.max(tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [lanes], dtype=tl.int64,
+                                                is_pure=False, pack=1), 0)
 
     @triton.jit
     def peer_pids_gone(pids, namespaces):  # a GPU cannot see processes: the exit handlers' state only
