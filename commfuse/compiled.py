@@ -239,7 +239,8 @@ def aot_caching(gm: torch.fx.GraphModule, example_inputs):
                 check_cacheable(gm)
         # the cache folder too: a new one starts afresh
         tag = on and graph_cache.digest(json.dumps([graph_cache.cache_dir(), graph_cache.context(example_inputs),
-                                                    closures, _meshes(example_inputs)], sort_keys=True))
+                                                    closures, _meshes(example_inputs),
+                                                    [_subclasses(x) for x in example_inputs]], sort_keys=True))
     except Exception as e:  # a graph or context either key cannot describe
         log.debug("commfuse: not in AOTAutograd's cache: %s: %s", type(e).__name__, e)
         tag = None
@@ -251,6 +252,17 @@ def aot_caching(gm: torch.fx.GraphModule, example_inputs):
             torch._inductor.config.patch(unsafe_marked_cacheable_functions=marked), \
             _meshes_pickled_without_their_hash():
         yield True
+
+
+def _subclasses(x):
+    """A tensor subclass input and, recursively, those of its inner tensors (None: a plain tensor or
+    not a tensor). AOTAutograd's key does not tell a DTensor over an AsyncCollectiveTensor (the
+    output of an async redistribute) from one over a plain tensor: the entry of one, found for the
+    other, unwrapped `.elem` of a plain tensor."""
+    if not torch.utils._python_dispatch.is_traceable_wrapper_subclass(x):
+        return None
+    inner, _ = x.__tensor_flatten__()
+    return [f"{type(x).__module__}.{type(x).__qualname__}", [_subclasses(getattr(x, a)) for a in inner]]
 
 
 def _meshes(example_inputs) -> list:
