@@ -111,7 +111,8 @@ class CompiledGraph(OutputCode):
                "its all-reduces meet the peers in symmetric memory" if hasattr(self.module, "_setup_comm") else
                "it came from AOTAutograd's cache, without its aten graph" if self.aten_gm is None else None)
         if why is not None:
-            e.add_note(f"{where}; not rerun through aten: {why}")
+            note = f"{where}; not rerun through aten: {why}"
+            e.add_note(note) if hasattr(e, "add_note") else log.error(note)  # Python 3.10 has no notes
             return None
         strides = self.gen.summary.get("output_strides")
 
