@@ -23,14 +23,14 @@ from commfuse.codegen.wrapper import WrapperCodegen
 
 from . import choices, config, dump, graph_cache, ir, sizevars
 from .compiled import AtenGraph, CompiledGraph, aot_caching, next_graph_id, serializable, summaries  # noqa: F401
-from .attention import contiguous_masks, use_sdpa_gqa
-from .comm_sums import all_reduce_sums
+from .passes.attention import contiguous_masks, use_sdpa_gqa
+from .passes.comm_sums import all_reduce_sums
 from .decompositions import decomposition_table
-from .dtensor_params import call_with_shards, local_shard_inputs
+from .passes.dtensor_params import call_with_shards, local_shard_inputs
 from .graph import GraphLowering
-from .host_scalars import scalars_to_device
-from .one_hot import sum_one_hot
-from .reinplace import reinplace_input_updates
+from .passes.host_scalars import scalars_to_device
+from .passes.one_hot import sum_one_hot
+from .passes.reinplace import reinplace_input_updates
 from .remat import cross_kernel_bytes
 from .runtime import precompile
 from .runtime.cudagraphs import input_roles

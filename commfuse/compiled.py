@@ -276,7 +276,7 @@ def _meshes(example_inputs) -> list:
 
 
 _DTENSOR_CLOSURES = ("torch._dynamo.variables.torch.prim from_local", "torch._dynamo.variables.tensor.prim_redistribute",
-                     "torch._dynamo.variables.tensor.prim_to_local", "commfuse.dtensor_params.from_local")
+                     "torch._dynamo.variables.tensor.prim_to_local", "commfuse.passes.dtensor_params.from_local")
 
 
 def _dtensor_closures(gm) -> dict:

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from commfuse.attention import contiguous_masks, use_sdpa_gqa
+from commfuse.passes.attention import contiguous_masks, use_sdpa_gqa
 from tests.common import DEVICE, compile_and_run, count
 
 

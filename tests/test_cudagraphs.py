@@ -7,8 +7,8 @@ from functorch.compile import make_boxed_func
 from torch._functorch.aot_autograd import aot_module_simplified
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from commfuse.host_scalars import scalars_to_device
-from commfuse.reinplace import reinplace_input_updates
+from commfuse.passes.host_scalars import scalars_to_device
+from commfuse.passes.reinplace import reinplace_input_updates
 from commfuse.runtime.cudagraphs import CudaGraphed, InputRoles, copy_out, input_roles, on_input, static_aliases
 
 aten = torch.ops.aten

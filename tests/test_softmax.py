@@ -109,7 +109,7 @@ def test_sum_of_one_hot_rewrite():
     """The rewrite on an FX graph: the sum goes, the one-hot product stays for its other reader;
     rows with an index and a scale are exact, keepdim or not."""
     from torch.fx.experimental.proxy_tensor import make_fx
-    from commfuse.one_hot import sum_one_hot
+    from commfuse.passes.one_hot import sum_one_hot
 
     def f(idx, scale):
         g = torch.zeros(4, 10).scatter(1, idx, -2.0) * scale

@@ -14,7 +14,7 @@ import contextlib
 import torch
 import torch.fx
 
-from . import config
+from .. import config
 from .fx_rewrite import finish
 
 aten, c10d = torch.ops.aten, torch.ops._c10d_functional
