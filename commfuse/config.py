@@ -109,6 +109,9 @@ class comm:
     table: str | None = None       # a `commfuse.tune` JSON table (None: the shipped one for this host)
     groups: list | None = None     # only these group names (None: all)
     sum_before_all_reduce = True   # all_reduce(a) + all_reduce(b) as all_reduce(a + b) (comm_sums.py)
+    bucketing = True               # merge small collectives of one group and dtype (passes/bucketing.py)
+    bucket_member_max_bytes = 1 << 20  # a collective up to this size may join a bucket
+    bucket_cap_bytes = 32 << 20    # the packed input of one bucket at most (all-reduce: also the one-shot limit)
     block = 1024                   # elements per program step of the comm kernels
     bulk_block = 4096              # ... once a message needs several steps per program
     max_programs = 128             # programs of a comm kernel (each owns a barrier slot)
@@ -135,6 +138,7 @@ _SPELLED = {bool: "bool (1/0, true/false, yes/no, on/off)", list: "a list (comma
 _RULES = (
     ("above 0", lambda v: v > 0, ("max_fusion_size", "persistent_reduction_max", "split_reduction_programs",
                                   "split_reduction_min", "comm.max_programs", "comm.persistent_reduction_max",
+                                  "comm.bucket_member_max_bytes", "comm.bucket_cap_bytes",
                                   "comm.plan_check_timeout_s", "comm.barrier_timeout_s")),
     ("0 or more", lambda v: v >= 0, ("realize_users_threshold", "realize_reads_threshold", "realize_opcount_threshold",
                                      "realize_acc_reads_threshold", "realize_acc_reads_size_threshold",

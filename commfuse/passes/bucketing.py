@@ -1,0 +1,146 @@
+"""Small collectives of one kind, group and dtype, merged into one over a packed buffer.
+
+FSDP-style programs all-gather each parameter and reduce-scatter each gradient on their own; a
+small collective costs its latency, not its bytes, so N of them cost N latencies. A bucket packs its
+members' inputs into one flat buffer, runs one collective and gives each member its result back as
+views (an all-gather's gathered buffer holds rank r's packed chunk in row r, so member i is a column
+range of every row). The bucket is issued right after its last member's input is produced and
+waited before the first use of any member's result: members never read each other's results, and
+no bucket moves a collective across an op that may communicate or has side effects. Every rank
+compiles the same graph with this deterministic pass, so the collectives keep one order on all.
+"""
+from __future__ import annotations
+
+import bisect
+import operator
+
+import torch
+import torch.fx
+
+from .. import choices, config
+from .fx_rewrite import finish
+
+aten, c10d = torch.ops.aten, torch.ops._c10d_functional
+# op -> (kind, index of the group name, of the reduce op, of the group size) in its arguments
+_KINDS = {c10d.all_gather_into_tensor.default: ("all_gather", 2, None, 1),
+          c10d.reduce_scatter_tensor.default: ("reduce_scatter", 3, 1, 2),
+          c10d.all_reduce.default: ("all_reduce", 2, 1, None)}
+_PURE_NAMESPACES = ("aten", "prims", "_c10d_functional")
+
+
+def _barrier(node: torch.fx.Node) -> bool:
+    """An op that may communicate or has effects the compiler cannot see into: a custom or extern
+    op, a higher-order op (effect tokens, wrapped kernels), anything that mutates."""
+    t = node.target
+    if node.op != "call_function" or t is operator.getitem:
+        return False
+    if not isinstance(t, torch._ops.OpOverload):
+        return True
+    return t.namespace not in _PURE_NAMESPACES or t._schema.is_mutable
+
+
+def _candidate(node: torch.fx.Node, pos: dict, end: int):
+    """(key, input, bytes, first use of the result) for a collective that may join a bucket."""
+    kind = _KINDS.get(node.target)
+    if kind is None or node.kwargs or node.meta.get("bucket") or len(node.users) != 1:
+        return None
+    (wait,) = node.users
+    x = node.args[0]
+    v = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
+    if wait.target is not c10d.wait_tensor.default or not isinstance(v, torch.Tensor) \
+            or not all(isinstance(s, int) for s in v.shape) or not v.is_contiguous() or v.numel() == 0:
+        return None
+    name, g, op, w = kind
+    try:
+        world = node.args[w] if w else choices.group_size(str(node.args[g]))
+    except Exception:  # a group this process cannot resolve: left to the op itself
+        return None
+    if name == "reduce_scatter" and v.shape[0] % world:
+        return None
+    nbytes = v.numel() * v.element_size()
+    if nbytes > choices.current().bucket_member_max_bytes(name, world):
+        return None
+    key = (name, str(node.args[g]), node.args[op] if op else None, world, v.dtype, v.device)
+    return key, x, nbytes, min((pos[u] for u in wait.users), default=end)
+
+
+def _find_bucket(graph: torch.fx.Graph):
+    """The first bucket of two or more members, in graph order, or None."""
+    nodes = list(graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    barriers = [i for i, n in enumerate(nodes) if _barrier(n)]
+    last_input = max((i for i, n in enumerate(nodes) if n.op == "placeholder"), default=0)
+    policy, open_ = choices.current(), {}
+    for node in nodes:
+        c = _candidate(node, pos, len(nodes) - 1)
+        if c is None:
+            continue
+        key, x, nbytes, use = c
+        ready, b = max(pos[x], last_input), open_.get(key)
+        if b is not None:
+            start = max(b["start"], ready)  # where the merged collective goes
+            lo = min(start, pos[b["members"][0]])
+            fits = b["bytes"] + nbytes <= policy.bucket_cap_bytes(key[0], key[3], key[5])
+            crossed = bisect.bisect_right(barriers, lo) < bisect.bisect_left(barriers, max(pos[node], start))
+            if fits and not crossed and start < min(b["use"], use):
+                b["members"].append(node)
+                b.update(start=start, use=min(b["use"], use), bytes=b["bytes"] + nbytes)
+                continue
+            if len(b["members"]) > 1:
+                return b, nodes
+        open_[key] = {"key": key, "members": [node], "start": ready, "use": use, "bytes": nbytes}
+    full = [b for b in open_.values() if len(b["members"]) > 1]
+    return (min(full, key=lambda b: pos[b["members"][0]]), nodes) if full else None
+
+
+def _call(graph, target, *args):
+    """A node computing target(*args), with its fake value."""
+    node = graph.call_function(target, args)
+    vals = torch.fx.node.map_arg(args, lambda n: n.meta["val"])
+    mode = torch._guards.detect_fake_mode(torch.utils._pytree.tree_leaves(vals))
+    with mode:
+        node.meta["val"] = target(*vals)
+    return node
+
+
+def _merge(graph: torch.fx.Graph, bucket: dict, nodes: list) -> None:
+    name, _, _, world, _, _ = bucket["key"]
+    members = bucket["members"]
+    xs = [m.args[0] for m in members]
+    sizes = [x.meta["val"].numel() // (world if name == "reduce_scatter" else 1) for x in xs]
+    total, offsets = sum(sizes), [sum(sizes[:i]) for i in range(len(sizes))]
+    with graph.inserting_before(nodes[bucket["start"]].next):  # after the last member's input
+        if name == "reduce_scatter":  # rank r's share of every member, side by side
+            parts = [_call(graph, aten.view.default, x, [world, n]) for x, n in zip(xs, sizes)]
+            packed = _call(graph, aten.view.default, _call(graph, aten.cat.default, parts, 1), [world * total])
+        else:
+            packed = _call(graph, aten.cat.default, [_call(graph, aten.view.default, x, [-1]) for x in xs])
+        merged = _call(graph, members[0].target, packed, *members[0].args[1:])
+        merged.meta["bucket"] = len(members)
+    first_use = nodes[bucket["use"]]
+    with graph.inserting_before(first_use):  # waited before any member's result is read
+        done = _call(graph, c10d.wait_tensor.default, merged)
+        rows = _call(graph, aten.view.default, done, [world, total]) if name == "all_gather" else None
+        for m, n, off in zip(members, sizes, offsets):
+            shape = list(next(iter(m.users)).meta["val"].shape)
+            if rows is None:
+                out = _call(graph, aten.view.default, _call(graph, aten.slice.Tensor, done, 0, off, off + n), shape)
+            else:  # every rank's columns of this member, copied out in the gathered order
+                cols = _call(graph, aten.slice.Tensor, rows, 1, off, off + n)
+                out = _call(graph, aten.view.default, _call(graph, aten.clone.default, cols), shape)
+            (wait,) = m.users
+            wait.replace_all_uses_with(out)
+            graph.erase_node(wait)
+            graph.erase_node(m)
+
+
+def bucket_collectives(gm: torch.fx.GraphModule) -> int:
+    """Merge small collectives into buckets (`choices.bucket_*`); returns how many were merged
+    away. One bucket at a time, each found on the graph the previous one left."""
+    if not config.comm.bucketing:
+        return 0
+    changed = 0
+    while (found := _find_bucket(gm.graph)) is not None:
+        _merge(gm.graph, *found)
+        changed += len(found[0]["members"]) - 1
+    return finish(gm, changed)

@@ -1,0 +1,138 @@
+"""Small collectives of one group and dtype merge into one (commfuse/passes/bucketing.py).
+
+The rules (what merges, what never does) are checked on aten graphs traced in-process over a
+one-rank gloo group; one 2-rank spawn compiles forward and backward and checks the values."""
+import collections
+import glob
+import json
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from commfuse import config
+from commfuse.passes.bucketing import bucket_collectives
+from tests.dist_utils import run_ranks
+
+c10d = torch.ops._c10d_functional
+
+
+@torch.library.custom_op("cftest::side_effect", mutates_args=())
+def side_effect(x: torch.Tensor) -> torch.Tensor:  # an op the compiler cannot see into
+    return x + 1
+
+
+@side_effect.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+@pytest.fixture(scope="module")
+def group():
+    if dist.is_initialized():
+        pytest.skip("a process group is already up in this process")
+    with tempfile.TemporaryDirectory() as d:
+        dist.init_process_group("gloo", init_method=f"file://{d}/init", rank=0, world_size=1)
+        try:
+            yield dist.group.WORLD
+        finally:
+            dist.destroy_process_group()
+
+
+def _collectives(gm):
+    return collections.Counter(n.target.__name__.split(".")[0] for n in gm.graph.nodes
+                               if n.op == "call_function" and n.target in (
+                                   c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default,
+                                   c10d.all_reduce.default))
+
+
+def _bucketed(fn, *args, **patch):
+    gm = make_fx(fn, tracing_mode="fake")(*args)
+    before = _collectives(gm)
+    with config.patch(**patch):
+        bucket_collectives(gm)
+    gm.graph.lint()
+    return before, _collectives(gm), gm
+
+
+def test_small_collectives_merge_per_kind_group_and_op(group):
+    def f(a, b, c, h):
+        gathered = [funcol.all_gather_tensor(x * 2, 0, group) for x in (a, b)]
+        scattered = [funcol.reduce_scatter_tensor(x, "sum", 0, group) for x in (c, c * 3)]
+        summed = [funcol.all_reduce(x, "sum", group) for x in (a, b, c)]
+        other = [funcol.all_reduce(a, "max", group), funcol.all_reduce(h, "sum", group)]  # another op, dtype
+        return gathered, scattered, summed, other
+    args = torch.randn(4, 3), torch.randn(2, 5), torch.randn(6, 2), torch.randn(3, dtype=torch.float64)
+    before, after, gm = _bucketed(f, *args)
+    assert before == {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2, "all_reduce": 5}, before
+    assert after == {"all_gather_into_tensor": 1, "reduce_scatter_tensor": 1, "all_reduce": 3}, after
+    assert sum(n.target is c10d.wait_tensor.default for n in gm.graph.nodes) == 5
+    for got, want in zip(torch.utils._pytree.tree_leaves(gm(*args)), torch.utils._pytree.tree_leaves(f(*args))):
+        torch.testing.assert_close(got, want)
+    with config.patch({"comm.bucketing": False}):
+        assert bucket_collectives(gm := make_fx(f, tracing_mode="fake")(*args)) == 0
+
+
+def test_what_never_merges(group):
+    def chain(a, b):  # the second all-reduce's input is the first one's result
+        x = funcol.all_reduce(a, "sum", group)
+        return funcol.all_reduce(x * b, "sum", group)
+
+    def across(a, b):  # a side-effecting op between the two
+        x = funcol.all_reduce(a, "sum", group)
+        s = side_effect(b)
+        return x, s, funcol.all_reduce(b * 2, "sum", group)
+
+    def capped(a, b, c):  # 48 bytes each, a cap of 100 bytes: two fit
+        return [funcol.all_gather_tensor(x, 0, group) for x in (a, b, c)]
+    a, b, c = torch.randn(4, 3), torch.randn(4, 3), torch.randn(4, 3)
+    for fn, args, patch, want in ((chain, (a, b), {}, 2), (across, (a, b), {}, 2),
+                                  (capped, (a, b, c), {"comm.bucket_cap_bytes": 100}, 2),
+                                  (capped, (a, b, c), {"comm.bucket_member_max_bytes": 40}, 3),
+                                  (capped, (a, b, c), {}, 1)):
+        before, after, gm = _bucketed(fn, *args, **{k: v for k, v in patch.items()})
+        assert sum(after.values()) == want, (fn.__name__, patch, after, gm.code)
+        for got, ref in zip(torch.utils._pytree.tree_leaves(gm(*args)), torch.utils._pytree.tree_leaves(fn(*args))):
+            torch.testing.assert_close(got, ref)
+
+
+def _ranks(rank, world, dump_dir):
+    from commfuse import config
+    g = dist.group.WORLD
+    torch.manual_seed(0)
+    ws = [torch.randn(s, requires_grad=True) for s in ((3, 4), (5,), (2, 3, 2))]
+
+    def step(x):  # per-parameter all-gathers; their backward: per-gradient reduce-scatters
+        full = [funcol.all_gather_tensor_autograd(w, 0, g) for w in ws]
+        h = (x @ full[0].view(-1, 4)[:4].t()).sum(-1) * full[1][:x.shape[0]] + full[2].sum()
+        parts = [funcol.all_reduce(t, "sum", g) for t in (x.sum(0), x.amax(0))]
+        return h.pow(2).sum() + (parts[0] * parts[1]).sum()
+    x = torch.randn(5, 4) + rank
+    with config.patch(dump_dir=dump_dir):
+        loss = torch.compile(step, backend="commfuse", dynamic=False)(x)
+        loss.backward()
+    grads = [w.grad.clone() for w in ws]
+    for w in ws:
+        w.grad = None
+    ref = step(x)
+    ref.backward()
+    torch.testing.assert_close(loss, ref, rtol=1e-4, atol=1e-4)
+    for got, want in zip(grads, (w.grad for w in ws)):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    return True
+
+
+def test_bucketed_forward_and_backward_match_eager(tmp_path):
+    run_ranks(_ranks, 2, args=(str(tmp_path),))
+    plans = {}
+    for path in glob.glob(f"{tmp_path}/rank0/*/summary.json"):
+        kind = os.path.basename(os.path.dirname(path))
+        plans[kind] = collections.Counter(p["collective"] for p in json.load(open(path))["comm_plans"])
+    fw = next(v for k, v in plans.items() if "forward" in k)
+    bw = next(v for k, v in plans.items() if "backward" in k)
+    assert fw == {"all_gather_into_tensor": 1, "all_reduce": 1}, plans  # three and two, merged
+    assert bw == {"reduce_scatter_tensor": 1}, plans
