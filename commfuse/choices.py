@@ -411,18 +411,17 @@ class Choices:
             return f"cannot resolve group {request.group}: {e}"
         return ""
 
-    def bucket_member_max_bytes(self, kind: str, world: int) -> int:
-        """A collective up to this size is small: its latency, not its bytes, sets its time, and it
-        may join a bucket (passes/bucketing.py)."""
-        return config.comm.bucket_member_max_bytes
+    def bucket_member(self, request: CommRequest) -> bool:
+        """Whether a collective may join a bucket (passes/bucketing.py): a small one, whose latency,
+        not its bytes, sets its time. Not an all-reduce our kernels run: they fuse with its producer
+        and consumers, which a packed buffer would keep apart, and cost no launch of c10d's."""
+        if request.nbytes > config.comm.bucket_member_max_bytes:
+            return False
+        return request.collective != "all_reduce" or bool(self.comm_ineligible(request))
 
-    def bucket_cap_bytes(self, kind: str, world: int, device) -> int:
-        """The largest packed input of one bucket. An all-reduce bucket stays within the one-shot
-        threshold where our kernels run it, so merging never sends it to c10d."""
-        cap = config.comm.bucket_cap_bytes
-        if kind == "all_reduce" and config.comm.enabled and world > 1:
-            cap = min(cap, config.comm.one_shot_max_bytes.get(world, min(config.comm.one_shot_max_bytes.values())))
-        return cap
+    def bucket_cap_bytes(self, kind: str, world: int) -> int:
+        """The largest packed input of one bucket."""
+        return config.comm.bucket_cap_bytes
 
     def all_reduce_plan(self, request: CommRequest) -> CommPlan:
         """The algorithm of one all-reduce, and why: c10d where symmetric memory cannot run it, the

@@ -111,7 +111,7 @@ class comm:
     sum_before_all_reduce = True   # all_reduce(a) + all_reduce(b) as all_reduce(a + b) (comm_sums.py)
     bucketing = True               # merge small collectives of one group and dtype (passes/bucketing.py)
     bucket_member_max_bytes = 1 << 20  # a collective up to this size may join a bucket
-    bucket_cap_bytes = 32 << 20    # the packed input of one bucket at most (all-reduce: also the one-shot limit)
+    bucket_cap_bytes = 32 << 20    # the packed input of one bucket at most
     block = 1024                   # elements per program step of the comm kernels
     bulk_block = 4096              # ... once a message needs several steps per program
     max_programs = 128             # programs of a comm kernel (each owns a barrier slot)

@@ -18,6 +18,7 @@ import torch
 import torch.fx
 
 from .. import choices, config
+from ..collectives import CommRequest
 from .fx_rewrite import finish
 
 aten, c10d = torch.ops.aten, torch.ops._c10d_functional
@@ -51,17 +52,14 @@ def _candidate(node: torch.fx.Node, pos: dict, end: int):
             or not all(isinstance(s, int) for s in v.shape) or not v.is_contiguous() or v.numel() == 0:
         return None
     name, g, op, w = kind
-    try:
-        world = node.args[w] if w else choices.group_size(str(node.args[g]))
-    except Exception:  # a group this process cannot resolve: left to the op itself
-        return None
+    world = node.args[w] if w else 0
     if name == "reduce_scatter" and v.shape[0] % world:
         return None
-    nbytes = v.numel() * v.element_size()
-    if nbytes > choices.current().bucket_member_max_bytes(name, world):
+    request = CommRequest(name, node.args[op] if op else "", str(node.args[g]), v.dtype, v.device, tuple(v.shape))
+    if not choices.current().bucket_member(request):
         return None
     key = (name, str(node.args[g]), node.args[op] if op else None, world, v.dtype, v.device)
-    return key, x, nbytes, min((pos[u] for u in wait.users), default=end)
+    return key, x, request.nbytes, min((pos[u] for u in wait.users), default=end)
 
 
 def _find_bucket(graph: torch.fx.Graph):
@@ -80,7 +78,7 @@ def _find_bucket(graph: torch.fx.Graph):
         if b is not None:
             start = max(b["start"], ready)  # where the merged collective goes
             lo = min(start, pos[b["members"][0]])
-            fits = b["bytes"] + nbytes <= policy.bucket_cap_bytes(key[0], key[3], key[5])
+            fits = b["bytes"] + nbytes <= policy.bucket_cap_bytes(key[0], key[3])
             crossed = bisect.bisect_right(barriers, lo) < bisect.bisect_left(barriers, max(pos[node], start))
             if fits and not crossed and start < min(b["use"], use):
                 b["members"].append(node)
