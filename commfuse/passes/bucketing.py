@@ -27,17 +27,18 @@ _KINDS = {c10d.all_gather_into_tensor.default: ("all_gather", 2, None, 1),
           c10d.reduce_scatter_tensor.default: ("reduce_scatter", 3, 1, 2),
           c10d.all_reduce.default: ("all_reduce", 2, 1, None)}
 _PURE_NAMESPACES = ("aten", "prims", "_c10d_functional")
+_P2P = ("isend", "irecv", "batch_p2p_ops")  # functional, yet only the two peers order them
 
 
 def _barrier(node: torch.fx.Node) -> bool:
-    """An op that may communicate or has effects the compiler cannot see into: a custom or extern
-    op, a higher-order op (effect tokens, wrapped kernels), anything that mutates."""
+    """An op that may communicate or has effects the compiler cannot see into: send/recv, a custom
+    or extern op, a higher-order op (effect tokens, wrapped kernels), anything that mutates."""
     t = node.target
     if node.op != "call_function" or t is operator.getitem:
         return False
     if not isinstance(t, torch._ops.OpOverload):
         return True
-    return t.namespace not in _PURE_NAMESPACES or t._schema.is_mutable
+    return t.namespace not in _PURE_NAMESPACES or t._schema.is_mutable or t._opname in _P2P
 
 
 def _candidate(node: torch.fx.Node, pos: dict, end: int):
