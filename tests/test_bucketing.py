@@ -16,7 +16,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from commfuse import config
 from commfuse.passes.bucketing import bucket_collectives
-from tests.dist_utils import run_ranks
+from tests.dist_utils import device, run_ranks
 
 c10d = torch.ops._c10d_functional
 
@@ -116,7 +116,7 @@ def _per_parameter(rank, world, dump_dir):
     from commfuse import config
     g = dist.group.WORLD
     torch.manual_seed(0)
-    ws = [torch.randn(s, requires_grad=True) for s in ((3, 4), (5,), (2, 3, 2))]
+    ws = [torch.randn(s, device=device(), requires_grad=True) for s in ((3, 4), (5,), (2, 3, 2))]
 
     def step(x):  # per-parameter all-gathers; their backward: per-gradient reduce-scatters
         full = [funcol.all_gather_tensor_autograd(w, 0, g) for w in ws]
@@ -124,7 +124,7 @@ def _per_parameter(rank, world, dump_dir):
         # fp64: c10d's (our kernels' fp32 all-reduces fuse with their neighbours and stay apart)
         parts = [funcol.all_reduce(t.double(), "sum", g) for t in (x.sum(0), x.amax(0))]
         return h.pow(2).sum() + (parts[0] * parts[1]).sum()
-    x = torch.randn(5, 4) + rank
+    x = torch.randn(5, 4, device=device()) + rank
     with config.patch(dump_dir=dump_dir):
         loss = torch.compile(step, backend="commfuse", dynamic=False)(x)
         loss.backward()
@@ -142,14 +142,14 @@ def _simple_fsdp(rank, world, dump_dir):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
     from commfuse import config
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh(device().type, (world,))
 
     class Linear(torch.nn.Module):
         def __init__(self, i, o):
             super().__init__()
             torch.manual_seed(i * 100 + o)
-            self.w = torch.nn.Parameter(distribute_tensor(torch.randn(o, i) / i ** 0.5, mesh, [Shard(0)]))
-            self.b = torch.nn.Parameter(distribute_tensor(torch.randn(o) / 10, mesh, [Shard(0)]))
+            w, b = torch.randn(o, i, device=device()) / i ** 0.5, torch.randn(o, device=device()) / 10
+            self.w, self.b = (torch.nn.Parameter(distribute_tensor(t, mesh, [Shard(0)])) for t in (w, b))
 
         def forward(self, x):  # the gradients' reduce-scatters come from the Partial placement
             w, b = (p.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()]) for p in (self.w, self.b))
@@ -157,7 +157,7 @@ def _simple_fsdp(rank, world, dump_dir):
     eager, model = (torch.nn.Sequential(Linear(8, 16), torch.nn.ReLU(), Linear(16, 8)) for _ in range(2))
     compiled = torch.compile(model, backend="commfuse")
     torch.manual_seed(1 + rank)
-    x = torch.randn(4, 8)
+    x = torch.randn(4, 8, device=device())
     with config.patch(dump_dir=dump_dir):
         for _ in range(2):
             losses = [m(x).square().mean() for m in (compiled, eager)]
