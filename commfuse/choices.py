@@ -417,7 +417,7 @@ class Choices:
         and consumers, which a packed buffer would keep apart, and cost no launch of c10d's."""
         if request.nbytes > config.comm.bucket_member_max_bytes:
             return False
-        return request.collective != "all_reduce" or bool(self.comm_ineligible(request))
+        return request.collective != "all_reduce" or self.all_reduce_plan(request).algorithm.name == "c10d"
 
     def bucket_cap_bytes(self, kind: str, world: int) -> int:
         """The largest packed input of one bucket."""

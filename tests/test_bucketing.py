@@ -169,10 +169,15 @@ def _simple_fsdp(rank, world, dump_dir):
 
 
 def _ranks(rank, world, dump_dir):
+    from commfuse import choices
+    from commfuse.collectives import CommRequest
     _per_parameter(rank, world, f"{dump_dir}/per_parameter")
     torch._dynamo.reset()
     _simple_fsdp(rank, world, f"{dump_dir}/simple_fsdp")
-    return True
+    group = dist.group.WORLD.group_name  # an all-reduce our kernels run stays apart; c10d's may join
+    return [choices.current().bucket_member(CommRequest(kind, "sum", group, dtype, device(), (16,)))
+            for kind, dtype in (("all_reduce", torch.float32), ("all_reduce", torch.float64),
+                                ("reduce_scatter", torch.float32))]
 
 
 def _plans(root):
@@ -187,7 +192,7 @@ def test_bucketed_forward_and_backward_match_eager(tmp_path):
     """Three per-parameter all-gathers and two all-reduces in the forward, three reduce-scatters in
     the backward; a SimpleFSDP-style model's four parameters, gathered and their gradients
     reduce-scattered: one collective of each kind per graph."""
-    run_ranks(_ranks, 2, args=(str(tmp_path),))
+    assert run_ranks(_ranks, 2, args=(str(tmp_path),)) == [[False, True, True]] * 2
     plans = _plans(f"{tmp_path}/per_parameter")
     assert plans == {"forward": {"all_gather_into_tensor": 1, "all_reduce": 1},
                      "backward": {"reduce_scatter_tensor": 1}}, plans

@@ -128,7 +128,8 @@ def _c10d_in_place(rank, world, dump_dir):
     torch.manual_seed(0)
     x, w = torch.randn(8, 8, device=device()) + rank, torch.randn(8, 16, device=device())
     x0 = x.clone()
-    thresholds = {"comm.one_shot_max_bytes": {world: 0}, "comm.two_shot_max_bytes": {world: 0}}
+    thresholds = {"comm.one_shot_max_bytes": {world: 0}, "comm.two_shot_max_bytes": {world: 0},
+                  "comm.bucketing": False}  # each all-reduce on its own buffer
     with config.patch(dump_dir=dump_dir, **thresholds):  # every all-reduce through c10d
         outs = torch.compile(fn, backend="commfuse")(x, w)
     for o, r in zip(outs, fn(x0, w)):
