@@ -71,6 +71,10 @@ def test_small_collectives_merge_per_kind_group_and_op(group):
     assert before == {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2, "all_reduce": 5}, before
     assert after == {"all_gather_into_tensor": 1, "reduce_scatter_tensor": 1, "all_reduce": 3}, after
     assert sum(n.target is c10d.wait_tensor.default for n in gm.graph.nodes) == 5
+    nodes = list(gm.graph.nodes)
+    for n in nodes:  # a bucket starts right after its packed input, which its last member's input made
+        if n.meta.get("bucket"):
+            assert n.prev is n.args[0] and nodes.index(n.args[0]) < nodes.index(next(iter(n.users))), gm.code
     for got, want in zip(torch.utils._pytree.tree_leaves(gm(*args)), torch.utils._pytree.tree_leaves(f(*args))):
         torch.testing.assert_close(got, want)
     with config.patch({"comm.bucketing": False}):
