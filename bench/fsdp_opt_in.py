@@ -30,10 +30,21 @@ class Block(torch.nn.Module):
         return self.b(torch.relu(self.a(x)))
 
 
+class Model(torch.nn.Module):  # a class of the user's: Dynamo compiles no graph for a bare nn.Sequential
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([Block(8, 16), Block(16, 8)])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
 def model(device):
     torch.manual_seed(0)
-    m = torch.nn.Sequential(Block(8, 16), Block(16, 8)).to(device)
-    for block in m:
+    m = Model().to(device)
+    for block in m.blocks:
         fully_shard(block)
     return fully_shard(m)
 
@@ -47,7 +58,7 @@ def run(variant, backend, device):
         torch._dynamo.config.skip_fsdp_hooks = False
         step_model = torch.compile(m, backend=backend)
     else:
-        for block in m:
+        for block in m.blocks:
             block.compile(backend=backend)
         step_model = m
     torch.manual_seed(1 + dist.get_rank())
