@@ -1,0 +1,70 @@
+"""The decode step of bench/llama.py (static KV cache as module buffers written by index_copy_,
+rotary tables gathered at `pos`, the mask positions <= pos, HF repeat_kv, SDPA), compiled on a
+world-1 gloo group as bench/model_tp.py compiles it: the cache is written in place by the kernel
+that computes K (rotary) and V, and no copy or aten index op is left in the step."""
+import re
+
+import pytest
+import torch
+
+from bench.llama import Config, tp_llama
+from tests.dist_utils import run_ranks
+
+CFG = Config(dim=32, n_heads=4, n_kv_heads=2, ffn=32, n_layers=2, max_batch=2, max_seq=12)
+
+
+def _steps(rank, world, dump_dir, positions=(5, 6)):
+    from commfuse import config
+    from tests.common import Dumps
+    models = [tp_llama(CFG, world, "cpu") for _ in range(2)]
+    torch.manual_seed(1)
+    for m in models[1:]:
+        m.load_state_dict(models[0].state_dict())
+    start = [torch.randn_like(b) for n, b in models[0].named_buffers() if "cache" in n]
+    for m in models:
+        for b, s in zip((b for n, b in m.named_buffers() if "cache" in n), start):
+            b.copy_(s)
+    compiled, eager = models
+    ptrs = [b.data_ptr() for n, b in compiled.named_buffers() if "cache" in n]
+    fn = torch.compile(compiled, backend="commfuse", dynamic=False)
+    bad = {}
+    with torch.no_grad(), config.patch(dump_dir=dump_dir):
+        for p in positions:
+            x, pos = torch.randn(CFG.max_batch, 1, CFG.dim), torch.tensor([p])
+            got, want = fn(x, pos), eager(x, pos)
+            bad[f"out {p}"] = (got - want).abs().max().item()
+    for (n, a), b in zip(((n, b) for n, b in compiled.named_buffers() if "cache" in n),
+                         (b for n, b in eager.named_buffers() if "cache" in n)):
+        bad[n] = (a - b).abs().max().item()
+    same = ptrs == [b.data_ptr() for n, b in compiled.named_buffers() if "cache" in n]
+    return bad, same, [Dumps(dump_dir).code(g) for g in Dumps(dump_dir).graphs()]
+
+
+@pytest.fixture(scope="module")
+def decode(tmp_path_factory):
+    return run_ranks(_steps, 1, args=(str(tmp_path_factory.mktemp("decode_step")),))[0]
+
+
+def test_decode_step_matches_eager(decode):
+    bad, same, _ = decode
+    assert all(v < 1e-5 for v in bad.values()), bad
+    assert same  # the module's cache tensors themselves hold the steps
+
+
+def test_decode_step_has_no_copy_and_no_aten_index(decode):
+    _, _, codes = decode
+    (code,) = codes  # one graph: the second step reuses the first's
+    host = code.split("def call(", 1)[1]
+    for bad in (".copy_(", "clone", "contiguous", "aten.index", "aten.copy", "aten.gather", "index_copy"):
+        assert bad not in host, (bad, host)
+    # each layer's K and V cache (graph inputs) stored into by a generated kernel, at the position
+    caches = re.findall(r"# effect: stores into input (arg\d+_1)", host)
+    assert len(set(caches)) == 2 * CFG.n_layers, host
+    for arg in caches:
+        buf = re.search(rf"(buf\d+) = {arg}  # stored into in place", host).group(1)
+        launch = next(line for line in host.splitlines() if "_launch" in line and f" {buf}," in line)
+        kernel = launch.split("_launch")[0].strip()
+        params = code.split(f"def {kernel}(", 1)[1].split(")", 1)[0].split(", ")
+        args = re.search(r"\(_stream, \((?:[^()]|\([^()]*\))*\), (.*)\)$", launch).group(1).split(", ")
+        param = params[args.index(buf)]
+        assert re.search(rf"tl\.store\({param} \+ \(.*tmp\d+", code.split(f"def {kernel}(", 1)[1]), kernel
