@@ -365,6 +365,16 @@ class MatmulTemplate(ExternKernel):
 
 
 @dataclasses.dataclass(eq=False)
+class DecodeAttention(ExternKernel):
+    """SDPA of one query token per sequence over a K/V cache by our own split-KV Triton kernels
+    (codegen/decode_attention.py); args (q, k, v, mask or None), each stored. `mask` is "bool",
+    "float" or None; `mask_strides` its strides broadcast to [B, Hq, 1, S]."""
+    scale: float = 1.0
+    mask: str | None = None
+    mask_strides: list = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(eq=False)
 class ConcatBuffer(Buffer):
     """A cat whose inputs write their own slices of it (extern kernels through `out=`): no copy."""
     parts: list = dataclasses.field(default_factory=list)  # ExternKernels, each with an `out_view`
