@@ -1,7 +1,8 @@
 """The decode step of bench/llama.py (static KV cache as module buffers written by index_copy_,
 rotary tables gathered at `pos`, the mask positions <= pos, HF repeat_kv, SDPA), compiled on a
 world-1 gloo group as bench/model_tp.py compiles it: the cache is written in place by the kernel
-that computes K (rotary) and V, and no copy or aten index op is left in the step."""
+that computes K (rotary) and V, and no copy or aten index op is left in the step. With
+`decode_attention`, attention is our split-KV kernel too, reading the cache in place."""
 import re
 
 import pytest
@@ -13,10 +14,10 @@ from tests.dist_utils import run_ranks
 CFG = Config(dim=32, n_heads=4, n_kv_heads=2, ffn=32, n_layers=2, max_batch=2, max_seq=12)
 
 
-def _steps(rank, world, dump_dir, positions=(5, 6)):
+def _steps(dump_dir, generated, positions=(5, 6)):
     from commfuse import config
     from tests.common import Dumps
-    models = [tp_llama(CFG, world, "cpu") for _ in range(2)]
+    models = [tp_llama(CFG, 1, "cpu") for _ in range(2)]
     torch.manual_seed(1)
     for m in models[1:]:
         m.load_state_dict(models[0].state_dict())
@@ -28,7 +29,7 @@ def _steps(rank, world, dump_dir, positions=(5, 6)):
     ptrs = [b.data_ptr() for n, b in compiled.named_buffers() if "cache" in n]
     fn = torch.compile(compiled, backend="commfuse", dynamic=False)
     bad = {}
-    with torch.no_grad(), config.patch(dump_dir=dump_dir):
+    with torch.no_grad(), config.patch(dump_dir=dump_dir, decode_attention=generated):
         for p in positions:
             x, pos = torch.randn(CFG.max_batch, 1, CFG.dim), torch.tensor([p])
             got, want = fn(x, pos), eager(x, pos)
@@ -40,19 +41,32 @@ def _steps(rank, world, dump_dir, positions=(5, 6)):
     return bad, same, [Dumps(dump_dir).code(g) for g in Dumps(dump_dir).graphs()]
 
 
+def _both(rank, world, dump_dir):
+    return [_steps(f"{dump_dir}/{name}", name == "generated") for name in ("aten", "generated")]
+
+
 @pytest.fixture(scope="module")
-def decode(tmp_path_factory):
-    return run_ranks(_steps, 1, args=(str(tmp_path_factory.mktemp("decode_step")),))[0]
+def runs(tmp_path_factory):
+    return run_ranks(_both, 1, args=(str(tmp_path_factory.mktemp("decode_step")),))[0]
 
 
-def test_decode_step_matches_eager(decode):
-    bad, same, _ = decode
+@pytest.mark.parametrize("variant", [0, 1], ids=["aten_attention", "generated_attention"])
+def test_decode_step_matches_eager(runs, variant):
+    bad, same, _ = runs[variant]
     assert all(v < 1e-5 for v in bad.values()), bad
     assert same  # the module's cache tensors themselves hold the steps
 
 
-def test_decode_step_has_no_copy_and_no_aten_index(decode):
-    _, _, codes = decode
+def test_decode_step_with_generated_attention_runs_no_aten_attention(runs):
+    (code,) = runs[1][2]
+    host = code.split("def call(", 1)[1]
+    assert "scaled_dot_product" not in host and "decode_attention" not in host, host
+    assert len(re.findall(r"cf_attn_buf\d+_launch", host)) == CFG.n_layers, host
+
+
+@pytest.mark.parametrize("variant", [0, 1], ids=["aten_attention", "generated_attention"])
+def test_decode_step_has_no_copy_and_no_aten_index(runs, variant):
+    _, _, codes = runs[variant]
     (code,) = codes  # one graph: the second step reuses the first's
     host = code.split("def call(", 1)[1]
     for bad in (".copy_(", "clone", "contiguous", "aten.index", "aten.copy", "aten.gather", "index_copy"):
