@@ -161,3 +161,9 @@ def index_put_into_input(x, indices, values, accumulate=False):
                               dim=dim, positions=pos.make_loader(), bound=bound)
     V.graph.register_buffer(ir.ComputedBuffer, layout=layout, data=body)
     return x
+
+
+@register(aten.index_copy_.default)
+def index_copy_into_input(x, dim, index, source):
+    """`x.index_copy_(dim, index, source)` on a graph input: `index_put_` at `index` along `dim`."""
+    return index_put_into_input(x, [None] * canonical_dim(dim, len(x.get_size())) + [index], source)

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from commfuse import choices as cf_choices
-from tests.common import compile_and_run, count
+from tests.common import DEVICE, compile_and_run, count
 
 
 class FewKeysPerSplit(cf_choices.Choices):
@@ -33,13 +33,14 @@ CASES = [  # B, query heads, K/V heads, cache length, head dim, dtype, mask, spl
 @pytest.mark.parametrize("b,hq,hkv,s,d,dtype,mask,split", CASES)
 def test_decode_attention_matches_sdpa(tmp_path, b, hq, hkv, s, d, dtype, mask, split):
     torch.manual_seed(s)
-    q = torch.randn(b, hq, 1, d, dtype=dtype)
-    k, v = (torch.randn(b, hkv, s, d, dtype=dtype) for _ in range(2))
+    q = torch.randn(b, hq, 1, d, dtype=dtype, device=DEVICE)
+    k, v = (torch.randn(b, hkv, s, d, dtype=dtype, device=DEVICE) for _ in range(2))
+    keys = torch.arange(s, device=DEVICE)
     if mask == "positions":  # each sequence at its own position; keys after it are not read
-        pos = torch.arange(b) * 7 % s
-        m = (torch.arange(s)[None, :] <= pos[:, None])[:, None, None, :]
+        pos = torch.arange(b, device=DEVICE) * 7 % s
+        m = (keys[None, :] <= pos[:, None])[:, None, None, :]
     elif mask == "float":
-        m = torch.randn(1, s, dtype=dtype).masked_fill(torch.arange(s) > s - 9, float("-inf"))
+        m = torch.randn(1, s, dtype=dtype, device=DEVICE).masked_fill(keys > s - 9, float("-inf"))
     else:
         m = None
     options = {"decode_attention": True} | ({"choices": FewKeysPerSplit()} if split else {})
