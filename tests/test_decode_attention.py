@@ -62,3 +62,13 @@ def test_decode_attention_is_off_until_measured():
     assert not cf_choices.DECODE_ATTENTION_WINS
     for dev in ("cuda", "cpu"):
         assert not c.use_decode_attention(torch.device(dev), torch.bfloat16, 8, 32, 8, 2048, 128)
+
+
+def test_decode_attention_leaves_training_to_aten(tmp_path):
+    """Inputs that need gradients keep aten's SDPA (it has a backward), even with the option on."""
+    torch.manual_seed(0)
+    q = torch.randn(1, 4, 1, 16, device=DEVICE, requires_grad=True)
+    k, v = (torch.randn(1, 2, 9, 16, device=DEVICE) for _ in range(2))
+    got, dumps = compile_and_run(attend, q, k, v, None, tmp_path=tmp_path, decode_attention=True)
+    torch.testing.assert_close(got, attend(q, k, v, None))
+    assert "cf_attn" not in dumps.code(dumps.graphs()[0])

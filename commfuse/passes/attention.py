@@ -181,8 +181,9 @@ def _decode_call(bound):
     q, k, v, mask = (bound.get(n) for n in ("query", "key", "value", "attn_mask"))
     vals = [x.meta.get("example_value") if isinstance(x, torch.fx.Node) else None for x in (q, k, v)]
     m = mask.meta.get("example_value") if isinstance(mask, torch.fx.Node) else None
-    if not all(isinstance(x, torch.Tensor) and x.dim() == 4 and not x.requires_grad for x in vals) \
-            or bound.get("dropout_p") or bound.get("is_causal") or (mask is not None and not isinstance(m, torch.Tensor)):
+    fake = torch._subclasses.FakeTensor  # plain tensors only: a DTensor's op would need a sharding rule
+    if not all(isinstance(x, fake) and x.dim() == 4 and not x.requires_grad for x in vals) \
+            or bound.get("dropout_p") or bound.get("is_causal") or (mask is not None and not isinstance(m, fake)):
         return None
     qv, kv, vv = vals
     sizes = [*qv.shape, *kv.shape, *vv.shape] + ([] if m is None else list(m.shape))
