@@ -499,9 +499,9 @@ class WrapperCodegen:
                                             [*scratch_dtypes, buf.get_dtype(), *strides[-3:]], consts))
             names.append(combine)
         reads = [getattr(r, "base", r).name for r in buf.inputs()]
-        self.kernel_info.append({"name": "+".join(names), "reads": reads, "writes": [buf.name], "nodes": [buf.name],
-                                 "template": "decode_attention", "reduction": False, "persistent": False,
-                                 "tiled": False, "config": cfg})
+        self.kernel_info += [{"name": n, "reads": reads, "writes": [buf.name], "nodes": [buf.name], "config": cfg,
+                              "template": "decode_attention", "reduction": False, "persistent": False, "tiled": False}
+                             for n in names]
 
     # ------------------------------------------------------------------ collectives
     def pool_summary(self) -> list:
