@@ -263,7 +263,8 @@ class TritonKernel:
             line = bp.store(self.arg(name), v)
             self.block_ptr_accesses.add(line)
         else:
-            line = f"tl.store({self.arg(name)} + ({self.index_str(index)}), {v}, {self.mask(loads=False)})"
+            scatter = any(s.name.startswith("tmp") for s in index.free_symbols)  # in bounds only
+            line = f"tl.store({self.arg(name)} + ({self.index_str(index)}), {v}, {self.mask(loads=scatter)})"
         self.cur.body.writeline(line)
         return value
 

@@ -15,6 +15,7 @@ from commfuse.virtualized import V
 
 from .common import IndentedBuffer, pexpr
 from . import comm as comm_codegen
+from . import decode_attention as attention_codegen
 from . import matmul as matmul_codegen
 from .triton import TritonKernel, debug_code
 
@@ -29,7 +30,7 @@ import math
 import torch
 from commfuse.runtime.support import empty_strided, reinterpret_tensor, cdiv, workspace, as_meta_layout
 from commfuse.runtime.launch import Launches, Site
-import commfuse.runtime.scatter  # noqa: F401  (registers torch.ops.commfuse.*: a graph from the cache runs first)
+import commfuse.runtime.scatter, commfuse.runtime.attention  # noqa: F401,E401  (register torch.ops.commfuse.*: a graph from the cache runs first)
 aten = torch.ops.aten
 prims = torch.ops.prims
 constants = {}  # filled by the loader: tensor constants and non-tensor objects
@@ -389,6 +390,9 @@ class WrapperCodegen:
         if isinstance(buf, ir.MatmulTemplate):
             self.matmul(buf, pool)
             return
+        if isinstance(buf, ir.DecodeAttention):
+            self.decode_attention(buf, pool)
+            return
         op = buf.op
         call = _op_path(op) if _is_aten(op) else self.value(op)
         args = ", ".join([self.value(a) for a in buf.args] +
@@ -457,6 +461,47 @@ class WrapperCodegen:
                                  "nodes": [buf.name], "template": "mm", "prologue": buf.prologue,
                                  "reduction": False, "persistent": False, "tiled": False,
                                  "config": cfg})
+
+    def decode_attention(self, buf: ir.DecodeAttention, pool):
+        split, combine = f"cf_attn_{buf.name}", f"cf_attn_combine_{buf.name}"
+        q, k, v, *mask = buf.args
+        (b, hq, _, d), (_, hkv, s, _) = (map(int, x.layout.size) for x in (q, k))
+        cfg = V.choices.decode_attention_config(q.get_device(), b, hkv, hq // hkv, s, d)
+        src_split, src_combine = attention_codegen.render(split, combine)
+        split = self.define(split, src_split)
+        self.allocate_out(buf, pool)
+        splits, chunk, g = cfg["SPLITS"], cfg["chunk"], hq // hkv
+        if splits > 1:  # partial sums and (max, sum) per split: overwritten by every call
+            dev, rows = f"{buf.name}.device", b * hkv * splits * g
+            scratch = [f"workspace(_workspaces, 'attn_acc_{rows * d}', {rows * d}, torch.float32, {dev})",
+                       f"workspace(_workspaces, 'attn_ml_{rows * 2}', {rows * 2}, torch.float32, {dev})"]
+            scratch_dtypes = [torch.float32] * 2
+        else:
+            scratch, scratch_dtypes = [buf.name] * 2, [buf.get_dtype()] * 2
+        strides = [int(x) for t in (q, k, v) for x in _bhsd(t.layout.stride, t is q)]
+        strides += [int(x) for x in buf.mask_strides or (0, 0, 0)] + [int(x) for x in _bhsd(buf.layout.stride, True)]
+        ptrs = [self.value(x) for x in (q, k, v, mask[0] if mask else q)]
+        args = ptrs + [buf.name, *scratch, str(s), str(chunk), repr(buf.scale)] + list(map(str, strides))
+        specs = [x.get_dtype() for x in (q, k, v, mask[0] if mask else q)] + [buf.get_dtype(), *scratch_dtypes, s, chunk,
+                                                                            buf.scale] + strides
+        kinds = {None: 0, "bool": 1, "float": 2}
+        consts = (f"HKV={hkv}, G={g}, D={d}, GBLOCK={cfg['GBLOCK']}, DBLOCK={cfg['DBLOCK']}, BLOCK_N={cfg['BLOCK_N']}, "
+                  f"SPLITS={splits}, MASK={kinds[buf.mask]}, F32={cfg['F32'] or buf.get_dtype() == torch.float32}, "
+                  f"num_warps={cfg['num_warps']}, num_stages={cfg['num_stages']}")
+        self.body.writeline(self.launch(split, f"({b * hkv}, {splits})", args, specs, consts))
+        names = [split]
+        if splits > 1:
+            combine = self.define(combine, src_combine)
+            out_strides = list(map(str, strides[-3:]))
+            consts = (f"HQ={hq}, HKV={hkv}, G={g}, D={d}, DBLOCK={cfg['DBLOCK']}, SPLITS={splits}, "
+                      f"SBLOCK={sizevars.next_pow2(splits)}, num_warps=4")
+            self.body.writeline(self.launch(combine, f"({b * hq},)", [*scratch, buf.name, *out_strides],
+                                            [*scratch_dtypes, buf.get_dtype(), *strides[-3:]], consts))
+            names.append(combine)
+        reads = [getattr(r, "base", r).name for r in buf.inputs()]
+        self.kernel_info += [{"name": n, "reads": reads, "writes": [buf.name], "nodes": [buf.name], "config": cfg,
+                              "template": "decode_attention", "reduction": False, "persistent": False, "tiled": False}
+                             for n in names]
 
     # ------------------------------------------------------------------ collectives
     def pool_summary(self) -> list:
@@ -584,3 +629,9 @@ def _op_path(op) -> str:
     ns = op.namespace
     base = "aten" if ns == "aten" else "prims" if ns == "prims" else f"torch.ops.{ns}"
     return f"{base}.{op._opname}.{op._overloadname}"
+
+
+def _bhsd(stride, query: bool) -> list:
+    """A [B, H, S, D] tensor's strides that the decode kernels take: (b, h, s, d), or for the
+    one-token query and output (b, h, d)."""
+    return [stride[0], stride[1], stride[3]] if query else list(stride)

@@ -23,7 +23,7 @@ from commfuse.codegen.wrapper import WrapperCodegen
 
 from . import choices, config, dump, graph_cache, ir, sizevars
 from .compiled import AtenGraph, CompiledGraph, aot_caching, next_graph_id, serializable, summaries  # noqa: F401
-from .passes.attention import contiguous_masks, use_sdpa_gqa
+from .passes.attention import contiguous_masks, use_decode_attention, use_sdpa_gqa
 from .passes.bucketing import bucket_collectives
 from .passes.comm_sums import all_reduce_sums
 from .decompositions import decomposition_table
@@ -53,6 +53,8 @@ def commfuse_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | N
     if settings["sdpa_gqa"]:
         use_sdpa_gqa(gm)
     contiguous_masks(gm)
+    with config.patch(settings):
+        use_decode_attention(gm)
     inputs, shards = local_shard_inputs(gm, example_inputs)
     with config.patch(settings), aot_caching(gm, example_inputs) as cached:
         precompile.warm()  # the workers start while AOTAutograd traces the graph

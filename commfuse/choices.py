@@ -34,6 +34,10 @@ ATTENTION_BIAS_ARG = {torch.ops.aten._scaled_dot_product_efficient_attention.def
                       torch.ops.aten._scaled_dot_product_cudnn_attention.default: 3,
                       torch.ops.aten._scaled_dot_product_cudnn_attention_backward.default: 8}
 ATTENTION_BIAS_ALIGN = 16
+# Where the generated decode attention beat aten's SDPA on the GPU (bench/decode_attention.py):
+# {"dtype": "torch.bfloat16", "min_keys": cache length from which it wins, "shapes": {(B, group)}}.
+# Empty until measured: aten's attention runs.
+DECODE_ATTENTION_WINS: list = []
 DEFAULT_SMS = 132  # H100 / H200
 INTERPRETED_BLOCK = 1 << 16  # lanes of an interpreted reduction's program (interpreted_reduction_config)
 INTERPRETED_MATH_FP32 = ("atan", "asin", "acos", "atan2", "erfc")  # see kernel_math_exact
@@ -480,6 +484,32 @@ class Choices:
         `one_shot_apart` there. Two-shot reduces each share before the kernel's body runs, so its
         input must be written by an earlier kernel."""
         return plan.algorithm.prologue
+
+    # ------------------------------------------------------------------------- attention
+    def use_decode_attention(self, device, dtype, b: int, hq: int, hkv: int, s: int, d: int) -> bool:
+        """Our split-KV kernel (codegen/decode_attention.py) for one query token over a cache of
+        `s` keys, instead of aten's SDPA: `config.decode_attention` if set, else where the measured
+        table (DECODE_ATTENTION_WINS) has the shape. The table is empty until bench/
+        decode_attention.py has measured it on the GPU: until then aten's attention runs."""
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16) or device.type not in ("cuda", "cpu") \
+                or d > 256 or hq % hkv:
+            return False
+        if config.decode_attention is not None:
+            return config.decode_attention
+        return device.type == "cuda" and any(
+            w["dtype"] == str(dtype) and w["min_keys"] <= s and (b, hq // hkv) in w["shapes"] for w in DECODE_ATTENTION_WINS)
+
+    def decode_attention_config(self, device, b: int, hkv: int, group: int, s: int, d: int) -> dict:
+        """Blocks of the decode kernel: about two programs per SM, each split at least 256 keys
+        long (fewer, longer splits when B x Hkv alone fills the GPU); the query heads of a group
+        padded to 16 rows, tl.dot's least."""
+        block_n = 64 if d <= 128 else 32
+        want = -(-2 * sm_count(device) // (b * hkv))
+        splits = max(1, min(want, 64, -(-s // 256)))
+        chunk = -(-(-(-s // splits)) // block_n) * block_n
+        return {"BLOCK_N": block_n, "GBLOCK": max(16, next_pow2(group)), "DBLOCK": max(16, next_pow2(d)),
+                "SPLITS": -(-s // chunk), "chunk": chunk, "F32": device.type != "cuda",  # interpreted: fp32 dots
+                "num_warps": 4, "num_stages": 2}
 
     # ------------------------------------------------------------------------- matmuls
     def use_mm_template(self, a, b) -> bool:

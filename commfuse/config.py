@@ -43,6 +43,8 @@ compile_workers: int | None = None  # processes that compile a graph's Triton ke
 # Attention.
 sdpa_gqa = True               # K/V repeated for grouped-query attention reach SDPA unrepeated,
                               # with enable_gqa=True (no copies of K/V: attention.py)
+decode_attention: bool | None = None  # one-token SDPA over a cache by our split-KV kernel: True
+                              # always, False never, None where choices' measured table says it wins
 
 # Fusion.
 max_fusion_size = 64          # cap on the number of IR nodes in one fused kernel

@@ -62,7 +62,7 @@ class RecordingOps:
         return self._emit("peer_reduce({}, {}, {})", name, index, reduce_op)
 
     def store(self, name, index, value, mode=None):
-        self.writes.append(MemoryAccess(name, index))
+        self.writes.append(MemoryAccess(name, index, bool(index.free_symbols & self._indirect)))
         self.lines.append(("store({}, {}, {}{})", (name, index, value, ", " + mode if mode else "")))
 
     def store_reduction(self, name, index, value):
@@ -117,7 +117,7 @@ def trace_body(loops, store_name=None, layout=None, inline=None) -> BodyTrace:
     with V.set_ops(InlineLoads(handler, inline) if inline else handler):
         value = loops.value(index, index_vars("r", loops.reduction_ranges))
         if store_name is not None:
-            handler.store(store_name, layout.index(index), value)
+            handler.store(store_name, layout.store_index(index), value)
         else:
             handler.lines.append(("return {}", (value,)))
     return BodyTrace(handler.reads, handler.writes, handler.lines)

@@ -47,6 +47,10 @@ class Layout:
         return self.offset + sum((i * s for i, s in zip(index, self.stride) if s != 0),
                                  sympy.Integer(0))
 
+    def store_index(self, index: Sequence[Expr]) -> Expr:
+        """Where a kernel stores element `index` (run under the ops handler: ScatterLayout loads)."""
+        return self.index(index)
+
     def storage_numel(self) -> Expr:
         """Elements the storage must span (max offset + 1)."""
         if any(s == 0 for s in self.size):
@@ -110,6 +114,21 @@ class MutationLayout(FixedLayout):
     """The storage of graph input `target`, which the graph updates (`copy_`): the kernel computing
     the new value stores it there, and no copy follows."""
     target: str = ""
+
+
+@dataclasses.dataclass
+class ScatterLayout(MutationLayout):
+    """Rows of graph input `target` stored in place at positions read from the device (a KV-cache
+    update, `index_copy_` / `index_put_` along `dim`): the layout spans the values (`size`), at
+    the target's strides; element i goes to position `positions([i[dim]])` of `bound` there."""
+    dim: int = 0
+    positions: Any = None
+    bound: Expr = sympy.Integer(1)
+
+    def store_index(self, index):
+        index = list(index)
+        index[self.dim] = ops.indirect_indexing(self.positions([index[self.dim]]), self.bound)
+        return self.index(index)
 
 
 def contiguous_layout(device, dtype, size, cls=FlexibleLayout) -> Layout:
@@ -296,7 +315,8 @@ class ComputedBuffer(Buffer):
     def store_body(self, index, rindex=None):
         """Run the body at `index` under the active ops handler: load, compute, store."""
         store = ops.store_reduction if self.is_reduction() else ops.store
-        return store(self.name, self.layout.index(index), self.data.value(index, rindex))
+        value = self.data.value(index, rindex)
+        return store(self.name, self.layout.store_index(index), value)
 
     def __str__(self):
         return f"{self.name}: {type(self.layout).__name__}{list(self.layout.size)} = {self.data}"
@@ -342,6 +362,16 @@ class MatmulTemplate(ExternKernel):
         what = "prologue" if self.prologue else "a"
         return (f"{self.name}: MatmulTemplate({what} reading {[b.name for b in self.a_reads]}, "
                 f"{_arg_str(self.args[1])})")
+
+
+@dataclasses.dataclass(eq=False)
+class DecodeAttention(ExternKernel):
+    """SDPA of one query token per sequence over a K/V cache by our own split-KV Triton kernels
+    (codegen/decode_attention.py); args (q, k, v, mask or None), each stored. `mask` is "bool",
+    "float" or None; `mask_strides` its strides broadcast to [B, Hq, 1, S]."""
+    scale: float = 1.0
+    mask: str | None = None
+    mask_strides: list = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(eq=False)

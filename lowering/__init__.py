@@ -10,7 +10,7 @@ import torch
 lowerings: dict = {}
 
 FAMILIES = ("pointwise", "reduction", "pooling", "softmax", "views", "indexing", "comm", "matmul", "extern",
-            "random")
+            "random", "attention")
 
 
 def register(*ops, name: str | None = None, with_op: bool = False) -> Callable:

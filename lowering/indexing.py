@@ -4,7 +4,9 @@ Indices are loaded, wrapped when negative, bounds-checked on the device, and mas
 so an out-of-range index can never read outside the buffer. Mutations (scatter_add,
 scatter in general) run through aten; a scatter that puts a few values per row is pointwise (the
 one-hot of cross entropy's backward, topk's), and index_put runs in place on a buffer of our own
-(values added at indices with atomic adds: runtime/scatter.py).
+(values added at indices with atomic adds: runtime/scatter.py). A graph input's rows updated in place
+at positions along one dim (a static KV cache's `index_copy_`) are stored there by the kernel that
+computes them (`ir.ScatterLayout`): no aten op, no copy.
 """
 from __future__ import annotations
 
@@ -17,8 +19,9 @@ from commfuse.runtime.scatter import can_add_at
 from commfuse.virtualized import V, ops
 
 from . import register
-from .common import broadcast_loader, broadcast_shapes, canonical_dim
+from .common import broadcast_loader, broadcast_shapes, canonical_dim, is_tensor
 from .extern import fallback
+from .views import expand
 
 aten = torch.ops.aten
 
@@ -135,3 +138,32 @@ def index_put(x, indices, values, accumulate=False):
     else:
         fallback(aten.index_put_.default, (target, indices, values, accumulate), {}, None)
     return target
+
+
+@register(aten.index_put_.default)
+def index_put_into_input(x, indices, values, accumulate=False):
+    """`x[..., pos, ...] = values` on a whole graph input, one index tensor along one dim (what
+    `reinplace.py` makes of a KV cache's `index_copy_`): a kernel over the values stores each
+    row at its position in the input. Repeated positions keep one of their rows, as aten's CUDA
+    kernel does. Else (accumulate, several index tensors, a buffer of ours) aten's op."""
+    given = [(d, i) for d, i in enumerate(indices) if i is not None]
+    if accumulate or not is_tensor(x) or type(x.data) is not ir.InputBuffer or len(given) != 1:
+        raise ir.Unsupported("index_put_ other than rows of a graph input at positions along one dim")
+    (dim, pos), lay = given[0], x.data.layout
+    if len(pos.get_size()) != 1 or not is_tensor(values) or pos.get_device() != x.get_device():
+        raise ir.Unsupported("index_put_ with other than a 1-D index on the input's device")
+    _check_index(pos)
+    size = list(x.get_size())
+    bound, size[dim] = size[dim], pos.get_size()[0]
+    load = expand(values, size).make_loader()
+    body = Pointwise(x.get_device(), x.get_dtype(), lambda i: ops.to_dtype(load(i), x.get_dtype()), size)
+    layout = ir.ScatterLayout(lay.device, lay.dtype, size, list(lay.stride), lay.offset, target=x.data.name,
+                              dim=dim, positions=pos.make_loader(), bound=bound)
+    V.graph.register_buffer(ir.ComputedBuffer, layout=layout, data=body)
+    return x
+
+
+@register(aten.index_copy_.default)
+def index_copy_into_input(x, dim, index, source):
+    """`x.index_copy_(dim, index, source)` on a graph input: `index_put_` at `index` along `dim`."""
+    return index_put_into_input(x, [None] * canonical_dim(dim, len(x.get_size())) + [index], source)

@@ -28,7 +28,7 @@ LAYERS = [
     ("scheduling", ["commfuse.scheduler", "commfuse.loop_order", "commfuse.remat", "commfuse.mix_order", "commfuse.memory",
                     "commfuse.choices", "commfuse.collectives", "commfuse.tuned_tables"]),
     ("kernel source", ["commfuse.codegen.comm", "commfuse.codegen.common", "commfuse.codegen.triton_ops",
-                       "commfuse.codegen.block_ptr"]),
+                       "commfuse.codegen.block_ptr", "commfuse.codegen.decode_attention"]),
     ("ir", ["commfuse.ir", "commfuse.dependencies", "commfuse.sizevars"]),
     ("runtime", ["commfuse.runtime", "commfuse.runtime.*"]),
     ("base", ["commfuse.config", "commfuse.compat", "commfuse.virtualized"]),

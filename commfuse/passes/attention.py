@@ -14,6 +14,10 @@ another stride. Models build such masks: T5's position bias is gathered [q, k, h
 HF's bidirectional mask broadcasts along the keys. The mask is made contiguous first, which
 changes no value; the kernel that computes it then writes it in rows (with one exception,
 handled in `contiguous_masks`).
+
+Decode: SDPA of one query token per sequence over a K/V cache, where the policy chooses our
+split-KV kernel (`Choices.use_decode_attention`), becomes `commfuse::decode_attention`, which
+lowering/attention.py turns into that kernel (its eager form is SDPA itself).
 """
 from __future__ import annotations
 
@@ -24,6 +28,9 @@ import torch.fx
 import torch.nn.attention
 import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from commfuse import choices
+from commfuse.runtime import attention as _decode_op  # noqa: F401  (registers commfuse::decode_attention)
 
 from .fx_rewrite import erase_unused, finish, give_example_values
 
@@ -165,5 +172,48 @@ def use_sdpa_gqa(gm: torch.fx.GraphModule) -> int:
         changed += 1
     if changed:
         log.debug("commfuse: %d attention call(s) take unrepeated K/V (enable_gqa)", changed)
+        give_example_values(gm, old)
+    return finish(gm, changed)
+
+
+def _decode_call(bound):
+    """(q, k, v, mask, scale) when this SDPA call is decode attention the policy gives our kernel."""
+    q, k, v, mask = (bound.get(n) for n in ("query", "key", "value", "attn_mask"))
+    vals = [x.meta.get("example_value") if isinstance(x, torch.fx.Node) else None for x in (q, k, v)]
+    m = mask.meta.get("example_value") if isinstance(mask, torch.fx.Node) else None
+    fake = torch._subclasses.FakeTensor  # plain tensors only: a DTensor's op would need a sharding rule
+    if not all(isinstance(x, fake) and x.dim() == 4 and not x.requires_grad for x in vals) \
+            or bound.get("dropout_p") or bound.get("is_causal") or (mask is not None and not isinstance(m, fake)):
+        return None
+    qv, kv, vv = vals
+    sizes = [*qv.shape, *kv.shape, *vv.shape] + ([] if m is None else list(m.shape))
+    if not all(isinstance(n, int) for n in sizes):
+        return None
+    (b, hq, one, d), (bk, hkv, s, dk) = qv.shape, kv.shape
+    if one != 1 or (b, hkv, s) != (bk, vv.shape[1], vv.shape[2]) or (bk, dk) != (vv.shape[0], d) \
+            or (hq != hkv and not bound.get("enable_gqa")) or hq % hkv or {x.device for x in vals} != {qv.device}:
+        return None
+    if m is not None and (m.dim() > 4 or m.dtype not in (torch.bool, qv.dtype) or m.device != qv.device
+                          or list(torch.broadcast_shapes(m.shape, (b, hq, 1, s))) != [b, hq, 1, s]):
+        return None
+    if not choices.current().use_decode_attention(qv.device, qv.dtype, b, hq, hkv, s, d):
+        return None
+    scale = bound.get("scale")
+    return q, k, v, mask, float(scale) if scale is not None else d ** -0.5
+
+
+def use_decode_attention(gm: torch.fx.GraphModule) -> int:
+    """Give the decode SDPA calls our kernel (`commfuse::decode_attention`); returns how many."""
+    changed, old = 0, set(gm.graph.nodes)
+    for node, bound in _sdpa_calls(gm):
+        call = _decode_call(bound)
+        if call is None:
+            continue
+        with gm.graph.inserting_before(node):
+            new = gm.graph.call_function(torch.ops.commfuse.decode_attention.default, call)
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+        changed += 1
+    if changed:
         give_example_values(gm, old)
     return finish(gm, changed)

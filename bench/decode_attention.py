@@ -1,0 +1,123 @@
+"""Decode attention (one query token per sequence over a static bf16 KV cache, GQA) on one GPU:
+commfuse's split-KV kernel against aten's SDPA backends, GPU time per call under CUDA graphs,
+variants interleaved, with each one's ratio to commfuse's time and its read bandwidth (the K/V
+bytes SDPA over the whole cache reads, over the time).
+
+    python bench/decode_attention.py [--out bench/results/decode_attention.md]
+    python bench/decode_attention.py --cpu      # a smoke run (Triton's interpreter, tiny sizes)
+
+Rows: B in {1, 8}, cache lengths 512 to 32k, Llama-3-8B heads (32 query / 8 KV, 128 wide) and one
+tensor-parallel rank's share at world 2 (16 / 4); the position is the cache's last (`full`) or its
+middle (`half`: keys after it masked; our kernel reads up to it, aten's read the whole cache).
+Variants: `aten` (SDPA's own choice, bool mask), `cudnn` / `efficient` (forced, with the mask),
+`flash` (no mask: over the cache's valid prefix as a slice, what an engine that knows the length
+runs), `commfuse` (torch.compile with decode_attention=True). Errors vs fp32 math print beside.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import commfuse  # noqa: E402,F401
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+
+from bench.common import add_run_args, commfuse_options, run_meta, write_results  # noqa: E402
+
+VARIANTS = ("aten", "cudnn", "efficient", "flash", "commfuse")
+
+
+def attend(q, k, v, mask):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+def variants(q, k, v, mask, pos, options):
+    """name -> a call computing the step's attention (each over the same tensors)."""
+    def forced(backend):
+        def run():
+            with sdpa_kernel([backend]):
+                return attend(q, k, v, mask)
+        return run
+    prefix_k, prefix_v = k[:, :, :pos + 1], v[:, :, :pos + 1]
+    torch._dynamo.reset()
+    compiled = torch.compile(attend, backend="commfuse", dynamic=False, options={**options, "decode_attention": True})
+    return {"aten": lambda: attend(q, k, v, mask), "cudnn": forced(SDPBackend.CUDNN_ATTENTION),
+            "efficient": forced(SDPBackend.EFFICIENT_ATTENTION),
+            "flash": lambda: F.scaled_dot_product_attention(q, prefix_k, prefix_v, enable_gqa=True),
+            "commfuse": lambda: compiled(q, k, v, mask)}
+
+
+def row(b, hq, hkv, s, where, dev, dtype, options, timed):
+    torch.manual_seed(0)
+    d = 128 if dev.type == "cuda" else 16
+    q = torch.randn(b, hq, 1, d, device=dev, dtype=dtype)
+    k, v = (torch.randn(b, hkv, s, d, device=dev, dtype=dtype) for _ in range(2))
+    pos = s - 1 if where == "full" else s // 2
+    mask = (torch.arange(s, device=dev) <= pos)[None, None, None, :]
+    want = attend(*(x.float() for x in (q, k, v)), mask)
+    fns, res, failed = variants(q, k, v, mask, pos, options), {}, {}
+    with torch.no_grad():
+        for name, fn in list(fns.items()):
+            try:
+                res[f"err {name}"] = (fn().float() - want).abs().max().item()
+            except Exception as e:  # a backend with no kernel for these inputs
+                failed[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
+                del fns[name]
+        times = timed(fns, failed)
+    nbytes = 2 * k.numel() * k.element_size()  # the whole cache, as SDPA with a mask reads it
+    for name, us in times.items():
+        res[f"{name} µs"] = us
+        res[f"{name} GB/s"] = nbytes / us / 1e3
+    return res, failed
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cpu", action="store_true", help="a smoke run on CPU (interpreter, tiny sizes)")
+    ap.add_argument("--lengths", default="512,2048,8192,32768")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--rounds", type=int, default=3)
+    add_run_args(ap, "decode_attention=True")
+    a = ap.parse_args()
+    options = commfuse_options(ap, a.set)
+    dev = torch.device("cpu" if a.cpu else "cuda")
+    heads = [(32, 8), (16, 4)] if not a.cpu else [(4, 2)]
+    lengths = [int(x) for x in a.lengths.split(",")] if not a.cpu else [37]
+    batches = [int(x) for x in a.batches.split(",")] if not a.cpu else [2]
+
+    def timed(fns, failed):
+        if dev.type != "cuda":
+            return {}
+        from commfuse.runtime.timing import interleaved_times_us
+        return interleaved_times_us(fns, rounds=a.rounds, failed=failed)
+    name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
+    lines = [f"decode attention, bf16, head dim {128 if dev.type == 'cuda' else 16}, one query token; GPU µs per call (CUDA graph); "
+             f"ratio = variant / commfuse; {name}", "",
+             "| B | heads q/kv | cache | pos | " + " | ".join(f"{v} µs (×)" for v in VARIANTS) +
+             " | commfuse GB/s | max err commfuse / aten |",
+             "|" + "---|" * (len(VARIANTS) + 6)]
+    data = {"meta": run_meta(name, a.commit), "rows": []}
+    for b in batches:
+        for hq, hkv in heads:
+            for s in lengths:
+                for where in ("full", "half"):
+                    res, failed = row(b, hq, hkv, s, where, dev, torch.bfloat16, options, timed)
+                    ours = res.get("commfuse µs")
+                    cells = [f"{res[f'{v} µs']:.1f} ({res[f'{v} µs'] / ours:.2f})" if f"{v} µs" in res and ours
+                             else ("n/a" if v in failed else "-") for v in VARIANTS]
+                    gbs = f"{res['commfuse GB/s']:.0f}" if "commfuse GB/s" in res else "-"
+                    errs = f"{res.get('err commfuse', float('nan')):.1e} / {res.get('err aten', float('nan')):.1e}"
+                    lines.append(f"| {b} | {hq}/{hkv} | {s} | {where} | " + " | ".join(cells) + f" | {gbs} | {errs} |")
+                    data["rows"].append({"b": b, "hq": hq, "hkv": hkv, "s": s, "pos": where, **res,
+                                         "failed": failed})
+                    print(lines[-1], flush=True)
+                    write_results(a.out, "\n".join(lines) + "\n", data, partial=True)
+    write_results(a.out, "\n".join(lines) + "\n", data)
+
+
+if __name__ == "__main__":
+    main()

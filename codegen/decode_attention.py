@@ -1,0 +1,104 @@
+"""Split-KV decode attention (`ir.DecodeAttention`): one query token per sequence over a cache.
+
+Decode attention reads the whole K/V cache for a few FLOPs per byte, so it runs at the speed K/V
+stream from memory. Program (b, kv head, split) owns one K/V head and one contiguous chunk of the
+keys: it loads each [BLOCK_N, D] block of K and V once and applies it to all G query heads of the
+group at once (a [G, D] x [D, BLOCK_N] dot), keeping a running max, sum of exponentials and
+weighted sum of V per query head (online softmax). Keys the mask drops are not loaded: their
+loads are predicated off, so a cache masked beyond the current position is read up to there only
+(whatever the mask's pattern). With one split the program divides and stores the output; with
+several each stores its unnormalized partial sums and (max, sum), and a second kernel combines the
+splits: out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s.
+
+A query whose keys are all masked gets 0/0 (NaN), as SDPA's math kernel gives.
+"""
+from __future__ import annotations
+
+SPLIT = '''
+@triton.jit
+def {name}(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, part_acc, part_ml, S, chunk, scale,
+        sqb, sqh, sqd, skb, skh, sks, skd, svb, svh, svs, svd, smb, smh, sms, sob, soh, sod,
+        HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, GBLOCK: tl.constexpr, DBLOCK: tl.constexpr,
+        BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, MASK: tl.constexpr, F32: tl.constexpr):
+    bh = tl.program_id(0).to(tl.int64)
+    b, kvh = bh // HKV, bh % HKV
+    split = tl.program_id(1)
+    g = tl.arange(0, GBLOCK)[:, None]          # query heads of the group, rows
+    d = tl.arange(0, DBLOCK)[None, :]
+    gmask, dmask = g < G, d < D
+    h = kvh * G + g
+    q = tl.load(q_ptr + b * sqb + h * sqh + d * sqd, gmask & dmask, other=0)
+    if F32:
+        q = q.to(tl.float32)
+    m_i = tl.full([GBLOCK], float("-inf"), tl.float32)
+    l_i = tl.zeros([GBLOCK], tl.float32)
+    acc = tl.zeros([GBLOCK, DBLOCK], tl.float32)
+    n0 = split * chunk
+    for start in range(n0, tl.minimum(n0 + chunk, S), BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        live = (n < S)[None, :] & gmask
+        if MASK == 1:    # bool: keys kept
+            keep = tl.load(mask_ptr + b * smb + h * smh + n[None, :] * sms, live, other=0) != 0
+            bias = tl.zeros([GBLOCK, BLOCK_N], tl.float32)
+        elif MASK == 2:  # float: added to the scores; -inf drops the key
+            bias = tl.load(mask_ptr + b * smb + h * smh + n[None, :] * sms, live, other=float("-inf")).to(tl.float32)
+            keep = bias > float("-inf")
+            bias = bias * 1.4426950408889634
+        else:
+            keep = live
+            bias = tl.zeros([GBLOCK, BLOCK_N], tl.float32)
+        keep = keep & live
+        need = tl.max(keep.to(tl.int32), 0) > 0  # a key some head of the group attends: loaded
+        kv = need[:, None] & dmask
+        k = tl.load(k_ptr + b * skb + kvh * skh + n[:, None] * sks + d * skd, kv, other=0)
+        v = tl.load(v_ptr + b * svb + kvh * svh + n[:, None] * svs + d * svd, kv, other=0)
+        if F32:
+            k, v = k.to(tl.float32), v.to(tl.float32)
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(keep, s * (scale * 1.4426950408889634) + bias, float("-inf"))  # log2 units
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if F32:
+            pv = tl.dot(p, v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v_ptr.dtype.element_ty), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    if SPLITS == 1:
+        o = acc / l_i[:, None]
+        tl.store(out_ptr + b * sob + h * soh + d * sod, o.to(out_ptr.dtype.element_ty), gmask & dmask)
+    else:
+        row = (bh * SPLITS + split) * G + g       # partials [B * HKV, SPLITS, G, D] and [.., G, 2]
+        tl.store(part_acc + row * D + d, acc, gmask & dmask)
+        tl.store(part_ml + row * 2, m_i[:, None], gmask)
+        tl.store(part_ml + row * 2 + 1, l_i[:, None], gmask)
+'''
+
+COMBINE = '''
+@triton.jit
+def {name}(part_acc, part_ml, out_ptr, sob, soh, sod, HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr,
+        D: tl.constexpr, DBLOCK: tl.constexpr, SPLITS: tl.constexpr, SBLOCK: tl.constexpr):
+    bq = tl.program_id(0).to(tl.int64)        # (b, query head)
+    b, h = bq // HQ, bq % HQ
+    s = tl.arange(0, SBLOCK)[:, None]
+    d = tl.arange(0, DBLOCK)[None, :]
+    row = ((b * HKV + h // G) * SPLITS + s) * G + h % G
+    m = tl.load(part_ml + row * 2, s < SPLITS, other=float("-inf"))
+    l = tl.load(part_ml + row * 2 + 1, s < SPLITS, other=0)
+    top = tl.max(m, 0)
+    w = tl.math.exp2(m - tl.where(top == float("-inf"), 0.0, top)[None, :])
+    acc = tl.load(part_acc + row * D + d, (s < SPLITS) & (d < D), other=0)
+    o = tl.sum(acc * w, 0) / tl.sum(l * w, 0)
+    tl.store(out_ptr + b * sob + h * soh + tl.arange(0, DBLOCK) * sod, o.to(out_ptr.dtype.element_ty),
+             tl.arange(0, DBLOCK) < D)
+'''
+
+
+def render(split_name: str, combine_name: str) -> tuple[str, str]:
+    """The two kernels' sources (the combine runs only with more than one split)."""
+    return SPLIT.format(name=split_name).lstrip("\n"), COMBINE.format(name=combine_name).lstrip("\n")

@@ -1,0 +1,74 @@
+"""The split-KV decode attention kernel (codegen/decode_attention.py) against eager SDPA: one query
+token per sequence over a cache, at odd cache lengths, GQA ratios 1 and 4, per-sequence positions
+(bool masks), a float mask, no mask, one split and several (the combine kernel), fp32 and bf16.
+Compiled with `decode_attention=True`, so on CPU it runs in Triton's interpreter."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from commfuse import choices as cf_choices
+from tests.common import DEVICE, compile_and_run, count
+
+
+class FewKeysPerSplit(cf_choices.Choices):
+    """Splits of 16 keys: several splits (and the combine) at test sizes."""
+
+    def decode_attention_config(self, device, b, hkv, group, s, d):
+        return {**super().decode_attention_config(device, b, hkv, group, s, d), "BLOCK_N": 16,
+                "SPLITS": -(-s // 16), "chunk": 16}
+
+
+def attend(q, k, v, mask):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+CASES = [  # B, query heads, K/V heads, cache length, head dim, dtype, mask, splits
+    (2, 4, 1, 37, 16, torch.float32, "positions", True),
+    (3, 2, 2, 21, 8, torch.float32, "positions", False),
+    (1, 8, 2, 50, 16, torch.bfloat16, "float", True),
+    (2, 4, 4, 19, 32, torch.float32, None, True),
+]
+
+
+@pytest.mark.parametrize("b,hq,hkv,s,d,dtype,mask,split", CASES)
+def test_decode_attention_matches_sdpa(tmp_path, b, hq, hkv, s, d, dtype, mask, split):
+    torch.manual_seed(s)
+    q = torch.randn(b, hq, 1, d, dtype=dtype, device=DEVICE)
+    k, v = (torch.randn(b, hkv, s, d, dtype=dtype, device=DEVICE) for _ in range(2))
+    keys = torch.arange(s, device=DEVICE)
+    if mask == "positions":  # each sequence at its own position; keys after it are not read
+        pos = torch.arange(b, device=DEVICE) * 7 % s
+        m = (keys[None, :] <= pos[:, None])[:, None, None, :]
+    elif mask == "float":
+        m = torch.randn(1, s, dtype=dtype, device=DEVICE).masked_fill(keys > s - 9, float("-inf"))
+    else:
+        m = None
+    options = {"decode_attention": True} | ({"choices": FewKeysPerSplit()} if split else {})
+    with torch.no_grad():
+        got, dumps = compile_and_run(attend, q, k, v, m, tmp_path=tmp_path, **options)
+        want = attend(*(x.float() if x is not None and x.is_floating_point() else x for x in (q, k, v, m)))
+    tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got.float(), want, **tol)
+    summary, code = dumps.only()
+    assert "scaled_dot_product" not in code and not summary["extern_calls"], summary["extern_calls"]
+    count(code, "def cf_attn_buf", 1)
+    count(code, "def cf_attn_combine_buf", 1 if split else 0)
+
+
+def test_decode_attention_is_off_until_measured():
+    """Without `config.decode_attention`, the kernel runs only where choices' measured table says
+    it wins; that table is empty until bench/decode_attention.py has measured it on the GPU."""
+    c = cf_choices.Choices()
+    assert not cf_choices.DECODE_ATTENTION_WINS
+    for dev in ("cuda", "cpu"):
+        assert not c.use_decode_attention(torch.device(dev), torch.bfloat16, 8, 32, 8, 2048, 128)
+
+
+def test_decode_attention_leaves_training_to_aten(tmp_path):
+    """Inputs that need gradients keep aten's SDPA (it has a backward), even with the option on."""
+    torch.manual_seed(0)
+    q = torch.randn(1, 4, 1, 16, device=DEVICE, requires_grad=True)
+    k, v = (torch.randn(1, 2, 9, 16, device=DEVICE) for _ in range(2))
+    got, dumps = compile_and_run(attend, q, k, v, None, tmp_path=tmp_path, decode_attention=True)
+    torch.testing.assert_close(got, attend(q, k, v, None))
+    assert "cf_attn" not in dumps.code(dumps.graphs()[0])
