@@ -455,9 +455,9 @@ class Choices:
         world = group_size(request.group) if not why else 0
         if not why and request.collective == "reduce_scatter_tensor" and int(size[0]) % world:
             why = f"dim 0 ({size[0]}) is not a multiple of the {world} ranks"
-        full = request.nbytes * world if request.collective == "all_gather_into_tensor" else request.nbytes
         symm = {"all_gather_into_tensor": "symm_all_gather", "reduce_scatter_tensor": "symm_reduce_scatter"}[request.collective]
         forced = config.comm.gather_scatter
+        full = 0 if why else request.nbytes * (world if request.collective == "all_gather_into_tensor" else 1)
         if why:
             name, reason = "c10d", why
         elif forced != "auto":
