@@ -87,7 +87,8 @@ def _check_code(dump_dir, world):
             assert "rank * 15 + (" in code.split(defn, 1)[1].split("\n@triton", 1)[0]
         else:  # each lane loads from the pointer of the rank that holds its row
             body = code.split(defn, 1)[1].split("\n@triton", 1)[0]
-            assert re.search(rf"tl\.load\(tl\.where\(tmp\d+ == {world - 2}, \w+_peer{world - 2}, \w+_peer{world - 1}\)", body), body
+            assert re.search(rf"tl\.load\(tl\.where\(tmp\d+ == 0, \w+_peer0, .*tl\.where\(tmp\d+ == {world - 2}, "
+                             rf"\w+_peer{world - 2}, \w+_peer{world - 1}\)", body), body
     assert any(k["reduction"] for k in comm_kernels)  # the norm reduces the gathered rows in the comm kernel
 
 
