@@ -241,55 +241,55 @@ def tp_stack_table(rank, world, layers=8, B=8, H=1024, F=4096) -> dict:
 
 
 def gather_scatter_table(sizes, world, group, dev) -> list[dict]:
-    """Per collective and gathered size: ours (symmetric kernel), ours through c10d, NCCL, torch
-    symm_mem's low-contention kernel; the compiler's pick; every output checked against NCCL's."""
+    """Per collective and gathered size: ours (symmetric kernel) and ours through c10d, as
+    `commfuse.tune` times them, NCCL and torch symm_mem's low-contention kernel on an input in
+    place; the compiler's pick; every output checked against NCCL's."""
     from commfuse.choices import Choices
     from commfuse.collectives import CommRequest
+    from commfuse.tune import measure_gather_scatter
     cuda, c10d = dev.type == "cuda", torch.ops._c10d_functional
-    dtype, cols = (torch.bfloat16, 256) if cuda else (torch.float32, 64)
+    dtype = torch.bfloat16 if cuda else torch.float32
     if cuda:
         import torch.distributed._symmetric_memory as symm_mem
         tsym = symm_mem.empty(max(sizes) // dtype.itemsize, dtype=dtype, device=dev)
         symm_mem.rendezvous(tsym, group.group_name)
-    ops = {"all_gather": (lambda x: funcol.all_gather_tensor(x * 2, 0, group), "all_gather_into_tensor",
-                          lambda t: torch.ops.symm_mem._low_contention_all_gather(t, group.group_name)),
-           "reduce_scatter": (lambda x: funcol.reduce_scatter_tensor(x * 2, "sum", 0, group), "reduce_scatter_tensor",
-                              lambda t: torch.ops.symm_mem._low_contention_reduce_scatter(t, "sum", group.group_name))}
-    rows = []
-    for collective, (fn, op, torch_op) in ops.items():
-        for nbytes in sizes:
-            n = nbytes // dtype.itemsize // cols  # rows of the gathered tensor
-            assert n % world == 0, (nbytes, world)
-            x = torch.randn(n // world if collective == "all_gather" else n, cols, device=dev, dtype=dtype)
-            want = fn(x)  # NCCL (gloo on CPU)
-            runs, failed = {}, {}
-            for name, mode in (("ours", "symmetric"), ("ours c10d", "c10d")):
-                torch._dynamo.reset()
-                compiled = torch.compile(fn, backend="commfuse", dynamic=False, options={"comm.gather_scatter": mode})
-                torch.testing.assert_close(compiled(x).float(), want.float(), atol=5e-2, rtol=5e-2, msg=f"{name} {collective}")
-                runs[name] = functools.partial(compiled, x)
-            y = x * 2
-            out = torch.empty_like(want)
-            runs["NCCL"] = (lambda: dist.all_gather_into_tensor(out, y, group=group)) if collective == "all_gather" else \
-                (lambda: dist.reduce_scatter_tensor(out, y, group=group))
-            if cuda:  # its input already in symmetric memory, as ours is
-                t = tsym[: y.numel()].view_as(y)
-                t.copy_(y)
-                runs["torch symm_mem"] = lambda t=t: c10d.wait_tensor(torch_op(t))
-                try:
-                    torch.testing.assert_close(runs["torch symm_mem"]().float(), want.float(), atol=5e-2, rtol=5e-2)
-                except Exception as e:
-                    failed["torch symm_mem"] = e
-                    del runs["torch symm_mem"]
-            row = {"collective": collective, "bytes": nbytes, **dict.fromkeys(("ours", "ours c10d", "NCCL", "torch symm_mem"))}
-            row.update(interleaved_times_us(runs, failed=failed) if cuda else {k: cpu_time_us(f) for k, f in runs.items()})
-            for name, e in failed.items():
-                if dist.get_rank() == 0:
-                    print(f"{name} {collective} at {nbytes} B: {type(e).__name__}: {e}", file=sys.stderr)
-            plan = Choices().gather_scatter_plan(CommRequest(op, "" if collective == "all_gather" else "sum",
-                                                             group.group_name, dtype, dev, tuple(x.shape)))
-            row["auto pick"] = plan.algorithm.name
-            rows.append(row)
+    torch_ops = {"all_gather_into_tensor": lambda t: torch.ops.symm_mem._low_contention_all_gather(t, group.group_name),
+                 "reduce_scatter_tensor": lambda t: torch.ops.symm_mem._low_contention_reduce_scatter(t, "sum", group.group_name)}
+    failed, picks = {}, {}
+
+    def extra(op, x, want):
+        y, out = x * 2, torch.empty_like(want)
+        runs = {"NCCL": (lambda: dist.all_gather_into_tensor(out, y, group=group)) if op == "all_gather_into_tensor"
+                else (lambda: dist.reduce_scatter_tensor(out, y, group=group))}
+        plan = Choices().gather_scatter_plan(CommRequest(op, "" if op == "all_gather_into_tensor" else "sum",
+                                                         group.group_name, dtype, dev, tuple(x.shape)))
+        picks[op, max(x.numel(), want.numel()) * dtype.itemsize] = plan.algorithm.name  # by the gathered size
+        if cuda:  # its input already in symmetric memory, as ours is
+            t = tsym[: y.numel()].view_as(y)
+            t.copy_(y)
+            try:
+                torch.testing.assert_close(c10d.wait_tensor(torch_ops[op](t)).float(), want.float(), atol=5e-2, rtol=5e-2)
+                runs["torch symm_mem"] = lambda: c10d.wait_tensor(torch_ops[op](t))
+            except Exception as e:
+                failed[f"torch symm_mem {op} {y.numel() * dtype.itemsize} B"] = e
+        return runs
+
+    def timer(runs):
+        if not cuda:
+            return {k: cpu_time_us(f) for k, f in runs.items()}
+        errors = {}
+        times = interleaved_times_us(runs, failed=errors)
+        failed.update({f"{k} {sorted(runs)}": e for k, e in errors.items()})
+        return times
+    names = {"symm_all_gather": "ours", "symm_reduce_scatter": "ours", "c10d": "ours c10d"}
+    measured = measure_gather_scatter(sizes, dev, dtype, cols=256 if cuda else 64, timer=timer, extra=extra)
+    ops = {"all_gather": "all_gather_into_tensor", "reduce_scatter": "reduce_scatter_tensor"}
+    rows = [{"collective": section, "auto pick": picks[ops[section], r["bytes"]],
+             **dict.fromkeys(("ours", "ours c10d", "NCCL", "torch symm_mem")), **{names.get(k, k): v for k, v in r.items()}}
+            for section, measured_rows in measured.items() for r in measured_rows]
+    if dist.get_rank() == 0:
+        for what, e in failed.items():
+            print(f"{what}: {type(e).__name__}: {e}", file=sys.stderr)
     return rows
 
 

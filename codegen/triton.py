@@ -308,7 +308,12 @@ class TritonKernel:
         self._join_comm(name)
         assert name not in self.values, "an all-gather's input is written by an earlier kernel"
         ptrs = [self.arg(comm_codegen.peer_arg(name, r)) for r in range(self.comm.world)]
-        who = self.newvar(self.index_str(peer), torch.int32)
+        peer = self.simplify_index(peer)
+        rows = peer.args[1] if isinstance(peer, sizevars.FloorDiv) and peer.args[0] == XSYM else None
+        if rows is not None and not self.tiled and rows.is_Integer and int(rows) % self.kernel_shape.blocks["XBLOCK"] == 0:
+            who = "(xoffset // " + str(rows) + ")"  # one rank per block: a uniform pointer, loads stay vectorized
+        else:
+            who = self.newvar(self.index_str(peer), torch.int32)
         ptr = functools.reduce(lambda p, r: f"tl.where({who} == {r}, {ptrs[r]}, {p})", range(len(ptrs) - 2, -1, -1), ptrs[-1])
         dtype = V.graph.get_dtype(name)
         cast = ".to(tl.float32)" if compute_dtype(dtype) != dtype else ""

@@ -60,9 +60,7 @@ class RecordingOps:
         # peers' copies: never taken from the producer's registers, nor recomputed elsewhere
         # (a reduce-scatter's `shard`: each rank reads its own shard, `rank * shard` on)
         self.reads.append(MemoryAccess(name, index, indirect=True, peer=True))
-        if shard:
-            return self._emit("peer_reduce({}, {}, {}, shard={})", name, index, reduce_op, shard)
-        return self._emit("peer_reduce({}, {}, {})", name, index, reduce_op)
+        return self._emit("peer_reduce({}, {}, {}" + (", shard={})" if shard else "{})"), name, index, reduce_op, shard or "")
 
     def peer_load(self, name, index, peer):  # an all-gather's element: peer `peer`'s copy at `index`
         self.reads.append(MemoryAccess(name, index, indirect=True, peer=True))

@@ -21,9 +21,9 @@ import torch
 
 from commfuse import ir, sizevars
 from commfuse.choices import group_size
-from commfuse.sizevars import FloorDiv, Mod
 from commfuse.collectives import CommPlan, CommRequest, algorithm
 from commfuse.ir import Pointwise, TensorBox
+from commfuse.sizevars import FloorDiv, Mod
 from commfuse.virtualized import V, ops
 
 from . import register

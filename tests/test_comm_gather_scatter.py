@@ -20,14 +20,16 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 3e-3}
 
 
-def _gathers_and_scatters(rank, world, dump_dir):
+def _gathers_and_scatters(rank, world, dump_dir, small_blocks=False):
     """One graph: per dtype, an all-gather between a pointwise producer and consumer, one feeding a
-    row norm, and a sum and an avg reduce-scatter, at 7 x 5 (3 x 5) per rank."""
+    row norm, and a sum and an avg reduce-scatter, at 7 x 5 (3 x 5) per rank; then an all-gather of
+    8 x 4, whose every block lies in one rank's shard when blocks are 32 elements (`small_blocks`,
+    also two programs striding over several blocks each)."""
     import torch.distributed._functional_collectives as funcol
     g = dist.group.WORLD
 
     def fn(*xs):
-        out = []
+        out = [funcol.all_gather_tensor(xs[-1].abs(), 0, g) * 3]
         for x, y in zip(xs[::2], xs[1::2]):
             out.append(funcol.all_gather_tensor(x * 2, 0, g) + 1)
             gathered = funcol.all_gather_tensor(x - 1, 0, g).float()
@@ -37,7 +39,7 @@ def _gathers_and_scatters(rank, world, dump_dir):
         return out
 
     def reference(*xs):  # eager, with avg as sum / world (gloo has no avg)
-        out = []
+        out = [funcol.all_gather_tensor(xs[-1].abs(), 0, g) * 3]
         for x, y in zip(xs[::2], xs[1::2]):
             out.append(funcol.all_gather_tensor(x * 2, 0, g) + 1)
             gathered = funcol.all_gather_tensor(x - 1, 0, g).float()
@@ -48,25 +50,27 @@ def _gathers_and_scatters(rank, world, dump_dir):
     torch.manual_seed(rank)
     xs = [t for d in DTYPES for t in (torch.randn(7, 5, device=device(), dtype=d),
                                        torch.randn(3 * world, 5, device=device(), dtype=d))]
+    xs.append(torch.randn(8, 4, device=device()))
     torch._dynamo.reset()
-    with config.patch(dump_dir=dump_dir):
+    with config.patch({"dump_dir": dump_dir, **({"comm.block": 32, "comm.bulk_block": 32, "comm.max_programs": 2} if small_blocks else {})}):
         got = torch.compile(fn, backend="commfuse", dynamic=False)(*xs)
     want = reference(*xs)
     for i, (o, r) in enumerate(zip(got, want)):
-        d = DTYPES[i // 4]
+        d = DTYPES[(i - 1) // 4] if i else torch.float32
         assert o.dtype == r.dtype and o.shape == r.shape, (i, o.dtype, r.dtype, o.shape, r.shape)
         torch.testing.assert_close(o.float(), r.float(), atol=TOL[d], rtol=TOL[d], msg=f"output {i} ({d})")
     return True
 
 
-def _check_code(dump_dir, world):
+def _check_code(dump_dir, world, small_blocks=False):
     (path,) = glob.glob(f"{dump_dir}/rank0/*/summary.json")
     s = json.load(open(path))
     code = open(os.path.join(os.path.dirname(path), "output_code.py")).read()
     # no c10d extern: every collective is a plan of ours, which names its algorithm
     assert not [c for c in s["extern_calls"] if "c10d" in c] and not s["comm_fallbacks"], s["extern_calls"]
     plans = s["comm_plans"]
-    assert [(p["collective"], p["reduce_op"], p["algorithm"]) for p in plans] == len(DTYPES) * (
+    assert [(p["collective"], p["reduce_op"], p["algorithm"]) for p in plans] == [
+        ("all_gather_into_tensor", "", "symm_all_gather")] + len(DTYPES) * (
         [("all_gather_into_tensor", "", "symm_all_gather")] * 2 +
         [("reduce_scatter_tensor", op, "symm_reduce_scatter") for op in ("sum", "avg")]), plans
     assert all(p["world"] == world and "gather_scatter_max_bytes" in p["reason"] for p in plans), plans
@@ -87,7 +91,10 @@ def _check_code(dump_dir, world):
             assert "rank * 15 + (" in code.split(defn, 1)[1].split("\n@triton", 1)[0]
         else:  # each lane loads from the pointer of the rank that holds its row
             body = code.split(defn, 1)[1].split("\n@triton", 1)[0]
-            select = "".join(rf"tl\.where\(tmp\d+ == {r}, \w+_peer{r}, " for r in range(world - 1))
+            # (one pointer per block where the block lies in one rank's shard)
+            uniform = small_blocks and p is plans[0]
+            who = r"\(xoffset // 32\)" if uniform else r"tmp\d+"
+            select = "".join(rf"tl\.where\({who} == {r}, \w+_peer{r}, " for r in range(world - 1))
             assert re.search(rf"tl\.load\({select}\w+_peer{world - 1}\){{{world - 1}}} \+ ", body), body
     assert any(k["reduction"] for k in comm_kernels)  # the norm reduces the gathered rows in the comm kernel
 
@@ -131,8 +138,8 @@ def test_all_gather_and_reduce_scatter_two_ranks(tmp_path):
 
 
 def test_all_gather_and_reduce_scatter_four_ranks(tmp_path):
-    run_ranks(_gathers_and_scatters, 4, args=(str(tmp_path),))
-    _check_code(tmp_path, 4)
+    run_ranks(_gathers_and_scatters, 4, args=(str(tmp_path), True))
+    _check_code(tmp_path, 4, small_blocks=True)
 
 
 @pytest.mark.parametrize("collective", ["all_gather_into_tensor", "reduce_scatter_tensor"])
