@@ -16,6 +16,13 @@
    algorithms forced, Inductor with auto_select, and NCCL + Inductor's fused norm; the variants are
    timed in interleaved rounds, so that they see the same drift.
 4. An L-layer TP MLP stack, forward + backward: step time and planned comm-buffer bytes.
+5. All-gather and reduce-scatter (sum) latency under CUDA graphs, bf16, 4 KiB ... 64 MiB gathered:
+   `x * 2` then the collective, compiled by commfuse with its symmetric-memory kernel forced ("ours":
+   the producer writes the comm buffer, the collective is one fused kernel) and with its c10d plan
+   forced (the producer's kernel, then NCCL), against NCCL and torch symm_mem's low-contention
+   (copy-engine) kernels on an input already in place; every output checked against NCCL's.
+   `--only-gather` runs this table alone; `--cpu` runs it on gloo ranks (Triton's interpreter,
+   4 and 16 KiB, wall-clock loops), a check that the path runs rather than a measurement.
 Set NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 (multicast stays off).
 """
 from __future__ import annotations
@@ -25,6 +32,7 @@ import functools
 import json
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import commfuse  # noqa: E402,F401
@@ -232,6 +240,91 @@ def tp_stack_table(rank, world, layers=8, B=8, H=1024, F=4096) -> dict:
     return out
 
 
+def gather_scatter_table(sizes, world, group, dev) -> list[dict]:
+    """Per collective and gathered size: ours (symmetric kernel) and ours through c10d, as
+    `commfuse.tune` times them, NCCL and torch symm_mem's low-contention kernel on an input in
+    place; the compiler's pick; every output checked against NCCL's."""
+    from commfuse.choices import Choices
+    from commfuse.collectives import CommRequest
+    from commfuse.tune import measure_gather_scatter
+    cuda, c10d = dev.type == "cuda", torch.ops._c10d_functional
+    dtype = torch.bfloat16 if cuda else torch.float32
+    if cuda:
+        import torch.distributed._symmetric_memory as symm_mem
+        tsym = symm_mem.empty(max(sizes) // dtype.itemsize, dtype=dtype, device=dev)
+        symm_mem.rendezvous(tsym, group.group_name)
+    torch_ops = {"all_gather_into_tensor": lambda t: torch.ops.symm_mem._low_contention_all_gather(t, group.group_name),
+                 "reduce_scatter_tensor": lambda t: torch.ops.symm_mem._low_contention_reduce_scatter(t, "sum", group.group_name)}
+    failed, picks = {}, {}
+
+    def extra(op, x, want):
+        y, out = x * 2, torch.empty_like(want)
+        runs = {"NCCL": (lambda: dist.all_gather_into_tensor(out, y, group=group)) if op == "all_gather_into_tensor"
+                else (lambda: dist.reduce_scatter_tensor(out, y, group=group))}
+        plan = Choices().gather_scatter_plan(CommRequest(op, "" if op == "all_gather_into_tensor" else "sum",
+                                                         group.group_name, dtype, dev, tuple(x.shape)))
+        picks[op, max(x.numel(), want.numel()) * dtype.itemsize] = plan.algorithm.name  # by the gathered size
+        if cuda:  # its input already in symmetric memory, as ours is
+            t = tsym[: y.numel()].view_as(y)
+            t.copy_(y)
+            try:
+                torch.testing.assert_close(c10d.wait_tensor(torch_ops[op](t)).float(), want.float(), atol=5e-2, rtol=5e-2)
+                runs["torch symm_mem"] = lambda: c10d.wait_tensor(torch_ops[op](t))
+            except Exception as e:
+                failed[f"torch symm_mem {op} {y.numel() * dtype.itemsize} B"] = e
+        return runs
+
+    def timer(runs):
+        if not cuda:
+            return {k: cpu_time_us(f) for k, f in runs.items()}
+        errors = {}
+        times = interleaved_times_us(runs, failed=errors)
+        for k, e in errors.items():  # no CUDA graph (torch's kernels fork a stream): a plain loop, marked
+            failed[f"{k}: CUDA graph capture, timed in a loop instead"] = e
+            times[k] = loop_time_us(runs[k])
+            times.setdefault("looped", []).append(names.get(k, k))
+        return times
+    names = {"symm_all_gather": "ours", "symm_reduce_scatter": "ours", "c10d": "ours c10d"}
+    measured = measure_gather_scatter(sizes, dev, dtype, cols=256 if cuda else 64, timer=timer, extra=extra)
+    ops = {"all_gather": "all_gather_into_tensor", "reduce_scatter": "reduce_scatter_tensor"}
+    rows = [{"collective": section, "auto pick": picks[ops[section], r["bytes"]],
+             **dict.fromkeys(("ours", "ours c10d", "NCCL", "torch symm_mem")), **{names.get(k, k): v for k, v in r.items()}}
+            for section, measured_rows in measured.items() for r in measured_rows]
+    if dist.get_rank() == 0:
+        for what, e in failed.items():
+            print(f"{what}: {type(e).__name__}: {e}", file=sys.stderr)
+    return rows
+
+
+def cpu_time_us(fn, iters=3, reps=3) -> float:
+    """Median µs per call over `reps` loops of `iters` calls, the ranks meeting before each."""
+    fn()
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        times.append((time.perf_counter() - t0) * 1e6 / iters)
+    return sorted(times)[len(times) // 2]
+
+
+def gather_scatter_lines(rows, world, name) -> list[str]:
+    cols = ("ours", "ours c10d", "NCCL", "torch symm_mem")
+    lines = [f"All-gather and reduce-scatter (sum) latency, {world}x {name}, size of the gathered tensor, after a "
+             "pointwise producer (µs per call; ours and ours c10d include the producer's pass, NCCL and torch "
+             "symm_mem start from their input in place); c10d / ours: commfuse's two plans compared:", "",
+             "| collective | size | " + " | ".join(cols) + " | c10d / ours | auto picks |", "|---" * (len(cols) + 4) + "|"]
+    for r in rows:
+        ratio = f"{r['ours c10d'] / r['ours']:.2f}" if r["ours"] and r["ours c10d"] else "—"
+        size = f"{r['bytes'] >> 10} KiB" if r["bytes"] < 1 << 20 else f"{r['bytes'] >> 20} MiB"
+        lines.append(f"| {r['collective']} | {size} | " + " | ".join(fmt(r[k]) + "*" * (k in r.get("looped", ()))
+                                                                   for k in cols) + f" | {ratio} | {r['auto pick']} |")
+    if any(r.get("looped") for r in rows):
+        lines += ["", "\\* timed in a plain loop (host overhead included): its CUDA graph capture failed"]
+    return lines
+
+
 def fmt(v):
     return "—" if v is None else f"{v:.1f}"
 
@@ -245,18 +338,38 @@ def main():
     ap.add_argument("--only-norm", action="store_true", help="only the all-reduce + RMSNorm table")
     ap.add_argument("--only-stack", action="store_true", help="only the L-layer TP stack (planning)")
     ap.add_argument("--only-ar", action="store_true", help="only the all-reduce latency table")
+    ap.add_argument("--only-gather", action="store_true", help="only the all-gather / reduce-scatter table")
+    ap.add_argument("--skip-gather", action="store_true", help="no all-gather / reduce-scatter table")
+    ap.add_argument("--cpu", action="store_true", help="gloo ranks, the all-gather / reduce-scatter table only")
     args = ap.parse_args()
     rank = int(os.environ["RANK"])
-    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl")
+    if not args.cpu:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("gloo" if args.cpu else "nccl")
     world = dist.get_world_size()
     group = dist.group.WORLD
     sizes = [4 << 10 << i for i in range(0, 15) if (4 << 10 << i) <= args.max_mib << 20]
+    if args.cpu or args.only_gather:
+        dev = torch.device("cpu") if args.cpu else torch.device("cuda", torch.cuda.current_device())
+        rows = gather_scatter_table([4 << 10, 16 << 10] if args.cpu else sizes, world, group, dev)
+        if rank == 0:
+            text = "\n".join(gather_scatter_lines(rows, world, "CPU (gloo)" if args.cpu else torch.cuda.get_device_name()))
+            print(text)
+            if args.out:
+                with open(args.out, "w") as f:
+                    f.write(text + "\n")
+                with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
+                    json.dump({"gather_scatter": rows, "world": world}, f, indent=1)
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     only = args.only_norm or args.only_stack or args.only_ar
     ar = [] if only and not args.only_ar or args.skip_ar else all_reduce_table(sizes, rank, world, group)
     dec = [] if args.skip_decode or only else decode_table(rank, world, group)
     norm = [] if args.only_stack or args.only_ar else ar_norm_table(rank, world, group)
     stack = tp_stack_table(rank, world) if args.only_stack or not only else None
+    dev = torch.device("cuda", torch.cuda.current_device())
+    gs = [] if only or args.skip_gather else gather_scatter_table(sizes, world, group, dev)
     if rank == 0:
         name = torch.cuda.get_device_name()
         cols = ("ours one-shot", "ours two-shot", "ours auto", "torch one_shot", "torch two_shot", "NCCL")
@@ -287,13 +400,16 @@ def main():
             lines += ["", f"{stack['layers']}-layer TP MLP stack, forward + backward, {world}x {name} "
                           f"(B={stack['B']}, H={stack['H']}, F={stack['F']}/{world}, bf16):", ""]
             lines += [f"- {k}: {fmt(v) if isinstance(v, float) else v}" for k, v in stack.items()]
+        if gs:
+            lines += [""] + gather_scatter_lines(gs, world, name)
         text = "\n".join(lines)
         print(text)
         if args.out:
             with open(args.out, "w") as f:
                 f.write(text + "\n")
             with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
-                json.dump({"all_reduce": ar, "decode": dec, "ar_norm": norm, "tp_stack": stack, "device": name, "world": world}, f, indent=1)
+                json.dump({"all_reduce": ar, "decode": dec, "ar_norm": norm, "tp_stack": stack, "gather_scatter": gs,
+                           "device": name, "world": world}, f, indent=1)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -268,8 +268,9 @@ class TritonKernel:
         self.cur.body.writeline(line)
         return value
 
-    def peer_reduce(self, name: str, index: sympy.Expr, reduce_op: str) -> Var:
-        """Every rank's copy of comm buffer `name` at `index`, combined: an all-reduce element."""
+    def _join_comm(self, name: str):
+        """The plan of comm buffer `name`, whose peers' copies this kernel reads: it synchronizes
+        with the ranks of the plan's group."""
         plan = V.graph.comm_plan(name)
         if self.comm is None:
             self.comm = comm_codegen.KernelComm(plan.group, plan.world)
@@ -278,14 +279,46 @@ class TritonKernel:
         assert self.comm.group == plan.group, "one process group per kernel"
         if name not in self.values:
             self.reads_outside_peers = True
+        return plan
+
+    def peer_reduce(self, name: str, index: sympy.Expr, reduce_op: str, shard=0) -> Var:
+        """Every rank's copy of comm buffer `name` at `index`, combined: an all-reduce element; with
+        `shard`, at `rank * shard + index`: this rank's element of a reduce-scatter."""
+        plan = self._join_comm(name)
         if plan.algorithm.gathers_shares:
             return self._gather_share(name, index, reduce_op)
         if name in self.values and name not in self.published:
+            assert not shard, "a reduce-scatter's input is written by an earlier kernel"
             # the prologue wrote our copy in this kernel: publish it before anyone reads
             self.comm.barrier(self.cur.body, self.args, release=True)
             self.published |= {n for n in self.values if V.graph.comm_plan(n)}
-        loads = self._peer_loads(name, self.index_str(index), lambda r: self.mask())
+        idx = self.index_str(index)
+        if shard:
+            idx = f"{self._rank_value()} * {shard} + ({idx})"
+        loads = self._peer_loads(name, idx, lambda r: self.mask())
         return self.newvar(comm_codegen.combine(loads, reduce_op, self.comm.world), V.graph.get_dtype(name))
+
+    def _rank_value(self) -> str:
+        """This rank in the group, wide enough for the kernel's indices (a specialized 1 is a constexpr)."""
+        rank = self.args["@rank"]
+        return f"tl.full([], {rank}, tl.int64)" if self.int64 else rank
+
+    def peer_load(self, name: str, index: sympy.Expr, peer: sympy.Expr) -> Var:
+        """Rank `peer`'s copy of comm buffer `name` at `index`: an all-gather element. Each lane
+        picks its peer's pointer, so one load per element, whichever rank holds it."""
+        self._join_comm(name)
+        assert name not in self.values, "an all-gather's input is written by an earlier kernel"
+        ptrs = [self.arg(comm_codegen.peer_arg(name, r)) for r in range(self.comm.world)]
+        peer = self.simplify_index(peer)
+        rows = peer.args[1] if isinstance(peer, sizevars.FloorDiv) and peer.args[0] == XSYM else None
+        if rows is not None and not self.tiled and rows.is_Integer and int(rows) % self.kernel_shape.blocks["XBLOCK"] == 0:
+            who = "(xoffset // " + str(rows) + ")"  # one rank per block: a uniform pointer, loads stay vectorized
+        else:
+            who = self.newvar(self.index_str(peer), torch.int32)
+        ptr = functools.reduce(lambda p, r: f"tl.where({who} == {r}, {ptrs[r]}, {p})", range(len(ptrs) - 2, -1, -1), ptrs[-1])
+        dtype = V.graph.get_dtype(name)
+        cast = ".to(tl.float32)" if compute_dtype(dtype) != dtype else ""
+        return self.newvar(f"tl.load({ptr} + ({self.index_str(index)}), {self.mask()}, other=0){cast}", dtype)
 
     def _peer_loads(self, name: str, idx: str, mask_of) -> list[str]:
         """Every rank's copy of comm buffer `name` at `idx` (as fp32), rank r's under `mask_of(r)`."""

@@ -72,8 +72,11 @@ class TritonOps:
     def store_reduction(self, name, index, value):
         return self.k.store_reduction(name, index, value)
 
-    def peer_reduce(self, name, index, reduce_op):
-        return self.k.peer_reduce(name, index, reduce_op)
+    def peer_reduce(self, name, index, reduce_op, shard=0):
+        return self.k.peer_reduce(name, index, reduce_op, shard)
+
+    def peer_load(self, name, index, peer):
+        return self.k.peer_load(name, index, peer)
 
     # values
     def constant(self, value, dtype):

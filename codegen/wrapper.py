@@ -323,8 +323,9 @@ class WrapperCodegen:
     def kernel(self, grp, step, pool):
         kind = "red" if grp.is_reduction() else "poi"
         plans = [p for p in self.graph.comm_plans if p.result in grp.names]
-        if plans:
-            kind = "allreduce"  # a fused all-reduce with its neighbours
+        if plans:  # a fused collective with its neighbours
+            kind = {"all_gather_into_tensor": "allgather", "reduce_scatter_tensor": "reducescatter"}.get(
+                plans[0].collective, "allreduce")
         ops_names = "_".join(sorted({_short(n) for n in grp.nodes}))[:40]
         name = f"cf_{kind}_{ops_names}_{step}"
         shape = self.sched.kernel_shape(grp)
@@ -365,8 +366,9 @@ class WrapperCodegen:
                 "reduction": grp.is_reduction(), "persistent": meta["persistent"] and not meta["tiled"],
                 "tiled": meta["tiled"], "block_ptrs": meta["block_ptrs"]}
         if comm:
-            info.update(collective="all_reduce", group=comm.group, fused_nodes=len(grp.nodes),
-                        algorithm="two_shot" if plans[0].algorithm.gathers_shares else "one_shot")  # how it reads
+            algo = plans[0].algorithm  # how it reads
+            info.update(collective=plans[0].collective, group=comm.group, fused_nodes=len(grp.nodes),
+                        algorithm="two_shot" if algo.gathers_shares else "one_shot" if algo.collective == "all_reduce" else algo.name)
             self.note_comm_kernel(name, info["algorithm"], blocks["programs"], src, plans,
                                   xnumel=sizevars.hint(X), rnumel=sizevars.hint(R) if meta["reduction"] else None,
                                   XBLOCK=blocks["XBLOCK"], RBLOCK=blocks.get("RBLOCK"),

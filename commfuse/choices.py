@@ -397,7 +397,7 @@ class Choices:
             return "comm lowering disabled by config"
         if cfg.groups is not None and request.group not in cfg.groups:
             return f"group {request.group} not in config.comm.groups"
-        if request.reduce_op not in COMM_REDUCE_OPS:
+        if request.reduce_op not in COMM_REDUCE_OPS and request.collective != "all_gather_into_tensor":
             return f"reduce op {request.reduce_op!r} (supported: {', '.join(COMM_REDUCE_OPS)})"
         if request.dtype not in COMM_DTYPES:
             return f"dtype {request.dtype} (supported: fp32, bf16, fp16)"
@@ -410,7 +410,7 @@ class Choices:
             if not single_host(request.group):
                 return "group spans several hosts (no peer access)"
             if group_size(request.group) == 1:  # the barriers' peer lanes assume a peer
-                return "a group of one rank: no peers to read (c10d's all-reduce is a copy)"
+                return f"a group of one rank: no peers to read (c10d's {request.collective} is a copy)"
         except Exception as e:  # unknown group: c10d will report it properly
             return f"cannot resolve group {request.group}: {e}"
         return ""
@@ -457,13 +457,44 @@ class Choices:
             return "two_shot", "under the built-in two-shot threshold"
         return "c10d", f"{nbytes} bytes over the one-shot threshold and the two-shot threshold for {world} ranks"
 
+    def gather_scatter_plan(self, request: CommRequest) -> CommPlan:
+        """An all-gather (along dim 0) or a reduce-scatter (of dim 0): c10d where symmetric memory
+        cannot run it or `config.comm.gather_scatter` says so; else the tuned table's choice for
+        the gathered tensor's bytes where it measured this collective; else the symmetric kernel
+        up to `comm.gather_scatter_max_bytes` per rank. That cap is a guess, not a measurement:
+        each rank pulls the W shards over its links in one kernel, whose barriers cost a few µs
+        (what NCCL's launch costs), while at large sizes NCCL's ring keeps every link busier."""
+        why = self.comm_ineligible(request)
+        size = request.size
+        if not why and (not size or int(size[0]) == 0 or sizevars.product(size) == 0):
+            why = "an empty or 0-d tensor"
+        world = group_size(request.group) if not why else 0
+        if not why and request.collective == "reduce_scatter_tensor" and int(size[0]) % world:
+            why = f"dim 0 ({size[0]}) is not a multiple of the {world} ranks"
+        symm = {"all_gather_into_tensor": "symm_all_gather", "reduce_scatter_tensor": "symm_reduce_scatter"}[request.collective]
+        forced = config.comm.gather_scatter
+        full = 0 if why else request.nbytes * (world if request.collective == "all_gather_into_tensor" else 1)
+        if why:
+            name, reason = "c10d", why
+        elif forced != "auto":
+            name, reason = (symm if forced == "symmetric" else "c10d"), "forced by config.comm.gather_scatter"
+        elif (best := lookup(world, full, request.device, collective=request.collective)) is not None:
+            name, reason = best[0], f"{best[0]} is fastest at {full} bytes in {best[1]}"
+        elif full // world <= config.comm.gather_scatter_max_bytes:
+            name, reason = symm, (f"{full // world} bytes per rank, under comm.gather_scatter_max_bytes (no table "
+                                  "measured this collective here: a conservative cap)")
+        else:
+            name, reason = "c10d", (f"{full // world} bytes per rank, over comm.gather_scatter_max_bytes (no table "
+                                    "measured this collective here)")
+        return CommPlan(request.collective, request.group, world, request.reduce_op, algorithm(name), reason)
+
     def all_reduce_with_epilogue(self, world: int, rows: int, nbytes: int, device, current: str,
                                  prologue: bool, row_numel: int) -> tuple[str, str] | None:
         """The symmetric-memory algorithm for an all-reduce whose rows (of `row_numel` elements)
         feed a fused row reduction (a norm), from the table's fused measurements (`prologue`: its
         input's producer is pointwise, so one-shot can fuse it too); None keeps `current` (forced by
         config, not fused, or no such measurements: the choice for the all-reduce alone stands)."""
-        if config.comm.algorithm != "auto" or not ALGORITHMS[current].fused:
+        if config.comm.algorithm != "auto" or not ALGORITHMS[current].fused or ALGORITHMS[current].collective != "all_reduce":
             return None
         best = lookup(world, nbytes, device, rows=rows, prologue=prologue)
         if best is None or best[0] not in ALGORITHMS or not ALGORITHMS[best[0]].fused:

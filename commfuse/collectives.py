@@ -1,7 +1,7 @@
 """Each collective is decided once, into a `CommPlan`: its group, its algorithm and why.
 
-Lowering asks policy (`V.choices.all_reduce_plan`) while it still places the input, so that the
-producer of a symmetric-memory algorithm writes straight into the pool. An all-reduce whose rows
+Lowering asks policy (`V.choices.all_reduce_plan`, `V.choices.gather_scatter_plan`) while it still
+places the input, so that the producer of a symmetric-memory algorithm writes straight into the pool. An all-reduce whose rows
 feed a norm is asked once more before fusion, from the fused measurements (the scheduler's
 `choose_comm_algorithms`); nothing decides it after that. Codegen renders the plan, the wrapper
 places its buffer, and the dumps print it (`summary.json`: `comm_plans`).
@@ -43,10 +43,12 @@ class CommRequest:
 @dataclasses.dataclass(frozen=True)
 class CommAlgorithm:
     """How an algorithm lowers and renders. Fused algorithms become a loop body that reads the
-    peers' copies (`ops.peer_reduce`), which codegen/triton.py renders inside the fused kernel of
-    its consumers; the others become a `CommKernel` that the wrapper launches (`kernel`: standalone
-    Triton source, also what `commfuse.tune` times) or calls (`call`: one line of the wrapper)."""
+    peers' copies (`ops.peer_reduce`; an all-gather's `ops.peer_load`), which codegen/triton.py
+    renders inside the fused kernel of its consumers; the others become a `CommKernel` that the
+    wrapper launches (`kernel`: standalone Triton source, also what `commfuse.tune` times) or calls
+    (`call`: one line of the wrapper)."""
     name: str
+    collective: str = "all_reduce"  # the `_c10d_functional` op it implements ("" : any, as c10d)
     symmetric: bool = True        # the input lives in the group's symmetric pool (peers read it)
     fused: bool = False           # consumers fuse into its loop body (not when it runs in place)
     prologue: bool = False        # ... and so does the input's pointwise producer
@@ -85,7 +87,8 @@ ALGORITHMS: dict[str, CommAlgorithm] = {}
 
 def register_algorithm(algorithm: CommAlgorithm) -> CommAlgorithm:
     ALGORITHMS[algorithm.name] = algorithm
-    config.add_choice("comm.algorithm", algorithm.name)  # config.comm.algorithm may force it
+    if algorithm.collective in ("all_reduce", ""):
+        config.add_choice("comm.algorithm", algorithm.name)  # config.comm.algorithm may force it
     return algorithm
 
 
@@ -93,7 +96,7 @@ def algorithm(name: str) -> CommAlgorithm:
     try:
         return ALGORITHMS[name]
     except KeyError:
-        raise ValueError(f"commfuse: unknown all-reduce algorithm {name!r}; registered: "
+        raise ValueError(f"commfuse: unknown comm algorithm {name!r}; registered: "
                          f"{', '.join(ALGORITHMS)} (commfuse/collectives.py: register_algorithm)") from None
 
 
@@ -112,4 +115,9 @@ register_algorithm(CommAlgorithm("one_shot_apart", fused=True, kernel=comm_codeg
 register_algorithm(CommAlgorithm("two_shot", fused=True, gathers_shares=True, kernel=comm_codegen.two_shot_all_reduce))
 register_algorithm(CommAlgorithm("torch_one_shot", call=_torch_one_shot, eligible=_cuda_sum))
 # the aten collective, asynchronous, waited on where the graph waits (an extern, not a comm buffer)
-register_algorithm(CommAlgorithm("c10d", symmetric=False))
+register_algorithm(CommAlgorithm("c10d", collective="", symmetric=False))
+# all-gather along dim 0: output element i is peer (i // shard)'s element i % shard, loaded in the
+# kernel of its consumers; reduce-scatter: output element i combines every peer's element
+# rank * shard + i. Each rank pulls from every peer between the fused kernel's barriers.
+register_algorithm(CommAlgorithm("symm_all_gather", collective="all_gather_into_tensor", fused=True))
+register_algorithm(CommAlgorithm("symm_reduce_scatter", collective="reduce_scatter_tensor", fused=True))

@@ -108,6 +108,11 @@ class comm:
     one_shot_max_bytes = {2: 1 << 20, 4: 512 << 10, 8: 256 << 10}
     # built-in thresholds when no tuned table matches: two-shot up to this many bytes
     two_shot_max_bytes = {2: 0, 4: 8 << 20, 8: 8 << 20}
+    # all-gather / reduce-scatter: auto (the table's choice, else the cap below) | symmetric | c10d
+    gather_scatter = "auto"
+    # without a table that measured them: the symmetric-memory kernels up to this many bytes per
+    # rank's shard (larger: c10d); a conservative guess, not a measurement
+    gather_scatter_max_bytes = 1 << 20
     table: str | None = None       # a `commfuse.tune` JSON table (None: the shipped one for this host)
     groups: list | None = None     # only these group names (None: all)
     sum_before_all_reduce = True   # all_reduce(a) + all_reduce(b) as all_reduce(a + b) (comm_sums.py)
@@ -145,14 +150,16 @@ _RULES = (
     ("0 or more", lambda v: v >= 0, ("realize_users_threshold", "realize_reads_threshold", "realize_opcount_threshold",
                                      "realize_acc_reads_threshold", "realize_acc_reads_size_threshold",
                                      "mm_template_max_rows", "pad_rows_min_bytes", "mix_order_min_elements",
-                                     "compile_workers", "comm.one_shot_max_bytes", "comm.two_shot_max_bytes")),
+                                     "compile_workers", "comm.one_shot_max_bytes", "comm.two_shot_max_bytes",
+                                     "comm.gather_scatter_max_bytes")),
     ("a power of 2", lambda v: v > 0 and v & (v - 1) == 0, ("max_block", "comm.block", "comm.bulk_block",
                                                              "comm.num_warps")),  # tl.arange sizes, warps
     ("at most 1024", lambda v: v <= 1024, ("comm.max_programs",)),  # barrier slots
 )
 # the built-in algorithms (collectives.register_algorithm adds any other) and their aliases: seeded
 # here so that the environment, read at import, is checked too
-_ONE_OF = {"comm.algorithm": {"auto", "torch", "one_shot", "one_shot_apart", "two_shot", "torch_one_shot", "c10d"}}
+_ONE_OF = {"comm.algorithm": {"auto", "torch", "one_shot", "one_shot_apart", "two_shot", "torch_one_shot", "c10d"},
+           "comm.gather_scatter": {"auto", "symmetric", "c10d"}}
 # COMMFUSE_ variables of the project's own that are not options (tests, examples, benchmarks)
 _NOT_OPTIONS = ("COMMFUSE_TEST_", "COMMFUSE_EXAMPLE_", "COMMFUSE_BENCH_", "COMMFUSE_OPINFO_")
 

@@ -56,10 +56,15 @@ class RecordingOps:
         self.reads.append(MemoryAccess(name, index, bool(index.free_symbols & self._indirect)))
         return self._emit("load({}, {})", name, index)
 
-    def peer_reduce(self, name, index, reduce_op):
+    def peer_reduce(self, name, index, reduce_op, shard=0):
         # peers' copies: never taken from the producer's registers, nor recomputed elsewhere
+        # (a reduce-scatter's `shard`: each rank reads its own shard, `rank * shard` on)
         self.reads.append(MemoryAccess(name, index, indirect=True, peer=True))
-        return self._emit("peer_reduce({}, {}, {})", name, index, reduce_op)
+        return self._emit("peer_reduce({}, {}, {}" + (", shard={})" if shard else "{})"), name, index, reduce_op, shard or "")
+
+    def peer_load(self, name, index, peer):  # an all-gather's element: peer `peer`'s copy at `index`
+        self.reads.append(MemoryAccess(name, index, indirect=True, peer=True))
+        return self._emit("peer_load({}, {}, peer={})", name, index, peer)
 
     def store(self, name, index, value, mode=None):
         self.writes.append(MemoryAccess(name, index, bool(index.free_symbols & self._indirect)))

@@ -1,7 +1,8 @@
 """`torchrun --nproc-per-node N -m commfuse.tune --out TABLE.json`: time the standalone kernel of
 each registered all-reduce algorithm (commfuse/collectives.py: one-shot, two-shot) and the c10d collective over a grid of sizes on this host, and each
 symmetric-memory algorithm with a residual add and RMSNorm fused over a grid of (rows, hidden),
-under CUDA graphs; write the table the compiler's algorithm choice reads (commfuse/tuned_tables.py)."""
+and the all-gather's and reduce-scatter's symmetric kernel against c10d over the sizes, under CUDA
+graphs; write the table the compiler's algorithm choice reads (commfuse/tuned_tables.py)."""
 from __future__ import annotations
 
 import argparse
@@ -124,6 +125,35 @@ def measure_fused(rows_grid, hiddens, dtype=torch.bfloat16, k=16) -> list[dict]:
     return out
 
 
+def gather_scatter_steps(group) -> dict:
+    """`x * 2`, then the collective (dim 0; sum): what `measure_gather_scatter` times, by op."""
+    return {"all_gather_into_tensor": lambda x: funcol.all_gather_tensor(x * 2, 0, group),
+            "reduce_scatter_tensor": lambda x: funcol.reduce_scatter_tensor(x * 2, "sum", 0, group)}
+
+
+def measure_gather_scatter(sizes, dev, dtype=torch.bfloat16, cols=256, timer=interleaved_times_us, extra=None) -> dict:
+    """Per collective (its table section) and gathered size: `gather_scatter_steps` compiled with
+    the symmetric kernel and with c10d (the producer writes the comm buffer, or NCCL's input),
+    checked against eager and timed side by side, with `extra(op, x, want)`'s runs if given."""
+    world, out = dist.get_world_size(), {}
+    for op, fn in gather_scatter_steps(dist.group.WORLD).items():
+        section, (symm, _) = tuned_tables.SECTIONS[op]
+        for nbytes in sizes:
+            progress(f"{op}, {nbytes} B (compiles each plan)")
+            rows = nbytes // dtype.itemsize // cols
+            assert rows % world == 0, f"{nbytes} B in rows of {cols} do not split over {world} ranks"
+            x = torch.randn(rows // world if op == "all_gather_into_tensor" else rows, cols, device=dev, dtype=dtype)
+            want, runs = fn(x), {}
+            for name, mode in ((symm, "symmetric"), ("c10d", "c10d")):
+                torch._dynamo.reset()
+                compiled = torch.compile(fn, backend="commfuse", dynamic=False, options={"comm.gather_scatter": mode})
+                torch.testing.assert_close(compiled(x).float(), want.float(), atol=5e-2, rtol=5e-2)
+                runs[name] = functools.partial(compiled, x)
+            out.setdefault(section, []).append({"bytes": nbytes, **timer({**runs, **(extra(op, x, want) if extra else {})})})
+    torch._dynamo.reset()
+    return out
+
+
 def _grid(text: str) -> list[int]:
     return [int(v) for v in text.split(",") if v.strip()]
 
@@ -154,16 +184,17 @@ def main(argv=None):
         n *= 2
     rows = measure(sizes)
     fused = measure_fused(args.fused_rows, args.fused_hidden)
+    gathered = measure_gather_scatter(sizes, torch.device("cuda", local_rank))
     if dist.get_rank() == 0:
         table = {"host": {**tuned_tables.host_key(dist.get_world_size(), "cuda"), "link": "nvlink"},
                  "dtype": "bfloat16", "unit": "us, CUDA graphs, median", "measurements": rows,
-                 "fused": fused}
+                 "fused": fused, **gathered}
         with open(args.out, "w") as f:
             json.dump(table, f, indent=1)
-        for r in rows + fused:
-            where = f"{r['bytes']:>10} B" if "bytes" in r else \
+        for r in rows + fused + [dict(r, section=k) for k, v in gathered.items() for r in v]:
+            where = f"{r.get('section', '')} {r['bytes']:>10} B" if "bytes" in r else \
                 f"{r['rows']:>4} x {r['row_bytes']:>6} B + norm{', prologue' if r['prologue'] else ''}"
-            timed = {a: r[a] for a in tuned_tables.ALGORITHMS + tuned_tables.FUSED_ALGORITHMS if a in r}
+            timed = {a: t for a, t in r.items() if a not in ("bytes", "rows", "row_bytes", "prologue", "section")}
             print(f"{where}  " + "  ".join(f"{a} {t:7.1f}" for a, t in timed.items())
                   + f"  -> {min(timed, key=timed.get)}")
     dist.barrier()

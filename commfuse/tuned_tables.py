@@ -3,7 +3,10 @@
 A table is the JSON that `python -m commfuse.tune` writes: the host it was measured on (GPU name,
 world size, link); per size, the latency of each algorithm alone; and per (rows, row bytes), its
 latency with a residual add and RMSNorm fused, whose ranking differs (two-shot wins at fewer
-bytes with a norm in its kernel; a one-row one-shot runs faster with its producer apart). The
+bytes with a norm in its kernel; a one-row one-shot runs faster with its producer apart); and,
+where measured, per size the all-gather's and the reduce-scatter's (`all_gather`, `reduce_scatter`:
+rows like `measurements`, keyed by the gathered tensor's bytes: the all-gather's output, the
+reduce-scatter's input). The
 compiler uses a table only when it matches this host and the size lies within the measured range;
 otherwise choices.py falls back to its built-in thresholds. Tables for shipped hosts live in commfuse/tables/.
 """
@@ -22,6 +25,10 @@ from . import config
 
 ALGORITHMS = ("one_shot", "two_shot", "c10d")       # measured for the all-reduce alone
 FUSED_ALGORITHMS = ("one_shot", "one_shot_apart", "two_shot")  # and with a norm fused (fused algorithms of commfuse/collectives.py)
+# the other collectives: (the table's section, the algorithms measured), by `_c10d_functional` op
+SECTIONS = {"all_reduce": ("measurements", ALGORITHMS),
+            "all_gather_into_tensor": ("all_gather", ("symm_all_gather", "c10d")),
+            "reduce_scatter_tensor": ("reduce_scatter", ("symm_reduce_scatter", "c10d"))}
 log = logging.getLogger("commfuse")
 TABLE_DIR = os.path.join(os.path.dirname(__file__), "tables")
 
@@ -77,10 +84,12 @@ def _nearest(rows: list[dict], point: dict) -> dict | None:
     return min(rows, key=distance)
 
 
-def best_algorithm(table: dict, nbytes: int) -> str | None:
-    """The fastest all-reduce alone at the measured size nearest to `nbytes`, if in range."""
-    row = _nearest(table["measurements"], {"bytes": nbytes})
-    return _fastest(row) if row else None
+def best_algorithm(table: dict, nbytes: int, collective: str = "all_reduce") -> str | None:
+    """The fastest algorithm of the collective alone at the measured size nearest to `nbytes`, if
+    the table measured it and the size is in range."""
+    section, algorithms = SECTIONS[collective]
+    row = _nearest(table.get(section, []), {"bytes": nbytes})
+    return _fastest(row, algorithms) if row else None
 
 
 def best_fused_algorithm(table: dict, rows: int, row_bytes: int, prologue: bool) -> str | None:
@@ -94,12 +103,14 @@ def best_fused_algorithm(table: dict, rows: int, row_bytes: int, prologue: bool)
     return "one_shot" if algo == "one_shot_apart" and not prologue else algo  # nothing to keep apart
 
 
-def lookup(world: int, nbytes: int, device, rows: int | None = None, prologue: bool = False):
-    """(algorithm, table file) from this host's table: for an all-reduce alone, or with a row
-    epilogue fused when `rows` is given (nbytes is then the whole tensor's); None without one."""
+def lookup(world: int, nbytes: int, device, rows: int | None = None, prologue: bool = False,
+           collective: str = "all_reduce"):
+    """(algorithm, table file) from this host's table: for a collective alone, or an all-reduce
+    with a row epilogue fused when `rows` is given (nbytes is then the whole tensor's); None
+    without one."""
     table, path = find_table(world, device)
     if table is None:
         return None
-    algo = best_algorithm(table, nbytes) if rows is None else \
+    algo = best_algorithm(table, nbytes, collective) if rows is None else \
         best_fused_algorithm(table, rows, nbytes // rows, prologue)
     return (algo, os.path.basename(path)) if algo else None

@@ -40,7 +40,7 @@ V = _Context()
 # Every op a loop body may call on `ops`, declared once. The handlers (dependencies.RecordingOps,
 # codegen/triton_ops.TritonOps) implement these names, and `ops` refuses any other.
 OPS = frozenset("""
-    load store store_reduction reduction peer_reduce index_expr indirect_indexing masked
+    load store store_reduction reduction peer_reduce peer_load index_expr indirect_indexing masked
     constant to_dtype where random
     add sub mul truediv floordiv truncdiv remainder fmod pow neg abs square maximum minimum
     fmax fmin relu sign copysign signbit hypot atan2

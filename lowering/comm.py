@@ -8,8 +8,10 @@ lowering time, so the kernel that produces it (a fused Triton kernel, or an exte
 `out=`) writes straight into the persistent pool: no copy in, also through views that only reshape
 it (a row-parallel linear's 2-D mm output viewed back to (batch, seq, hidden)). Values we do not
 produce (graph inputs, other views) get one copy kernel, fused with the pointwise op before it.
-A c10d plan and every other collective run the c10d op asynchronously, waited on where the graph
-waits.
+All-gathers and reduce-scatters (dim 0) are placed the same way and become loop bodies too: an
+all-gather's element reads the one peer that holds it (`ops.peer_load`), a reduce-scatter's
+combines every peer's element of this rank's shard (`ops.peer_reduce` with `shard`). A c10d plan and
+every other collective run the c10d op asynchronously, waited on where the graph waits.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from commfuse import ir, sizevars
 from commfuse.choices import group_size
 from commfuse.collectives import CommPlan, CommRequest, algorithm
 from commfuse.ir import Pointwise, TensorBox
+from commfuse.sizevars import FloorDiv, Mod
 from commfuse.virtualized import V, ops
 
 from . import register
@@ -130,6 +133,45 @@ def all_reduce_(x, reduce_op, group_name):
     return _all_reduce(x, reduce_op, group_name, inplace=True)
 
 
+def _gather_scatter(collective, x, reduce_op, group_name):
+    """All-gather or reduce-scatter along dim 0, as `V.choices.gather_scatter_plan` says: the input
+    placed in the group's pool (written there by its producer), the result a loop body that reads
+    the peers' copies, so that its consumers fuse into the comm kernel."""
+    graph = V.graph
+    size = list(x.get_size())
+    plan = V.choices.gather_scatter_plan(CommRequest(collective, reduce_op, group_name, x.get_dtype(), x.get_device(),
+                                                     tuple(size)))
+    graph.comm_plans.append(plan)
+    if plan.algorithm.name == "c10d":
+        (log.warning if plan.reason.startswith("symbolic size") else log.info)(
+            "commfuse: %s on %s runs through c10d: %s", collective, group_name, plan.reason)
+        raise ir.Declined(f"{collective} runs through c10d: {plan.reason}")
+    buf = place_input(x, plan, through_views=True)
+    name, world, rows = buf.name, plan.world, int(size[0])
+    layout = ir.contiguous_layout(x.get_device(), x.get_dtype(), size)  # the buffer, element for element x
+    if collective == "all_gather_into_tensor":  # row i of the result: peer i // rows's row i % rows
+        out = [rows * world] + size[1:]
+        fn = lambda idx: ops.peer_load(name, layout.index([Mod(idx[0], rows)] + list(idx[1:])),  # noqa: E731
+                                       FloorDiv(idx[0], rows))
+    else:  # row i of the result: row rank * rows / world + i, combined over the peers
+        out = [rows // world] + size[1:]
+        shard = sizevars.product(out)
+        fn = lambda idx: ops.peer_reduce(name, layout.index(idx), reduce_op, shard)  # noqa: E731
+    result = TensorBox(Pointwise(x.get_device(), x.get_dtype(), fn, out))
+    plan.result = result.realize().name
+    return result
+
+
+@register(c10d.all_gather_into_tensor.default)
+def all_gather_into_tensor(x, group_size, group_name):
+    return _gather_scatter("all_gather_into_tensor", x, "", group_name)
+
+
+@register(c10d.reduce_scatter_tensor.default)
+def reduce_scatter_tensor(x, reduce_op, group_size, group_name):
+    return _gather_scatter("reduce_scatter_tensor", x, reduce_op, group_name)
+
+
 @register(c10d.wait_tensor.default)
 def wait_tensor(x):
     """Our comm kernels are ordered on the stream: nothing to wait for."""
@@ -149,14 +191,14 @@ def _through_c10d(name: str):
             world = group_size(group)
         except Exception:  # a group this process cannot resolve: the op itself will say so
             world = 0
-        why = f"commfuse generates all-reduce kernels only: {name} runs through c10d"
+        why = f"commfuse has no kernel for {name}: it runs through c10d"
         V.graph.comm_plans.append(CommPlan(name, group, world, reduce_op, algorithm("c10d"), why))
         raise ir.Declined(why)
     return lower
 
 
-for _name in ("all_gather_into_tensor", "all_gather_into_tensor_out", "all_gather_into_tensor_coalesced",
-              "reduce_scatter_tensor", "reduce_scatter_tensor_out", "reduce_scatter_tensor_coalesced",
+for _name in ("all_gather_into_tensor_out", "all_gather_into_tensor_coalesced",
+              "reduce_scatter_tensor_out", "reduce_scatter_tensor_coalesced",
               "all_reduce_coalesced", "all_reduce_coalesced_", "all_to_all_single", "broadcast", "broadcast_"):
     if hasattr(c10d, _name):
         register(getattr(c10d, _name).default)(_through_c10d(_name))

@@ -65,5 +65,5 @@ def test_a_registered_algorithm_chosen_by_a_policy_subclass(tmp_path):
 
 def test_an_unknown_algorithm_is_a_clear_error():
     from commfuse.collectives import algorithm
-    with pytest.raises(ValueError, match="unknown all-reduce algorithm 'three_shot'; registered: one_shot"):
+    with pytest.raises(ValueError, match="unknown comm algorithm 'three_shot'; registered: one_shot"):
         algorithm("three_shot")

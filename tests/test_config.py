@@ -94,9 +94,11 @@ def test_every_registered_algorithm_may_be_forced():
     from commfuse.collectives import ALGORITHMS, CommAlgorithm, register_algorithm
     register_algorithm(CommAlgorithm("test_config_algorithm", symmetric=False))
     try:
-        for name in ("auto", "torch", *ALGORITHMS):
+        for name in ("auto", "torch", *(n for n, a in ALGORITHMS.items() if a.collective in ("all_reduce", ""))):
             with config.patch({"comm.algorithm": name}), config.patch({"comm.barrier_timeout_s": 1.5}):
                 pass
+        with pytest.raises(ValueError, match="must be one of"):  # an all-gather's is not an all-reduce's
+            config.patch({"comm.algorithm": "symm_all_gather"}).__enter__()
     finally:
         del ALGORITHMS["test_config_algorithm"]
 

@@ -160,8 +160,10 @@ def test_tp_sequence_parallel_training_matches_eager(tmp_path):
     graphs = _graphs(tmp_path)
     assert [n.split("_")[1] for n, _, _ in graphs] == ["forward", "backward"], [n for n, _, _ in graphs]
     assert all(s["compiled"] for _, s, _ in graphs)
-    forward = graphs[0][2]
-    assert "all_gather_into_tensor" in forward and "reduce_scatter_tensor" in forward
+    for _, s, _ in graphs:  # every all-gather and reduce-scatter, forward and backward, is a comm kernel of ours
+        assert {(p["collective"], p["algorithm"]) for p in s["comm_plans"]} == {
+            ("all_gather_into_tensor", "symm_all_gather"), ("reduce_scatter_tensor", "symm_reduce_scatter")}, s["comm_plans"]
+        assert not [c for c in s["extern_calls"] if "c10d" in c], s["extern_calls"]
 
 
 def test_tp_decode_static_kv_cache_matches_eager(decode_run):
