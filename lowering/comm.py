@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 
+import sympy
 import torch
 
 from commfuse import ir, sizevars
@@ -150,11 +151,11 @@ def _gather_scatter(collective, x, reduce_op, group_name):
     name, world, rows = buf.name, plan.world, int(size[0])
     layout = ir.contiguous_layout(x.get_device(), x.get_dtype(), size)  # the buffer, element for element x
     if collective == "all_gather_into_tensor":  # row i of the result: peer i // rows's row i % rows
-        out = [rows * world] + size[1:]
+        out = [sympy.Integer(rows * world)] + size[1:]
         fn = lambda idx: ops.peer_load(name, layout.index([Mod(idx[0], rows)] + list(idx[1:])),  # noqa: E731
                                        FloorDiv(idx[0], rows))
     else:  # row i of the result: row rank * rows / world + i, combined over the peers
-        out = [rows // world] + size[1:]
+        out = [sympy.Integer(rows // world)] + size[1:]
         shard = sizevars.product(out)
         fn = lambda idx: ops.peer_reduce(name, layout.index(idx), reduce_op, shard)  # noqa: E731
     result = TensorBox(Pointwise(x.get_device(), x.get_dtype(), fn, out))
