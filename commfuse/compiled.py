@@ -108,7 +108,7 @@ class CompiledGraph(OutputCode):
         where = f"commfuse: graph {self.graph_id} failed at its first run, in {op}"
         why = ("fallback_on_error is off" if not config.fallback_on_error else
                f"it had already run a line that {done[-1]}" if done else
-               "its all-reduces meet the peers in symmetric memory" if hasattr(self.module, "_setup_comm") else
+               "its all-reduces meet the peers in symmetric memory" if self.gen.summary.get("comm_buffers") else
                "it came from AOTAutograd's cache, without its aten graph" if self.aten_gm is None else None)
         if why is not None:
             note = f"{where}; not rerun through aten: {why}"

@@ -278,7 +278,8 @@ class CommState:
                  barrier_timeout_s=None):
         self.graph_id, self.pools_needed, self.buffers = graph_id, pools, buffers
         self.barrier_timeout_s = barrier_timeout_s  # the compile's comm.barrier_timeout_s
-        groups = {g: group_of(g) for g, _, _ in pools.values()}
+        names = {g for g, _, _ in pools.values()} | {c["group"] for p in protocol for c in p["collectives"]}
+        groups = {g: group_of(g) for g in names}
         check_plans_agree(graph_id, pools, buffers, groups, list(protocol), timeout_s)
         self.collectives = {p["kernel"]: p["collectives"] for p in protocol}  # for the errors
         self.refresh()

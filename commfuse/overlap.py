@@ -1,0 +1,99 @@
+"""Overlap: c10d collectives issued as early as their inputs allow, waited at their first use.
+
+A c10d functional collective runs asynchronously on c10d's stream from the line that issues it to
+its `wait_tensor`, so its place in the wrapper is what hides it behind compute. After the
+peak-memory order (memory.py), each collective, in program order, is moved up together with the
+groups it needs that come after the last group that meets other ranks before it
+(`memory.communicates`: collectives, our comm kernels, externs we cannot see into); then its
+waits sink to just before the first group that needs them (or to the end). Nothing that meets
+other ranks crosses another, so every rank issues its collectives in the program's order; a
+collective is only ever moved earlier. Where that raises the estimated peak past the policy's
+bound (`Choices.overlap_within_peak`: the program order's peak, or a share over the memory
+order's), the collective keeps its place in the memory order.
+Our own symmetric comm kernels run on the compute stream and stay where they are.
+"""
+from __future__ import annotations
+
+import collections
+
+from . import config, ir, memory
+from .virtualized import V
+
+
+def schedule(sched, order: list, inplace: dict, program_peak: int) -> tuple[list, dict]:
+    """(order, {collective: how it was placed}) for the groups in `order` (a valid order);
+    `program_peak`: the estimated peak of the program's own order."""
+    collectives = [g for g in order if memory.is_collective(g)]
+    if not config.overlap_collectives or not collectives:
+        return order, {}
+    preds, succs = _preds(sched, order), collections.defaultdict(set)
+    for gid, ps in preds.items():
+        for p in ps:
+            succs[p].add(gid)
+    estimate = lambda o: memory.peak_memory(sched, o, memory.inplace_updates(o, inplace))  # noqa: E731
+    base, notes = estimate(order), {}
+    for c in collectives:
+        candidate = _sink_waits(_hoist(order, c, preds), c, preds, succs)
+        peak = estimate(candidate)
+        if V.choices.overlap_within_peak(peak, base, program_peak):
+            order, notes[c.nodes[0].name] = candidate, "issued early, waited at first use"
+        else:
+            notes[c.nodes[0].name] = f"kept in the memory order: issued early, the estimated peak is {peak}, not {base}"
+    done = set()
+    for g in order:
+        assert preds[id(g)] <= done, f"overlap order runs {g!r} before what it needs"
+        done.add(id(g))
+    return order, notes
+
+
+def _preds(sched, order) -> dict:
+    """Group id -> the groups it must follow: its data dependencies; the groups that meet other
+    ranks, chained in program order; the other pinned groups (random, mutating), chained too.
+    Waits are pinned in memory.py's orders but free here: a wait meets no other rank."""
+    preds = {id(g): set(sched.group_deps(g)) for g in order}
+    comm = [g for g in order if memory.communicates(g)]  # as the program has them: memory orders keep that
+    other = [g for g in order if memory.pinned(g) and not memory.communicates(g) and not memory.is_wait(g)]
+    for chain in (comm, other):
+        for a, b in zip(chain, chain[1:]):
+            preds[id(b)].add(id(a))
+    return preds
+
+
+def _ancestors(g, preds) -> set:
+    seen, todo = set(), list(preds[id(g)])
+    while todo:
+        gid = todo.pop()
+        if gid not in seen:
+            seen.add(gid)
+            todo.extend(preds[gid])
+    return seen
+
+
+def _hoist(order: list, c, preds) -> list:
+    """`c` right after the last group that meets other ranks before it (or first), with the groups
+    it needs that lie between moved up before it, in their order."""
+    ancestors = _ancestors(c, preds)
+    i = order.index(c)
+    p = 1 + max((k for k, g in enumerate(order[:i]) if id(g) in ancestors and memory.communicates(g)), default=-1)
+    between = order[p:i]
+    return order[:p] + [g for g in between if id(g) in ancestors] + [c] + \
+        [g for g in between if id(g) not in ancestors] + order[i + 1:]
+
+
+def _sink_waits(order: list, c, preds, succs) -> list:
+    """Each wait on `c`'s result just before the first group that needs it (or an extern we cannot
+    see into: it might wait for what this rank's peers do after the collective), or last."""
+    results = {id(c)} | {id(g) for g in order if isinstance(g.nodes[0].buf, ir.MultiOutput)
+                         and id(c) in preds[id(g)]}  # the items of a coalesced collective's result
+    for w in [g for g in order if memory.is_wait(g) and preds[id(g)] & results]:
+        rest = [g for g in order if g is not w]
+        at = order.index(w)
+        first = next((k for k in range(at, len(rest)) if id(rest[k]) in succs[id(w)] or _opaque(rest[k])), len(rest))
+        order = rest[:first] + [w] + rest[first:]
+    return order
+
+
+def _opaque(g) -> bool:
+    """An extern that may communicate and is neither a collective nor our comm kernel."""
+    return memory.communicates(g) and g.is_extern() and not memory.is_collective(g) and \
+        not isinstance(g.nodes[0].buf, ir.CommKernel)
