@@ -4,8 +4,10 @@ A c10d functional collective runs asynchronously on c10d's stream from the line 
 its `wait_tensor`, so its place in the wrapper is what hides it behind compute. After the
 peak-memory order (memory.py), each collective, in program order, is moved up together with the
 groups it needs that come after the last group that meets other ranks before it
-(`memory.communicates`: collectives, our comm kernels, externs we cannot see into); then its
-waits sink to just before the first group that needs them (or to the end). Nothing that meets
+(`memory.communicates`: collectives, our comm kernels, externs we cannot see into); then each of
+its waits, with what needs its result, goes after the groups the program runs before the wait and
+that do not need it (a memory order may have pulled the wait's users up before them), and the wait
+alone sinks to just before the first group that needs it (or to the end). Nothing that meets
 other ranks crosses another, so every rank issues its collectives in the program's order; a
 collective is only ever moved earlier. Where that raises the estimated peak past the policy's
 bound (`Choices.overlap_within_peak`: the program order's peak, or a share over the memory
@@ -20,9 +22,9 @@ from . import config, ir, memory
 from .virtualized import V
 
 
-def schedule(sched, order: list, inplace: dict, program_peak: int) -> tuple[list, dict]:
+def schedule(sched, order: list, inplace: dict, program: list) -> tuple[list, dict]:
     """(order, {collective: how it was placed}) for the groups in `order` (a valid order);
-    `program_peak`: the estimated peak of the program's own order."""
+    `program`: the program's own order of the same groups."""
     collectives = [g for g in order if memory.is_collective(g)]
     if not config.overlap_collectives or not collectives:
         return order, {}
@@ -30,15 +32,16 @@ def schedule(sched, order: list, inplace: dict, program_peak: int) -> tuple[list
     for gid, ps in preds.items():
         for p in ps:
             succs[p].add(gid)
+    at = {id(g): i for i, g in enumerate(program)}
     estimate = lambda o: memory.peak_memory(sched, o, memory.inplace_updates(o, inplace))  # noqa: E731
-    base, notes = estimate(order), {}
+    base, program_peak, notes = estimate(order), estimate(program), {}
     for c in collectives:
-        candidate = _sink_waits(_hoist(order, c, preds), c, preds, succs)
+        candidate = _sink_waits(_hoist(order, c, preds), c, preds, succs, at)
         peak = estimate(candidate)
         if V.choices.overlap_within_peak(peak, base, program_peak):
             order, notes[c.nodes[0].name] = candidate, "issued early, waited at first use"
         else:
-            notes[c.nodes[0].name] = f"kept in the memory order: issued early, the estimated peak is {peak}, not {base}"
+            notes[c.nodes[0].name] = f"kept in the memory order: overlapped, the estimated peak would be {peak}, not {base}"
     done = set()
     for g in order:
         assert preds[id(g)] <= done, f"overlap order runs {g!r} before what it needs"
@@ -80,17 +83,35 @@ def _hoist(order: list, c, preds) -> list:
         [g for g in between if id(g) not in ancestors] + order[i + 1:]
 
 
-def _sink_waits(order: list, c, preds, succs) -> list:
-    """Each wait on `c`'s result just before the first group that needs it (or an extern we cannot
-    see into: it might wait for what this rank's peers do after the collective), or last."""
+def _sink_waits(order: list, c, preds, succs, at: dict) -> list:
+    """Each wait on `c`'s result, with what needs it, after the groups it does not need that the
+    program runs before it; then the wait alone just before the first group that needs it, or
+    last. Never past an extern we cannot see into: it might wait for what the peers do next."""
     results = {id(c)} | {id(g) for g in order if isinstance(g.nodes[0].buf, ir.MultiOutput)
                          and id(c) in preds[id(g)]}  # the items of a coalesced collective's result
     for w in [g for g in order if memory.is_wait(g) and preds[id(g)] & results]:
+        i = order.index(w)
+        stop = next((k for k in range(i + 1, len(order)) if _opaque(order[k])), len(order))
+        after = _descendants(w, succs)
+        q = max((k for k in range(i + 1, stop) if id(order[k]) not in after and at[id(order[k])] < at[id(w)]),
+                default=i)
+        span = order[i:q + 1]
+        order = order[:i] + [g for g in span if id(g) not in after] + [g for g in span if id(g) in after] + order[q + 1:]
         rest = [g for g in order if g is not w]
-        at = order.index(w)
-        first = next((k for k in range(at, len(rest)) if id(rest[k]) in succs[id(w)] or _opaque(rest[k])), len(rest))
+        i = order.index(w)
+        first = next((k for k in range(i, len(rest)) if id(rest[k]) in succs[id(w)] or _opaque(rest[k])), len(rest))
         order = rest[:first] + [w] + rest[first:]
     return order
+
+
+def _descendants(g, succs) -> set:
+    seen, todo = {id(g)}, list(succs[id(g)])
+    while todo:
+        gid = todo.pop()
+        if gid not in seen:
+            seen.add(gid)
+            todo.extend(succs[gid])
+    return seen
 
 
 def _opaque(g) -> bool:

@@ -22,6 +22,10 @@ from .peers import PeerError, proc_gone, proc_id
 
 _sequence: dict = {}
 
+
+class PlanDisagreement(RuntimeError):
+    """The ranks compiled different collectives: rerunning the graph through aten would not help."""
+
 # what a comm kernel's fields (codegen/wrapper.py: note_comm_kernel) mean, and which options set
 # them, for the error; the rest are its shape (blocks, elements)
 _FIELDS = {
@@ -88,7 +92,7 @@ def check_plans_agree(graph_id: str, pools: dict, buffers: list, groups: dict, p
         for r in ranks:
             theirs = store.get(f"{prefix}/{r}").decode()
             if _collectives(theirs) != _collectives(mine):
-                raise RuntimeError(f"commfuse: ranks disagree on the comm-buffer plan of graph {graph_id} "
+                raise PlanDisagreement(f"commfuse: ranks disagree on the comm-buffer plan of graph {graph_id} "
                                    f"(group {group_name}): {_first_difference(me, mine, r, theirs)}. The ranks "
                                    "compiled different programs: a rank-dependent branch, or a config (options=, "
                                    "config.patch, COMMFUSE_* environment) or comm.table set on some ranks only; "
