@@ -62,20 +62,21 @@ def _preds(sched, order) -> dict:
     return preds
 
 
-def _ancestors(g, preds) -> set:
-    seen, todo = set(), list(preds[id(g)])
+def _reach(g, edges) -> set:
+    """The groups reached from `g` through `edges` (preds: its ancestors; succs: its descendants)."""
+    seen, todo = set(), list(edges[id(g)])
     while todo:
         gid = todo.pop()
         if gid not in seen:
             seen.add(gid)
-            todo.extend(preds[gid])
+            todo.extend(edges[gid])
     return seen
 
 
 def _hoist(order: list, c, preds) -> list:
     """`c` right after the last group that meets other ranks before it (or first), with the groups
     it needs that lie between moved up before it, in their order."""
-    ancestors = _ancestors(c, preds)
+    ancestors = _reach(c, preds)
     i = order.index(c)
     p = 1 + max((k for k, g in enumerate(order[:i]) if id(g) in ancestors and memory.communicates(g)), default=-1)
     between = order[p:i]
@@ -92,7 +93,7 @@ def _sink_waits(order: list, c, preds, succs, at: dict) -> list:
     for w in [g for g in order if memory.is_wait(g) and preds[id(g)] & results]:
         i = order.index(w)
         stop = next((k for k in range(i + 1, len(order)) if _opaque(order[k])), len(order))
-        after = _descendants(w, succs)
+        after = _reach(w, succs) | {id(w)}
         q = max((k for k in range(i + 1, stop) if id(order[k]) not in after and at[id(order[k])] < at[id(w)]),
                 default=i)
         span = order[i:q + 1]
@@ -102,16 +103,6 @@ def _sink_waits(order: list, c, preds, succs, at: dict) -> list:
         first = next((k for k in range(i, len(rest)) if id(rest[k]) in succs[id(w)] or _opaque(rest[k])), len(rest))
         order = rest[:first] + [w] + rest[first:]
     return order
-
-
-def _descendants(g, succs) -> set:
-    seen, todo = {id(g)}, list(succs[id(g)])
-    while todo:
-        gid = todo.pop()
-        if gid not in seen:
-            seen.add(gid)
-            todo.extend(succs[gid])
-    return seen
 
 
 def _opaque(g) -> bool:
