@@ -146,7 +146,7 @@ class WrapperCodegen:
         self.body.writeline("args.clear()")
         for name in g.constants:
             self.body.writeline(f"{name} = constants[{name!r}]")
-        if self.checks_plans():
+        if self.comm_placements:
             self.body.writeline("if _comm is None:")
             self.body.writeline("    _setup_comm()  # first call: check plans across ranks, take the pools")
             self.body.writeline("comm = _comm.current()")
@@ -205,7 +205,7 @@ class WrapperCodegen:
             code.writelines(self.launches)
         code.writeline("]")
         code.writeline()
-        if self.checks_plans():
+        if self.comm_placements:
             code.splice(self.comm_setup())
             code.writeline()
         if cuda is not None and self.sites:
@@ -467,13 +467,12 @@ class WrapperCodegen:
                  "sum_of_buffers": sum(b["bytes"] for b in self.comm_placements.values() if b["pool"] == p)}
                 for p, (g, d, n) in self.pool_sizes.items()]
 
-    def checks_plans(self) -> bool:
-        """Do the ranks check at the first call that they agree on this graph's collectives?"""
-        return bool(self.comm_placements) or any(memory.is_collective(g) for g in self.sched.groups)
 
     def note_c10d(self, grp, step: int) -> None:
-        """A c10d collective in the order the ranks must all issue it (part of the plan they check),
-        and for the summary where it is issued and waited; or the wait of one."""
+        """A c10d collective in the order the ranks must all issue it, part of the plan they check where
+        the graph has symmetric pools, and for the summary where it is issued and waited; or the wait of
+        one. (A graph of c10d collectives alone is not checked: c10d serves dynamic shapes, where ranks
+        may recompile apart and would then wait at a check the others never reach.)"""
         buf = grp.nodes[0].buf
         if memory.is_wait(grp):
             for name in grp.read_names:

@@ -30,8 +30,6 @@ from torch._inductor.output_code import OutputCode
 
 from . import choices, config, dump, graph_cache
 from .runtime import precompile
-from .runtime.peers import PeerError
-from .runtime.plan_check import PlanDisagreement
 from .runtime.cudagraphs import CudaGraphed
 from .runtime.loader import check_triton_mode, load_module
 
@@ -110,8 +108,7 @@ class CompiledGraph(OutputCode):
         where = f"commfuse: graph {self.graph_id} failed at its first run, in {op}"
         why = ("fallback_on_error is off" if not config.fallback_on_error else
                f"it had already run a line that {done[-1]}" if done else
-               "its all-reduces meet the peers in symmetric memory" if self.gen.summary.get("comm_buffers") else
-               "the ranks did not agree on its collectives" if isinstance(e, (PlanDisagreement, PeerError)) else
+               "its all-reduces meet the peers in symmetric memory" if hasattr(self.module, "_setup_comm") else
                "it came from AOTAutograd's cache, without its aten graph" if self.aten_gm is None else None)
         if why is not None:
             note = f"{where}; not rerun through aten: {why}"

@@ -4,7 +4,7 @@ across an op we cannot see into or another collective; the ranks check the colle
 
 One spawn of two ranks: rank 0 compiles the ordering programs over a group of its own (c10d, as
 for any group of one rank), then both ranks compile a program whose collectives they order
-differently."""
+differently (the order is part of the plan they check where the graph has symmetric pools)."""
 from __future__ import annotations
 
 import torch
@@ -62,12 +62,12 @@ def _programs(g1: str, g2: str) -> dict:
 
 
 def _swapped(rank: int, group: str):
-    def f(x, y):  # a rank-dependent branch: the ranks issue the two all-reduces in opposite orders
-        if rank == 0:
-            a, b = c10d.all_reduce(x, "sum", group), c10d.all_reduce(y, "max", group)
+    def f(x, y):  # a rank-dependent branch: the ranks issue the two all-reduces in opposite orders,
+        if rank == 0:  # one over symmetric memory (fp32), one through c10d (fp64)
+            a, b = c10d.all_reduce(x, "sum", group), c10d.all_reduce(y, "sum", group)
         else:
-            b, a = c10d.all_reduce(y, "max", group), c10d.all_reduce(x, "sum", group)
-        return c10d.wait_tensor(a) + c10d.wait_tensor(b)
+            b, a = c10d.all_reduce(y, "sum", group), c10d.all_reduce(x, "sum", group)
+        return c10d.wait_tensor(a) * 2, c10d.wait_tensor(b)
     return f
 
 
@@ -94,8 +94,7 @@ def _ranks(rank, world, tmp):
     dist.barrier()  # rank 1 waits here, not at the plan check (its timeout is shorter than rank 0's compiles)
     f = _swapped(rank, dist.group.WORLD.group_name)
     try:
-        compile_and_run(f, torch.ones(8), torch.ones(8), tmp_path=f"{tmp}/swapped{rank}",
-                        **{"comm.algorithm": "c10d"})
+        compile_and_run(f, torch.ones(8), torch.ones(8, dtype=torch.float64), tmp_path=f"{tmp}/swapped{rank}")
         out["swapped"] = "ran"
     except RuntimeError as e:
         out["swapped"] = str(e)
@@ -146,6 +145,7 @@ def test_overlap_orders(tmp_path):
     summary, code, *_ = res["late_loose"]  # ... as it may, under a looser bound: waited after them
     FileCheck().check(ar).check_count(mm, 2).check(wait).run(_call(code))
 
-    # the ranks ordered their collectives differently: both stop at the first call, naming it
+    # the ranks ordered their collectives differently: both stop at the first call, naming them
     for r, o in enumerate(out):
-        assert "ranks disagree" in o["swapped"] and "reduce op" in o["swapped"], (r, o["swapped"])
+        assert "ranks disagree" in o["swapped"] and "comm kernel #0" in o["swapped"] and "c10d" in o["swapped"], \
+            (r, o["swapped"])

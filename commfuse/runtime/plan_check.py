@@ -22,10 +22,6 @@ from .peers import PeerError, proc_gone, proc_id
 
 _sequence: dict = {}
 
-
-class PlanDisagreement(RuntimeError):
-    """The ranks compiled different collectives: rerunning the graph through aten would not help."""
-
 # what a comm kernel's fields (codegen/wrapper.py: note_comm_kernel) mean, and which options set
 # them, for the error; the rest are its shape (blocks, elements)
 _FIELDS = {
@@ -65,14 +61,14 @@ def _protocol(protocol: list, group_name: str) -> list:
 
 def check_plans_agree(graph_id: str, pools: dict, buffers: list, groups: dict, protocol: list = (),
                       timeout_s: float | None = None) -> None:
-    """`groups`: the process group of each group name in `pools` or `protocol`. `protocol`: each comm
+    """`groups`: the process group of each group name in `pools`. `protocol`: each comm
     kernel's and c10d collective's record in the wrapper's order (its collectives, algorithm, grid,
     barriers); ranks that differ there (another reduce op, algorithm, grid or prologue, another
     order of collectives, from a differing program, config or table) would combine different
     things, or wait at barriers and collectives the others never reach."""
     from torch.distributed.distributed_c10d import _get_default_store  # c10d internals: only when checking
     timeout_s = config.comm.plan_check_timeout_s if timeout_s is None else timeout_s  # the compile's option
-    for group_name in sorted(groups):
+    for group_name in sorted({g for g, _, _ in pools.values()}):
         # the ranks of a group compare that group's pools: a sub-group's name differs between the
         # ranks of WORLD ({0, 1} and {2, 3} of a 2-D mesh), rightly
         own = {k: [g, n] for k, (g, _d, n) in pools.items() if g == group_name}
@@ -92,7 +88,7 @@ def check_plans_agree(graph_id: str, pools: dict, buffers: list, groups: dict, p
         for r in ranks:
             theirs = store.get(f"{prefix}/{r}").decode()
             if _collectives(theirs) != _collectives(mine):
-                raise PlanDisagreement(f"commfuse: ranks disagree on the comm-buffer plan of graph {graph_id} "
+                raise RuntimeError(f"commfuse: ranks disagree on the comm-buffer plan of graph {graph_id} "
                                    f"(group {group_name}): {_first_difference(me, mine, r, theirs)}. The ranks "
                                    "compiled different programs: a rank-dependent branch, or a config (options=, "
                                    "config.patch, COMMFUSE_* environment) or comm.table set on some ranks only; "

@@ -278,8 +278,7 @@ class CommState:
                  barrier_timeout_s=None):
         self.graph_id, self.pools_needed, self.buffers = graph_id, pools, buffers
         self.barrier_timeout_s = barrier_timeout_s  # the compile's comm.barrier_timeout_s
-        names = {g for g, _, _ in pools.values()} | {c["group"] for p in protocol for c in p["collectives"]}
-        groups = {g: group_of(g) for g in names}
+        groups = {g: group_of(g) for g, _, _ in pools.values()}
         check_plans_agree(graph_id, pools, buffers, groups, list(protocol), timeout_s)
         self.collectives = {p["kernel"]: p["collectives"] for p in protocol}  # for the errors
         self.refresh()
