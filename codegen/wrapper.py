@@ -467,7 +467,6 @@ class WrapperCodegen:
                  "sum_of_buffers": sum(b["bytes"] for b in self.comm_placements.values() if b["pool"] == p)}
                 for p, (g, d, n) in self.pool_sizes.items()]
 
-
     def note_c10d(self, grp, step: int) -> None:
         """A c10d collective in the order the ranks must all issue it, part of the plan they check where
         the graph has symmetric pools, and for the summary where it is issued and waited; or the wait of
