@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.testing import FileCheck
 
 from tests.common import compile_and_run
-from tests.dist_utils import run_ranks
+from tests.dist_utils import device, run_ranks
 
 c10d = torch.ops._c10d_functional
 
@@ -77,8 +77,8 @@ def _ranks(rank, world, tmp):
     if rank == 0:
         g1, g2 = own[0].group_name, own[1].group_name
         torch.manual_seed(0)
-        small = [torch.randn(64, 64), torch.randn(256, 256), torch.randn(256, 256)]
-        big = [torch.randn(576, 576), torch.randn(512, 512), torch.randn(512, 512)]  # a 1.3 MB all-reduce
+        small = [torch.randn(n, n, device=device()) for n in (64, 256, 256)]
+        big = [torch.randn(n, n, device=device()) for n in (576, 512, 512)]  # a 1.3 MB all-reduce
         cases = {"early": (small, {}), "far_wait": (big, {}), "far_wait_off": (big, {"overlap_collectives": False}),
                  "barrier": (small, {}), "two_groups": (small, {}), "late": ([big[0], *small[1:]], {}),
                  "late_loose": ([big[0], *small[1:]], {"overlap_peak_share": 1.0})}
@@ -94,7 +94,8 @@ def _ranks(rank, world, tmp):
     dist.barrier()  # rank 1 waits here, not at the plan check (its timeout is shorter than rank 0's compiles)
     f = _swapped(rank, dist.group.WORLD.group_name)
     try:
-        compile_and_run(f, torch.ones(8), torch.ones(8, dtype=torch.float64), tmp_path=f"{tmp}/swapped{rank}")
+        compile_and_run(f, torch.ones(8, device=device()), torch.ones(8, dtype=torch.float64, device=device()),
+                        tmp_path=f"{tmp}/swapped{rank}")
         out["swapped"] = "ran"
     except RuntimeError as e:
         out["swapped"] = str(e)
