@@ -41,7 +41,8 @@ def schedule(sched, order: list, inplace: dict, program: list) -> tuple[list, di
         if V.choices.overlap_within_peak(peak, base, program_peak):
             order, notes[c.nodes[0].name] = candidate, "issued early, waited at first use"
         else:
-            notes[c.nodes[0].name] = f"kept in the memory order: overlapped, the estimated peak would be {peak}, not {base}"
+            notes[c.nodes[0].name] = f"kept in the memory order: overlapped, the estimated peak would be {peak}, " \
+                                     f"not {base}"
     done = set()
     for g in order:
         assert preds[id(g)] <= done, f"overlap order runs {g!r} before what it needs"
@@ -97,7 +98,8 @@ def _sink_waits(order: list, c, preds, succs, at: dict) -> list:
         q = max((k for k in range(i + 1, stop) if id(order[k]) not in after and at[id(order[k])] < at[id(w)]),
                 default=i)
         span = order[i:q + 1]
-        order = order[:i] + [g for g in span if id(g) not in after] + [g for g in span if id(g) in after] + order[q + 1:]
+        order = order[:i] + [g for g in span if id(g) not in after] + [g for g in span if id(g) in after] + \
+            order[q + 1:]
         rest = [g for g in order if g is not w]
         i = order.index(w)
         first = next((k for k in range(i, len(rest)) if id(rest[k]) in succs[id(w)] or _opaque(rest[k])), len(rest))

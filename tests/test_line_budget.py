@@ -7,7 +7,7 @@ PACKAGES = ("commfuse", "lowering", "codegen")
 
 # Non-blank, non-comment lines of the product's .py files (docstrings count). Raising the budget
 # is a decision: make it in its own commit, saying what the lines buy.
-LINE_BUDGET = 10434
+LINE_BUDGET = 10436
 MAX_FILE_LINES = 800  # lines of one file, all of them
 
 
