@@ -10,6 +10,7 @@ import sympy
 import torch
 
 from commfuse import config, ir, memory, sizevars
+from commfuse.choices import group_size
 from commfuse.runtime.compile_worker import HOST_CODE
 from commfuse.virtualized import V
 
@@ -50,6 +51,7 @@ class WrapperCodegen:
         self.launches: dict[str, None] = {}  # every distinct kernel launch, as `_launches` lists it
         self.sites: list[str] = []  # each launch line's `Site` (runtime/launch.py): `<kernel>_launch<k>`
         self.comm_protocol: list[dict] = []  # each comm kernel's collectives, grid and barriers, in order
+        self.c10d: dict[str, dict] = {}  # each c10d collective: where it is issued and waited, and why
         self.extern_calls: list[str] = []
         self.allocations: list[dict] = []
         self.constants: dict[str, object] = dict(graph.constants)
@@ -170,6 +172,7 @@ class WrapperCodegen:
         pool = collections.defaultdict(list)
         recyclable = memory.recyclable(self.sched) - set(self.sched.inplace.values())
         for step, grp in enumerate(self.sched.groups):
+            self.note_c10d(grp, step)
             if isinstance(grp.nodes[0].buf, ir.CommKernel):
                 self.comm_kernel(grp.nodes[0].buf, step, pool)
             elif grp.is_extern():
@@ -510,6 +513,34 @@ class WrapperCodegen:
         return [{"pool": p, "group": g, "device": d, "planned_bytes": n,
                  "sum_of_buffers": sum(b["bytes"] for b in self.comm_placements.values() if b["pool"] == p)}
                 for p, (g, d, n) in self.pool_sizes.items()]
+
+    def note_c10d(self, grp, step: int) -> None:
+        """A c10d collective in the order the ranks must all issue it, part of the plan they check where
+        the graph has symmetric pools, and for the summary where it is issued and waited; or the wait of
+        one. (A graph of c10d collectives alone is not checked: c10d serves dynamic shapes, where ranks
+        may recompile apart and would then wait at a check the others never reach.)"""
+        buf = grp.nodes[0].buf
+        if memory.is_wait(grp):
+            for name in grp.read_names:
+                src = self.graph.name_to_buffer.get(name)
+                src = src.parent if isinstance(src, ir.MultiOutput) else src
+                if src is not None and src.name in self.c10d:
+                    self.c10d[src.name]["waited_at"] = step
+        if not memory.is_collective(grp):
+            return
+        op, names = buf.op, [a.name for a in buf.op._schema.arguments]
+        arg = dict(zip(names, buf.args), **buf.kwargs)
+        group = str(getattr(arg.get("group_name"), "group_name", arg.get("group_name")))
+        try:
+            world = group_size(group)
+        except Exception:  # a group this process cannot resolve: the op itself will say so
+            world = 0
+        record = {"collective": op._opname, "reduce_op": arg.get("reduce_op", ""), "algorithm": "c10d",
+                  "group": group, "ranks": world, "pool": None, "offset": None}
+        self.comm_protocol.append({"kernel": f"c10d_{op._opname}_{step}", "reads": "c10d", "programs": 0,
+                                   "barriers": 0, "collectives": [record]})
+        self.c10d[buf.name] = {"name": buf.name, "collective": op._opname, "group": group, "issued_at": step,
+                               "waited_at": None, "placed": self.sched.overlap.get(buf.name, "as the program has it")}
 
     def comm_setup(self) -> IndentedBuffer:
         code = IndentedBuffer()

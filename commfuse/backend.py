@@ -274,6 +274,10 @@ def _generate(gm, example_inputs, graph_id, kind, donated, saved) -> graph_cache
         "comm_buffers": list(wrapper.comm_placements.values()),
         "comm_pools": wrapper.pool_summary(),
         "comm_fallbacks": [p.record() for p in graph.comm_plans if p.algorithm.name == "c10d"],
+        # what meets the other ranks, in the order it runs (and the ranks check); each c10d
+        # collective's step, its wait's, and how the overlap step placed it (commfuse/overlap.py)
+        "collective_order": [p["kernel"] for p in wrapper.comm_protocol],
+        "c10d_overlap": list(wrapper.c10d.values()),
         "peak_memory_estimate": sched.peak_memory,
         "peak_memory_by_order": sched.peak_memory_by_order,
         "overwritten_inputs": [i for i, n in enumerate(graph.placeholder_names) if n in graph.donated and any(

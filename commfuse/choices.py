@@ -187,6 +187,13 @@ class Choices:
         more than the launches they save."""
         return launches * (8 << 20)
 
+    # ------------------------------------------------------------------------- overlap
+    def overlap_within_peak(self, peak: int, memory_peak: int, program_peak: int) -> bool:
+        """May a c10d collective be issued early and waited late (commfuse/overlap.py) in an order
+        of estimated peak `peak`? Up to the peak of the program's own order (eager's: the overlap
+        the program asked for is kept), or `config.overlap_peak_share` over the memory order's."""
+        return peak <= max(program_peak, memory_peak + int(memory_peak * config.overlap_peak_share))
+
     # ------------------------------------------------------------------------- layout
     def conv_layout(self, gm) -> bool:
         """Run this graph's 2-D convolutions channels_last (their inputs, weights and outputs)?

@@ -62,6 +62,8 @@ mm_template_max_rows = 16     # ... up to this many rows (beyond, cuBLAS is as f
 
 # Memory.
 reorder_for_peak_memory = True  # memory-aware kernel orders (lowest estimated peak), no fusion raising it
+overlap_collectives = True      # c10d collectives issued as early as their inputs allow, waited at first use
+overlap_peak_share = 0.10       # ... unless that raises the estimated peak by more than this share
 inplace_buffers = True          # a kernel may write its output over an input it is last to read
 rematerialize = True              # a kernel recomputes pointwise values of other kernels where
                                   # that reads fewer bytes than loading them (min-cut, remat.py)

@@ -76,7 +76,8 @@ def publish(graph_id: str, source: str, pre_fusion: str, post_fusion: str, summa
     for name, text in texts.items():
         if text and name in _artifacts:
             _artifacts[name].debug("commfuse %s of graph %s, rank %d:\n%s", name, graph_id, rank(), text)
-    plans = {k: summary.get(k) for k in ("comm_plans", "comm_buffers", "comm_pools", "kernels", "extern_calls")}
+    plans = {k: summary.get(k) for k in ("comm_plans", "comm_buffers", "comm_pools", "collective_order",
+                                          "c10d_overlap", "kernels", "extern_calls")}
     for name, text in [*texts.items(), ("comm_plans", json.dumps(plans, indent=1, default=str))]:
         if text:
             trace_structured_artifact(f"commfuse_{graph_id}_{name}", "json" if name == "comm_plans" else "string",

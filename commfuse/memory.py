@@ -84,7 +84,7 @@ def storage_of(sched, inplace: dict | None = None) -> dict:
             buf = n.buf
             if isinstance(buf, ir.ExternKernel) and buf.out_view is not None:
                 alias[n.name] = buf.out_view.base.name
-            elif getattr(buf, "aliases", False) and not buf.multi_output:
+            elif getattr(buf, "aliases", False) and not buf.multi_output or is_wait(g):  # a wait returns its input
                 alias[n.name] = next((r for r in sorted(n.read_names) if owned(r)), None)
     out = {}
     for g in sched.groups:
@@ -208,8 +208,8 @@ def _graph(sched, order):
     """(predecessors, successors) by group id, with ops that must keep their relative order
     (random numbers, side effects, collectives) chained one after the other."""
     preds = {id(g): set(sched.group_deps(g)) for g in order}
-    pinned = [g for g in order if _pinned(g)]
-    for a, b in zip(pinned, pinned[1:]):
+    chain = [g for g in order if pinned(g)]
+    for a, b in zip(chain, chain[1:]):
         preds[id(b)].add(id(a))
     succs = collections.defaultdict(set)
     for g in order:
@@ -218,15 +218,52 @@ def _graph(sched, order):
     return preds, succs
 
 
-def _pinned(g) -> bool:
-    buf = g.nodes[0].buf
-    if isinstance(buf, ir.CommKernel):
+def pinned(g) -> bool:
+    """Must the group keep its place relative to the other pinned groups (random numbers, mutation,
+    side effects, whatever meets other ranks, waits)?"""
+    if communicates(g) or is_wait(g):
         return True
+    buf = g.nodes[0].buf
     if not isinstance(buf, ir.ExternKernel):
         return False
     op = buf.op
-    return buf.side_effect or bool(buf.mutates) or (isinstance(op, torch._ops.OpOverload) and (
-        torch.Tag.nondeterministic_seeded in op.tags or op.namespace == "_c10d_functional"))
+    return bool(buf.mutates) or isinstance(op, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in op.tags
+
+
+# ----------------------------------------------------------------------------- what meets other ranks
+SEEN_THROUGH = ("aten", "prims")  # op namespaces whose ops never communicate
+
+
+def extern_op(g):
+    """The op of a group that is one extern call (not an item of a result, a cat or our matmul), else None."""
+    buf = g.nodes[0].buf
+    return buf.op if type(buf) is ir.ExternKernel else None
+
+
+def is_collective(g) -> bool:
+    """A c10d functional collective run by c10d: asynchronous on its own stream until its wait."""
+    op = extern_op(g)
+    return isinstance(op, torch._ops.OpOverload) and op.namespace == "_c10d_functional" and not is_wait(g)
+
+
+def is_wait(g) -> bool:
+    op = extern_op(g)
+    return isinstance(op, torch._ops.OpOverload) and op.name() == "_c10d_functional::wait_tensor"
+
+
+def communicates(g) -> bool:
+    """May the group meet other ranks, for all we can see? Our comm kernels, c10d collectives, and
+    every extern we cannot see into: an op outside aten / prims (a custom op, send / recv, a
+    higher-order op), or one with side effects. These keep their program order (all ranks must
+    meet the same collectives in the same order) and no collective crosses one."""
+    buf = g.nodes[0].buf
+    if isinstance(buf, ir.CommKernel) or not g.is_extern() and g.reads_peers():
+        return True
+    op = extern_op(g)
+    if op is None or is_wait(g) or getattr(op, "namespace", None) == "commfuse":  # ours (runtime/scatter.py)
+        return False
+    return is_collective(g) or buf.side_effect or not (
+        isinstance(op, torch._ops.OpOverload) and op.namespace in SEEN_THROUGH)
 
 
 def _stored(sched, order) -> tuple[dict, dict]:

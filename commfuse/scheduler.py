@@ -16,7 +16,7 @@ import itertools
 import sympy
 import torch
 
-from . import collectives, config, ir, loop_order, memory, mix_order, remat, sizevars
+from . import collectives, config, ir, loop_order, memory, mix_order, overlap, remat, sizevars
 from .dependencies import InlineLoads, MemoryAccess, index_vars, trace_body
 from .sizevars import RSYM, XSYM, index_symbol  # noqa: F401  (codegen imports the kernel's indices from here)
 from .virtualized import V
@@ -275,8 +275,9 @@ class Scheduler:
         self.compute_buffer_users()
         self.fit_comm_plans()
         inplace = memory.inplace_candidates(self)
-        self.groups, self.peak_memory_by_order = memory.reorder_for_peak_memory(
-            self, self.topological_order(self.groups), inplace)
+        program = self.topological_order(self.groups)
+        self.groups, self.peak_memory_by_order = memory.reorder_for_peak_memory(self, program, inplace)
+        self.groups, self.overlap = overlap.schedule(self, self.groups, inplace, program)  # {collective: how placed}
         self.inplace = memory.inplace_updates(self.groups, inplace)  # output -> input it overwrites
         self.peak_memory = memory.peak_memory(self, self.groups, self.inplace)
         self.shapes = {id(g): self.kernel_shape(g) for g in self.groups if not g.is_extern()}

@@ -61,10 +61,11 @@ def _protocol(protocol: list, group_name: str) -> list:
 
 def check_plans_agree(graph_id: str, pools: dict, buffers: list, groups: dict, protocol: list = (),
                       timeout_s: float | None = None) -> None:
-    """`groups`: the process group of each group name in `pools`. `protocol`: each comm kernel's
-    record in launch order (its collectives, algorithm, grid, barriers); ranks that differ there
-    (another reduce op, algorithm, grid or prologue, from a differing program, config or table)
-    would combine different things, or wait at barriers the others never reach."""
+    """`groups`: the process group of each group name in `pools`. `protocol`: each comm
+    kernel's and c10d collective's record in the wrapper's order (its collectives, algorithm, grid,
+    barriers); ranks that differ there (another reduce op, algorithm, grid or prologue, another
+    order of collectives, from a differing program, config or table) would combine different
+    things, or wait at barriers and collectives the others never reach."""
     from torch.distributed.distributed_c10d import _get_default_store  # c10d internals: only when checking
     timeout_s = config.comm.plan_check_timeout_s if timeout_s is None else timeout_s  # the compile's option
     for group_name in sorted({g for g, _, _ in pools.values()}):

@@ -1,0 +1,113 @@
+"""Overlap: c10d collectives issued as early as their inputs allow, waited at their first use.
+
+A c10d functional collective runs asynchronously on c10d's stream from the line that issues it to
+its `wait_tensor`, so its place in the wrapper is what hides it behind compute. After the
+peak-memory order (memory.py), each collective, in program order, is moved up together with the
+groups it needs that come after the last group that meets other ranks before it
+(`memory.communicates`: collectives, our comm kernels, externs we cannot see into); then each of
+its waits, with what needs its result, goes after the groups the program runs before the wait and
+that do not need it (a memory order may have pulled the wait's users up before them), and the wait
+alone sinks to just before the first group that needs it (or to the end). Nothing that meets
+other ranks crosses another, so every rank issues its collectives in the program's order; a
+collective is only ever moved earlier. Where that raises the estimated peak past the policy's
+bound (`Choices.overlap_within_peak`: the program order's peak, or a share over the memory
+order's), the collective keeps its place in the memory order.
+Our own symmetric comm kernels run on the compute stream and stay where they are.
+"""
+from __future__ import annotations
+
+import collections
+
+from . import config, ir, memory
+from .virtualized import V
+
+
+def schedule(sched, order: list, inplace: dict, program: list) -> tuple[list, dict]:
+    """(order, {collective: how it was placed}) for the groups in `order` (a valid order);
+    `program`: the program's own order of the same groups."""
+    collectives = [g for g in order if memory.is_collective(g)]
+    if not config.overlap_collectives or not collectives:
+        return order, {}
+    preds, succs = _preds(sched, order), collections.defaultdict(set)
+    for gid, ps in preds.items():
+        for p in ps:
+            succs[p].add(gid)
+    at = {id(g): i for i, g in enumerate(program)}
+    estimate = lambda o: memory.peak_memory(sched, o, memory.inplace_updates(o, inplace))  # noqa: E731
+    base, program_peak, notes = estimate(order), estimate(program), {}
+    for c in collectives:
+        candidate = _sink_waits(_hoist(order, c, preds), c, preds, succs, at)
+        peak = estimate(candidate)
+        if V.choices.overlap_within_peak(peak, base, program_peak):
+            order, notes[c.nodes[0].name] = candidate, "issued early, waited at first use"
+        else:
+            notes[c.nodes[0].name] = f"kept in the memory order: overlapped, the estimated peak would be {peak}, " \
+                                     f"not {base}"
+    done = set()
+    for g in order:
+        assert preds[id(g)] <= done, f"overlap order runs {g!r} before what it needs"
+        done.add(id(g))
+    return order, notes
+
+
+def _preds(sched, order) -> dict:
+    """Group id -> the groups it must follow: its data dependencies; the groups that meet other
+    ranks, chained in program order; the other pinned groups (random, mutating), chained too.
+    Waits are pinned in memory.py's orders but free here: a wait meets no other rank."""
+    preds = {id(g): set(sched.group_deps(g)) for g in order}
+    comm = [g for g in order if memory.communicates(g)]  # as the program has them: memory orders keep that
+    other = [g for g in order if memory.pinned(g) and not memory.communicates(g) and not memory.is_wait(g)]
+    for chain in (comm, other):
+        for a, b in zip(chain, chain[1:]):
+            preds[id(b)].add(id(a))
+    return preds
+
+
+def _reach(g, edges) -> set:
+    """The groups reached from `g` through `edges` (preds: its ancestors; succs: its descendants)."""
+    seen, todo = set(), list(edges[id(g)])
+    while todo:
+        gid = todo.pop()
+        if gid not in seen:
+            seen.add(gid)
+            todo.extend(edges[gid])
+    return seen
+
+
+def _hoist(order: list, c, preds) -> list:
+    """`c` right after the last group that meets other ranks before it (or first), with the groups
+    it needs that lie between moved up before it, in their order."""
+    ancestors = _reach(c, preds)
+    i = order.index(c)
+    p = 1 + max((k for k, g in enumerate(order[:i]) if id(g) in ancestors and memory.communicates(g)), default=-1)
+    between = order[p:i]
+    return order[:p] + [g for g in between if id(g) in ancestors] + [c] + \
+        [g for g in between if id(g) not in ancestors] + order[i + 1:]
+
+
+def _sink_waits(order: list, c, preds, succs, at: dict) -> list:
+    """Each wait on `c`'s result, with what needs it, after the groups it does not need that the
+    program runs before it; then the wait alone just before the first group that needs it, or
+    last. Never past an extern we cannot see into: it might wait for what the peers do next."""
+    results = {id(c)} | {id(g) for g in order if isinstance(g.nodes[0].buf, ir.MultiOutput)
+                         and id(c) in preds[id(g)]}  # the items of a coalesced collective's result
+    for w in [g for g in order if memory.is_wait(g) and preds[id(g)] & results]:
+        i = order.index(w)
+        stop = next((k for k in range(i + 1, len(order)) if _opaque(order[k])), len(order))
+        after = _reach(w, succs) | {id(w)}
+        q = max((k for k in range(i + 1, stop) if id(order[k]) not in after and at[id(order[k])] < at[id(w)]),
+                default=i)
+        span = order[i:q + 1]
+        order = order[:i] + [g for g in span if id(g) not in after] + [g for g in span if id(g) in after] + \
+            order[q + 1:]
+        rest = [g for g in order if g is not w]
+        i = order.index(w)
+        first = next((k for k in range(i, len(rest)) if id(rest[k]) in succs[id(w)] or _opaque(rest[k])), len(rest))
+        order = rest[:first] + [w] + rest[first:]
+    return order
+
+
+def _opaque(g) -> bool:
+    """An extern that may communicate and is neither a collective nor our comm kernel."""
+    return memory.communicates(g) and g.is_extern() and not memory.is_collective(g) and \
+        not isinstance(g.nodes[0].buf, ir.CommKernel)
