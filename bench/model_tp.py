@@ -71,10 +71,12 @@ import torch.distributed as dist  # noqa: E402
 
 from bench.llama import Config, fsdp_llama, tp_llama  # noqa: E402
 from commfuse import backend  # noqa: E402
-from bench import timing  # noqa: E402
+from bench import decode_floor, timing, trace_summary  # noqa: E402
 
-VARIANTS = ("eager", "inductor", "inductor reduce-overhead", "commfuse", "commfuse cuda_graphs")
+ASYNC_TP = "inductor async-TP"  # Inductor with _micro_pipeline_tp: sequence-parallel training only
+VARIANTS = ("eager", "inductor", "inductor reduce-overhead", ASYNC_TP, "commfuse", "commfuse cuda_graphs")
 SELF_GRAPHED = ("inductor reduce-overhead", "commfuse cuda_graphs")
+WORKLOADS = ("decode", "train", "sp", "fsdp")
 FULL = dict(hidden=4096, heads=32, kv_heads=8, ffn=14336, layers=4, batch=8, cache=2048, train_batch=2, seq=1024)
 TINY = dict(hidden=64, heads=4, kv_heads=2, ffn=128, layers=2, batch=2, cache=16, train_batch=2, seq=8)
 FSDP_FULL = dict(hidden=2048, heads=32, kv_heads=8, ffn=8192, layers=4, batch=4, seq=2048)  # Llama-3.2-1B's layers
@@ -96,6 +98,7 @@ def compile_options(name) -> dict | None:
     return {"eager": None,
             "inductor": dict(dynamic=False),
             "inductor reduce-overhead": dict(mode="reduce-overhead", dynamic=False),
+            ASYNC_TP: dict(dynamic=False, options={"_micro_pipeline_tp": True}),
             "commfuse": dict(backend="commfuse", dynamic=False),
             "commfuse cuda_graphs": dict(backend="commfuse", dynamic=False, options={"cuda_graphs": True})}[name]
 
@@ -103,6 +106,34 @@ def compile_options(name) -> dict | None:
 def compiled(model, name):
     kw = compile_options(name)
     return model if kw is None else torch.compile(model, **kw)
+
+
+def variants_for(workload, variants, dev) -> list:
+    """The variants a workload runs: async-TP only where there are all-gathers and
+    reduce-scatters to fuse (sequence parallel) and a GPU's symmetric memory (else skipped, said once)."""
+    if ASYNC_TP not in variants or workload != "sp":
+        return [v for v in variants if v != ASYNC_TP]
+    why = "no symmetric memory on CPU" if dev.type != "cuda" else "world 1" if dist.get_world_size() == 1 else None
+    if why:
+        if dist.get_rank() == 0:
+            print(f"{ASYNC_TP} skipped: {why}", flush=True)
+        return [v for v in variants if v != ASYNC_TP]
+    return variants
+
+
+class SequenceParallelLayers(torch.nn.Module):
+    """A sequence-parallel TP model's layers on this rank's shard of the hidden states (B, S/world,
+    H): the rotary tables cover the whole sequence, which attention sees after its all-gather."""
+    def __init__(self, model, world):
+        super().__init__()
+        self.model, self.world = model, world
+
+    def forward(self, x):
+        s = x.shape[1] * self.world
+        cos, sin = self.model.cos[:s], self.model.sin[:s]
+        for layer in self.model.layers:
+            x = layer(x, cos, sin)
+        return x
 
 
 def fsdp_model(a, dev, name):
@@ -134,6 +165,7 @@ def max_diff(got, want) -> float:
 
 # -------------------------------------------------------------------------------------- workloads
 def decode(model, a, dev, variants, res, failed, check_steps=4):
+    variants = variants_for("decode", variants, dev)
     caches = [b for n, b in model.named_buffers() if "cache" in n]
     torch.manual_seed(1)  # the same context on every rank and for every variant
     start = [torch.randn_like(c) for c in caches]
@@ -143,7 +175,7 @@ def decode(model, a, dev, variants, res, failed, check_steps=4):
             for c, s in zip(caches, start):
                 c.copy_(s)  # in place: self-graphing variants keep the addresses they captured
     xs = [torch.randn(a.batch, 1, a.hidden, device=dev, dtype=a.dtype) for _ in range(check_steps)]
-    positions = [torch.tensor([a.cache - check_steps + i], device=dev) for i in range(check_steps)]
+    positions = [torch.tensor([a.pos - check_steps + 1 + i], device=dev) for i in range(check_steps)]
 
     def run(fn):
         outs = []
@@ -184,6 +216,20 @@ def decode(model, a, dev, variants, res, failed, check_steps=4):
             for name, t in times.items():
                 res[name]["decode GPU µs/step"] = t
             failed.update({f"{n}, decode CUDA graph": _why(e) for n, e in errors.items()})
+        try:  # what HBM allows, measured beside the variants
+            floor = decode_floor.floors(model, a.batch, a.hidden, a.pos, a.dtype, dev)
+            for name in variants:
+                res[name].update(floor)
+        except Exception as e:
+            failed["decode floor"] = _why(e)
+        if a.kernels and "commfuse" in step:
+            try:
+                bw = res[variants[0]].get("floor read GB/s") or decode_floor.read_bandwidth(dev) / 1e9
+                a.kernel_tables["decode, commfuse"] = decode_floor.kernel_table(step["commfuse"], 5, dev, bw)
+            except Exception as e:
+                failed["commfuse, decode kernels"] = _why(e)
+        if a.trace:
+            trace_steps("decode", step, a, dev, res, failed)
 
     def first_call(name):
         fn = compiled(model, name)
@@ -198,6 +244,32 @@ def train(model, a, dev, variants, res, failed):
     x = torch.randn(a.train_batch, a.seq, a.hidden, device=dev, dtype=a.dtype)
     model.zero_grad(set_to_none=True)
     _train("train", lambda name: (compiled(model, name), model), x, a, dev, variants, res, failed)
+
+
+def sp_train(a, dev, variants, res, failed):
+    """Sequence-parallel TP training (torchtitan's plan: the norms and the residual stream sharded
+    along the sequence, all-gathered before each block's projections and reduce-scattered after):
+    every variant compiles one model's layers, each rank's input its shard of the sequence."""
+    world = dist.get_world_size()
+    if a.seq % world:
+        failed["sp"] = f"S={a.seq} does not divide among {world} ranks"
+        return
+    cfg = Config(dim=a.hidden, n_heads=a.heads, n_kv_heads=a.kv_heads, ffn=a.ffn, n_layers=a.layers,
+                 max_batch=1, max_seq=a.seq)
+    model = tp_llama(cfg, world, dev, a.dtype, sequence_parallel=True)
+    layers = SequenceParallelLayers(model, world)
+    torch.manual_seed(4 + dist.get_rank())  # each rank its own positions of the sequence
+    x = torch.randn(a.train_batch, a.seq // world, a.hidden, device=dev, dtype=a.dtype)
+
+    def make(name):
+        if name == ASYNC_TP:  # its fused ops rendezvous on the TP group's symmetric memory
+            import warnings
+            from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+            with warnings.catch_warnings():  # deprecated (and a no-op) in later torch; 2.11 needs it
+                warnings.simplefilter("ignore")
+                enable_symm_mem_for_group(model.layers[0].attention.wq.weight.device_mesh.get_group().group_name)
+        return compiled(layers, name), model
+    _train("sp", make, x, a, dev, variants, res, failed)
 
 
 def fsdp_train(a, dev, variants, res, failed):
@@ -227,6 +299,7 @@ def _train(key, make, x, a, dev, variants, res, failed):
     ref, module = make("eager")
     ref_loss, ref_grads = step(ref), grads(module)
     a.scales[f"err {key}"] = max(max_diff(t, torch.zeros_like(t)) for t in [ref_loss, *ref_grads.values()])
+    variants, kept = variants_for(key, variants, dev), {}
     for name in variants:
         fn = module = None
         try:
@@ -255,6 +328,8 @@ def _train(key, make, x, a, dev, variants, res, failed):
                 step(fn)
                 timing.sync(dev)
                 res[name][f"{key} peak MiB above weights"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+            if a.trace:  # traced after every variant's timings: the profiler slows what runs after it
+                kept[name] = (fn, module)
         except Exception as e:
             failed[f"{name}, {key}"] = _why(e)
         finally:
@@ -263,6 +338,11 @@ def _train(key, make, x, a, dev, variants, res, failed):
             del fn, module
     if a.profile:
         return
+    if kept:
+        trace_steps(key, {n: (lambda fn=fn: step(fn)) for n, (fn, _) in kept.items()}, a, dev, res, failed)
+        for _, module in kept.values():
+            module.zero_grad(set_to_none=True)
+        kept.clear()
 
     def first_call(name):
         fn, module = make(name)
@@ -282,6 +362,39 @@ def _profile(step, a, dev, host) -> dict:
         dist.barrier()
         step()
     return profile_step(synced, a.profile, dev.type, host)
+
+
+def trace_steps(key, steps: dict, a, dev, res, failed):
+    """One step of each variant under torch.profiler, with the ranks started together: a Chrome
+    trace per rank in a.trace_dir, the exposed comm share of the step (bench/trace_summary.py) into
+    res, and on rank 0 a line per variant and, where matplotlib is, the step's timeline (PNG)."""
+    from torch.profiler import ProfilerActivity, profile
+    rank = dist.get_rank()
+    os.makedirs(a.trace_dir, exist_ok=True)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    for name, fn in steps.items():
+        try:
+            with torch.no_grad() if key == "decode" else contextlib.nullcontext():
+                fn()  # warm: a self-graphing variant replays
+                timing.sync(dev)
+                dist.barrier()
+                with profile(activities=activities) as prof:
+                    fn()
+                    timing.sync(dev)
+            path = os.path.join(a.trace_dir, f"{key}_{name.replace(' ', '_')}_rank{rank}.json")
+            prof.export_chrome_trace(path)
+            s = trace_summary.summarize(path)
+            res[name][f"{key} exposed comm %"] = 100 * s["exposed share"]
+            res[name][f"{key} traced step µs"] = s["step µs"]
+            if rank == 0:
+                print(trace_summary.line(f"{key}, {name}, rank 0 ({path})", s), flush=True)
+                try:
+                    from bench import plot
+                except ImportError:  # no matplotlib: bench/plot.py draws it where there is
+                    continue
+                plot.timeline(path, f"{key}, {name}, rank 0", os.path.splitext(path)[0] + ".png")
+        except Exception as e:
+            failed[f"{name}, {key} trace"] = _why(e)
 
 
 def warm_compiles(key, variants, res, failed, first_call):
@@ -341,20 +454,29 @@ ROWS = (  # (key, label, fmt)
     ("decode GPU µs/step", "decode: GPU µs per step (CUDA graph of {graph_steps} steps)", "{:.1f}"),
     ("decode µs/call", "decode: µs per call, as a user loops it", "{:.1f}"),
     ("decode host µs/call", "decode: host µs per call (not waiting for the GPU)", "{:.1f}"),
+    ("decode / floor", "decode: GPU time / floor (whole cache)", "{:.2f}×"),
+    ("decode / prefix floor", "decode: GPU time / prefix floor (cache up to the position)", "{:.2f}×"),
     ("train ms/step", "TP training fw+bw: ms per step", "{:.2f}"),
     ("train host ms/step", "TP training: host ms per step (from an idle GPU)", "{:.2f}"),
     ("train peak MiB above weights", "TP training: peak MiB above weights", "{:.0f}"),
+    ("sp ms/step", "sequence-parallel TP training fw+bw: ms per step", "{:.2f}"),
+    ("sp host ms/step", "sequence-parallel TP training: host ms per step (from an idle GPU)", "{:.2f}"),
+    ("sp peak MiB above weights", "sequence-parallel TP training: peak MiB above weights", "{:.0f}"),
     ("fsdp ms/step", "FSDP2 training fw+bw: ms per step", "{:.2f}"),
     ("fsdp host ms/step", "FSDP2 training: host ms per step (from an idle GPU)", "{:.2f}"),
     ("fsdp peak MiB above weights", "FSDP2 training: peak MiB above weights", "{:.0f}"),
     ("compile decode s", "cold compile, decode (s)", "{:.1f}"),
     ("compile train s", "cold compile, TP training (s)", "{:.1f}"),
+    ("compile sp s", "cold compile, sequence-parallel TP training (s)", "{:.1f}"),
     ("compile fsdp s", "cold compile, FSDP2 training (s)", "{:.1f}"),
     ("warm compile decode s", "warm compile, decode (s)", "{:.1f}"),
     ("warm compile train s", "warm compile, TP training (s)", "{:.1f}"),
+    ("warm compile sp s", "warm compile, sequence-parallel TP training (s)", "{:.1f}"),
     ("warm compile fsdp s", "warm compile, FSDP2 training (s)", "{:.1f}"),
+    *((f"{w} exposed comm %", f"{w}: exposed comm, % of the traced step (--trace)", "{:.1f}") for w in WORKLOADS),
     ("err decode", "max abs error vs eager, decode", "{:.2e}"),
     ("err train", "max abs error vs eager, TP training", "{:.2e}"),
+    ("err sp", "max abs error vs eager, sequence-parallel TP training", "{:.2e}"),
     ("err fsdp", "max abs error vs eager, FSDP2 training", "{:.2e}"),
 )
 
@@ -363,12 +485,27 @@ def ratio(other, ours) -> str:
     return f"{other / ours:.2f}×" if other and ours else "—"
 
 
+RATIOS = (("inductor", "commfuse"), ("inductor reduce-overhead", "commfuse cuda_graphs"), (ASYNC_TP, "commfuse"))
+
+
+def floor_ratios(res, variants) -> None:
+    """Each variant's decode time over the floors: its GPU time per step, else (self-graphing) per call."""
+    for v in variants:
+        r = res[v]
+        t = r.get("decode GPU µs/step") or (r.get("decode µs/call") if v in SELF_GRAPHED else None)
+        for key in ("floor", "prefix floor"):
+            if t and r.get(f"decode {key} µs"):
+                r[f"decode / {key}"] = t / r[f"decode {key} µs"]
+
+
 def table(a, res, world, device_name, variants) -> tuple[str, bool]:
     flagged = False
-    head = ["workload", *variants, "inductor / commfuse", "reduce-overhead / cuda_graphs"]
+    floor_ratios(res, variants)
+    ratios = [(o, c) for o, c in RATIOS if o in variants and c in variants]
+    head = ["workload", *variants, *(f"{o} / {c}" for o, c in ratios)]
     lines = [f"TP Llama decoder layers: {a.layers} layers, H {a.hidden}, {a.heads} query / {a.kv_heads} KV heads, "
-             f"F {a.ffn}, {a.dtype_name}, {world}x {device_name}; decode B={a.batch}, KV cache {a.cache}; "
-             f"TP training B={a.train_batch} S={a.seq}; FSDP2 training (data parallel, each layer compiled): "
+             f"F {a.ffn}, {a.dtype_name}, {world}x {device_name}; decode B={a.batch}, KV cache {a.cache}, "
+             f"position {a.pos}; TP training (also sequence-parallel) B={a.train_batch} S={a.seq}; FSDP2 training (data parallel, each layer compiled): "
              f"{a.fsdp['layers']} layers, H {a.fsdp['hidden']}, {a.fsdp['heads']} / {a.fsdp['kv_heads']} heads, "
              f"F {a.fsdp['ffn']}, B={a.fsdp['batch']} S={a.fsdp['seq']} per rank", "",
              "| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
@@ -384,15 +521,19 @@ def table(a, res, world, device_name, variants) -> tuple[str, bool]:
                 if val > limit:
                     text, flagged = text + " !", True
             cells.append(text)
-        if key.startswith("err"):
-            ratios = ["", ""]
+        if all(c == "—" for c in cells):
+            continue  # a workload not run
+        if key.startswith("err") or "/" in key or "exposed" in key:
+            cols = [""] * len(ratios)
         else:
-            ratios = [ratio(res.get("inductor", {}).get(key), res.get("commfuse", {}).get(key)),
-                      ratio(res.get("inductor reduce-overhead", {}).get(key), res.get("commfuse cuda_graphs", {}).get(key))]
-        lines.append("| " + " | ".join([label.format(graph_steps=a.graph_steps), *cells, *ratios]) + " |")
+            cols = [ratio(res.get(o, {}).get(key), res.get(c, {}).get(key)) for o, c in ratios]
+        lines.append("| " + " | ".join([label.format(graph_steps=a.graph_steps), *cells, *cols]) + " |")
     lines += ["", "Ratios are other / commfuse: above 1, commfuse is faster, smaller or compiles sooner. "
               "Self-graphing variants (reduce-overhead, cuda_graphs) cannot be captured in another CUDA graph: "
               "their per-call time is their graph time."]
+    floor = next((res[v] for v in variants if "decode floor µs" in res[v]), None)
+    if floor:
+        lines += ["", decode_floor.describe(floor)]
     if flagged:
         lines.append("`!`: a commfuse error above max(5 × Inductor's (else eager's), 1e-2, 4 ulps at the largest "
                      "reference value).")
@@ -418,6 +559,9 @@ def report(a, res, failed, variants, dev, final) -> int:
     merged = {f"rank {r}: {k}": v for r, f in enumerate(failures) for k, v in f.items()}
     if merged:
         text += "\n\nFailed:\n" + "\n".join(f"- {k}: {v}" for k, v in merged.items())
+    for what, t in a.kernel_tables.items():
+        text += f"\n\nPer kernel, {what} (rank 0, 5 steps profiled; bytes: each generated kernel's tensor arguments, " \
+                f"once; aten's kernels without):\n\n" + t
     if final:
         print(text, flush=True)
     if a.out:
@@ -429,7 +573,8 @@ def report(a, res, failed, variants, dev, final) -> int:
                 f.write("\n".join(markdown(k, "training", t, 25) for k, t in a.profiles.items()))
                 f.write("".join(host_markdown(k, t, 30) for k, t in a.host_profiles.items()))
         with open(os.path.splitext(a.out)[0] + ".json", "w") as f:
-            json.dump({"config": {k: v for k, v in vars(a).items() if k not in ("dtype", "profiles", "host_profiles")}, "device": name,
+            json.dump({"config": {k: v for k, v in vars(a).items() if k not in ("dtype", "profiles", "host_profiles", "kernel_tables")},
+                       "kernels": a.kernel_tables, "device": name,
                        "world": world, "torch": torch.__version__, "results": res, "failed": merged,
                        "complete": final}, f, indent=1)
     return 1 if merged or flagged else 0
@@ -448,17 +593,32 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=None, help="interleaved timing rounds (default 3; 1 with --tiny)")
     ap.add_argument("--graph-steps", type=int, default=10, help="decode steps per captured CUDA graph")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of: " + ", ".join(VARIANTS))
-    ap.add_argument("--workloads", default="decode,train,fsdp", help="comma-separated subset of: decode, train, fsdp")
+    ap.add_argument("--workloads", default="decode,train,sp,fsdp", help="comma-separated subset of: " + ", ".join(WORKLOADS))
+    ap.add_argument("--pos", type=int, default=None,
+                    help="decode: the position each timed step writes (default: the cache's middle); the prefix "
+                         "floor reads the cache up to it")
+    ap.add_argument("--kernels", action="store_true",
+                    help="decode: commfuse's step per kernel (time, bytes of its arguments, GB/s against the "
+                         "measured read bandwidth), rank 0's, under the table")
+    ap.add_argument("--trace", action="store_true",
+                    help="after each workload's timings, one step of each variant under torch.profiler: a Chrome "
+                         "trace per rank (--trace-dir), its exposed comm share in the table, a PNG timeline where "
+                         "matplotlib is (else: python bench/plot.py TRACE.json)")
+    ap.add_argument("--trace-dir", help="folder for the traces (default: beside --out, else ./model_tp_traces)")
     ap.add_argument("--out", help="also write the table here, and the figures as JSON beside it")
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
                     help="training: profile STEPS steps of Inductor and commfuse instead of timing them, and "
                          "write rank 0's GPU time per kernel and host time per op beside --out (OUT_profile.md), as "
                          "bench/profile_model.py does")
     a = ap.parse_args(argv)
-    a.profiles, a.host_profiles, a.scales = {}, {}, {}
+    a.profiles, a.host_profiles, a.scales, a.kernel_tables = {}, {}, {}, {}
     for k, v in (TINY if a.tiny else FULL).items():
         if getattr(a, k) is None:
             setattr(a, k, v)
+    a.pos = a.cache // 2 if a.pos is None else a.pos
+    if not 4 <= a.pos + 1 <= a.cache:
+        ap.error(f"--pos {a.pos}: the 4 checked decode steps end there, within the cache of {a.cache}")
+    a.trace_dir = a.trace_dir or (os.path.splitext(a.out)[0] + "_traces" if a.out else "model_tp_traces")
     a.fsdp = FSDP_TINY if a.tiny else FSDP_FULL
     a.rounds = a.rounds or (1 if a.tiny else 3)
     a.dtype_name = a.dtype or ("float32" if a.cpu else "bfloat16")
@@ -468,8 +628,8 @@ def main(argv=None) -> int:
     if unknown:
         ap.error(f"unknown variants {unknown}")
     workloads = [w.strip() for w in a.workloads.split(",") if w.strip()]
-    if set(workloads) - {"decode", "train", "fsdp"}:
-        ap.error(f"unknown workloads {sorted(set(workloads) - {'decode', 'train', 'fsdp'})}")
+    if set(workloads) - set(WORKLOADS):
+        ap.error(f"unknown workloads {sorted(set(workloads) - set(WORKLOADS))}")
     if "WORLD_SIZE" not in os.environ:
         ap.error("run it under torchrun: torchrun --standalone --nproc-per-node 2 bench/model_tp.py")
     # cold compile means empty on-disk caches (both are read when compiling, not at import): a
@@ -494,7 +654,7 @@ def main(argv=None) -> int:
     # every variant keeps its graphs on the same code objects, for each workload
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 8 * len(VARIANTS))
 
-    model = build(a, world, dev)
+    model = build(a, world, dev) if {"decode", "train"} & set(workloads) else None
     res, failed = {v: {} for v in variants}, {}
     status = 0
     for w in workloads:
@@ -502,6 +662,8 @@ def main(argv=None) -> int:
             decode(model, a, dev, variants, res, failed)
         elif w == "train":
             train(model, a, dev, variants, res, failed)
+        elif w == "sp":
+            sp_train(a, dev, variants, res, failed)
         elif w == "fsdp":
             fsdp_train(a, dev, variants, res, failed)
         status = report(a, res, failed, variants, dev, final=w == workloads[-1])  # kept if a later one hangs
