@@ -2,14 +2,19 @@
 side by side in one run.
 
     torchrun --standalone --nproc-per-node 2 bench/model_tp.py [--out bench/results/model_tp_2xh200.md]
+    torchrun --standalone --nproc-per-node 2 bench/model_tp.py --workloads sp --variants "eager,inductor,inductor async-TP,commfuse" --trace
+    torchrun --standalone --nproc-per-node 2 bench/model_tp.py --workloads decode --batch 32 --cache 8192 --variants inductor,commfuse --kernels
     torchrun --standalone --nproc-per-node 2 bench/model_tp.py --cpu --tiny     # checks the script on CPU (fp32)
 
 The model (bench/llama.py, which tests/test_tp_llama.py checks): Llama-3-8B-shaped decoder layers (H 4096, 32 query / 8 KV heads of 128, SwiGLU F 14336,
 RMSNorm, rotary embedding; attention through SDPA with HF's repeat_kv), 4 of them, bf16,
 tensor-parallel over the ranks with DTensor's parallelize_module (torchtitan's plan:
 column-parallel q/k/v and gate/up, row-parallel o and down, whose outputs are all-reduced).
-Variants: eager, Inductor, Inductor mode="reduce-overhead", commfuse, commfuse with
-options={"cuda_graphs": True}; all share one model (its weights and its KV cache).
+Variants: eager, Inductor, Inductor mode="reduce-overhead", Inductor async-TP (options
+{"_micro_pipeline_tp": True}, symmetric memory enabled for the TP group; sequence-parallel training
+only, skipped on CPU and at world 1), commfuse, commfuse with options={"cuda_graphs": True}; all
+share one model per workload (its weights and its KV cache). On one rank (torchrun
+--nproc-per-node 1) the model is the plain one, no DTensor: the single-GPU row.
 
 Workloads:
 - decode: B=8 sequences, one token each at position `pos`, over a static KV cache of 2048 positions
@@ -19,6 +24,14 @@ Workloads:
   per-call time is their graph time. Per call: CUDA events around a loop of calls, as a user loops it;
   host per call: the same loop's time on the host, not waiting for the GPU (near the per-call time,
   the loop is host-bound: Dynamo's guards, AOTAutograd's wrappers, the backend's own Python).
+  The timed steps write position --pos (default: the cache's middle). The floor (bench/decode_floor.py):
+  the bytes each rank reads per step (its weight shards and the whole KV cache, from the model's
+  parameter and buffer shapes) over the read bandwidth measured in the run (torch.sum over 1 GiB),
+  plus the row-parallel all-reduces times torch symm_mem's one-shot latency at the step's size; the
+  prefix floor reads the cache only up to the position; each variant's GPU time per step (per call
+  where self-graphing) over both. --kernels: commfuse's step per kernel (5 steps profiled, rank 0),
+  with the bytes of each generated kernel's tensor arguments and its GB/s against the measured
+  bandwidth, under 80% flagged (aten's kernels, cuBLAS and SDPA included, without bytes).
 - train: tensor-parallel forward + backward of B=2 x S=1024 tokens (loss: mean square of the output, taken
   eagerly), CUDA events around a loop of steps; host ms per step: one step's time on the host, started
   with the GPU idle and not waiting for it (near the step time, the step is host-bound). Gradients
@@ -26,6 +39,10 @@ Workloads:
   torch.cuda.max_memory_allocated over one step less what was allocated before it (weights,
   gradients, KV cache, inputs): activations and temporaries. Not for
   the self-graphing variants, whose graph pools are allocated when they record, before that step.
+- sp: sequence-parallel TP training, torchtitan's plan (bench/llama.py tp_llama(sequence_parallel=True):
+  SequenceParallel norms, PrepareModuleInput all-gathering each block's input, row-parallel o and
+  down reduce-scattered to Shard(1)), each rank's input its B=2 x S/world shard of the hidden states;
+  loss and figures as for `train`, its own model.
 - fsdp: FSDP2 training, data parallel over the ranks (fully_shard per layer and at the root, each
   layer compiled on its own as torchtitan does): Llama-3.2-1B-shaped layers (H 2048, 32 query / 8
   KV heads, F 8192), 4 of them, B=4 x S=2048 tokens per rank. Each variant builds its own sharded
@@ -37,6 +54,12 @@ Workloads:
 - warm compile (Inductor and commfuse, plain mode): after a workload's timings, torch._dynamo.reset()
   and the first call again, in the same process, with the on-disk caches that the cold compile filled
   (Inductor's FX graph and AOTAutograd caches, commfuse's graph cache, Triton's kernels).
+- --trace: after each workload's timings (the profiler slows what runs after it: trace one workload
+  per run where the later ones' timings matter), one step of each variant under torch.profiler, the
+  ranks started together: a Chrome / Perfetto trace per rank in --trace-dir, "exposed comm" in the
+  table (bench/trace_summary.py: the share of the step during which a comm kernel runs and no
+  compute kernel does, from the GPU intervals; the worst rank's), and on rank 0 a line per variant
+  and the step's timeline as a PNG where matplotlib is (else: python bench/plot.py TRACE.json).
 - max |error| vs eager, in the run's dtype (bf16; fp32 with --cpu): decode, over the outputs of 4 steps (a self-graphing variant replays
   from its third call) and every layer's K/V cache after them, each variant starting from the same
   cache; training, over the loss and every parameter gradient (local shards).
@@ -69,7 +92,7 @@ import commfuse  # noqa: E402,F401  (before torch._dynamo imports triton: Triton
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from bench.llama import Config, fsdp_llama, tp_llama  # noqa: E402
+from bench.llama import Config, fsdp_llama, llama, tp_llama  # noqa: E402
 from commfuse import backend  # noqa: E402
 from bench import decode_floor, timing, trace_summary  # noqa: E402
 
@@ -86,11 +109,11 @@ WARM = ("inductor", "commfuse")  # variants whose warm compile is measured
 
 # ------------------------------------------------------------------------------------------ model
 def build(a, world, dev):
-    """bench/llama.py's decoder layers on hidden states (no embedding or head), in a.dtype."""
-    assert a.seq <= a.cache, "the rotary table covers the cache's positions"
+    """bench/llama.py's decoder layers on hidden states (no embedding or head), in a.dtype; on one
+    rank the plain model (no DTensor)."""
     cfg = Config(dim=a.hidden, n_heads=a.heads, n_kv_heads=a.kv_heads, ffn=a.ffn, n_layers=a.layers,
                  max_batch=a.batch, max_seq=a.cache)
-    return tp_llama(cfg, world, dev, a.dtype)
+    return llama(cfg, 1, dev, a.dtype) if world == 1 else tp_llama(cfg, world, dev, a.dtype)
 
 
 def compile_options(name) -> dict | None:
@@ -251,6 +274,9 @@ def sp_train(a, dev, variants, res, failed):
     along the sequence, all-gathered before each block's projections and reduce-scattered after):
     every variant compiles one model's layers, each rank's input its shard of the sequence."""
     world = dist.get_world_size()
+    if world == 1:
+        print("sp skipped: sequence parallelism needs 2 ranks or more", flush=True)
+        return
     if a.seq % world:
         failed["sp"] = f"S={a.seq} does not divide among {world} ranks"
         return
@@ -630,6 +656,8 @@ def main(argv=None) -> int:
     workloads = [w.strip() for w in a.workloads.split(",") if w.strip()]
     if set(workloads) - set(WORKLOADS):
         ap.error(f"unknown workloads {sorted(set(workloads) - set(WORKLOADS))}")
+    if "train" in workloads and a.seq > a.cache:
+        ap.error(f"TP training (S={a.seq}) uses the decode model's rotary table, of {a.cache} positions: --cache >= --seq")
     if "WORLD_SIZE" not in os.environ:
         ap.error("run it under torchrun: torchrun --standalone --nproc-per-node 2 bench/model_tp.py")
     # cold compile means empty on-disk caches (both are read when compiling, not at import): a

@@ -5,7 +5,7 @@ machines have no matplotlib: `pip install -e ".[bench]"`).
 
 bench/comm.py's JSON gives the all-reduce latency against message size (ours one-shot / two-shot /
 the pick, NCCL, torch symm_mem's one-shot / two-shot); bench/model_tp.py's gives the decode step of
-each variant, with the floor where the bench reports one (a result key naming `floor`). A Chrome
+each variant, with its floors where the bench measured them (whole cache, and prefix). A Chrome
 trace (bench/model_tp.py --trace) gives the timeline of its step: each stream's compute and comm
 intervals, and the exposed comm beneath them (bench/trace_summary.py).
 
@@ -49,9 +49,9 @@ def decode(data: dict, title: str, path: str) -> None:
     for i, (key, label) in enumerate((("decode µs/call", "per call (host + GPU)"), ("decode GPU µs/step", "GPU time per step"))):
         xs = [j + (i - 0.5) * width for j in range(len(names))]
         ax.bar(xs, [results[n].get(key, float("nan")) for n in names], width, label=label)
-    floors = {k: v for r in results.values() for k, v in r.items() if "floor" in k and "decode" in k}
-    for k, v in sorted(floors.items())[:1]:
-        ax.axhline(v, color="k", ls=":", label=k)
+    floors = {k: v for r in results.values() for k, v in r.items() if k in ("decode floor µs", "decode prefix floor µs")}
+    for (k, v), ls in zip(sorted(floors.items()), (":", "-.")):
+        ax.axhline(v, color="k", ls=ls, label=k)
     ax.set_xticks(range(len(names)), names, rotation=20, ha="right", fontsize=8)
     ax.set(ylabel="µs (log)", yscale="log", title=title)
     ax.legend(fontsize=8)
