@@ -54,8 +54,8 @@ Workloads:
 - warm compile (Inductor and commfuse, plain mode): after a workload's timings, torch._dynamo.reset()
   and the first call again, in the same process, with the on-disk caches that the cold compile filled
   (Inductor's FX graph and AOTAutograd caches, commfuse's graph cache, Triton's kernels).
-- --trace: after each workload's timings (the profiler slows what runs after it: trace one workload
-  per run where the later ones' timings matter), one step of each variant under torch.profiler, the
+- --trace [WORKLOADS]: after each workload's timings (or those listed: the profiler slows what runs
+  after it, so trace the last workload, or the ones whose later timings do not matter), one step of each variant under torch.profiler, the
   ranks started together: a Chrome / Perfetto trace per rank in --trace-dir, "exposed comm" in the
   table (bench/trace_summary.py: the share of the step during which a comm kernel runs and no
   compute kernel does, from the GPU intervals; the worst rank's), and on rank 0 a line per variant
@@ -251,7 +251,7 @@ def decode(model, a, dev, variants, res, failed, check_steps=4):
                 a.kernel_tables["decode, commfuse"] = decode_floor.kernel_table(step["commfuse"], 5, dev, bw)
             except Exception as e:
                 failed["commfuse, decode kernels"] = _why(e)
-        if a.trace:
+        if "decode" in a.trace:
             trace_steps("decode", step, a, dev, res, failed)
 
     def first_call(name):
@@ -354,7 +354,7 @@ def _train(key, make, x, a, dev, variants, res, failed):
                 step(fn)
                 timing.sync(dev)
                 res[name][f"{key} peak MiB above weights"] = (torch.cuda.max_memory_allocated() - base) / 2**20
-            if a.trace:  # traced after every variant's timings: the profiler slows what runs after it
+            if key in a.trace:  # traced after every variant's timings: the profiler slows what runs after it
                 kept[name] = (fn, module)
         except Exception as e:
             failed[f"{name}, {key}"] = _why(e)
@@ -626,10 +626,10 @@ def main(argv=None) -> int:
     ap.add_argument("--kernels", action="store_true",
                     help="decode: commfuse's step per kernel (time, bytes of its arguments, GB/s against the "
                          "measured read bandwidth), rank 0's, under the table")
-    ap.add_argument("--trace", action="store_true",
-                    help="after each workload's timings, one step of each variant under torch.profiler: a Chrome "
-                         "trace per rank (--trace-dir), its exposed comm share in the table, a PNG timeline where "
-                         "matplotlib is (else: python bench/plot.py TRACE.json)")
+    ap.add_argument("--trace", nargs="?", const="all", default="", metavar="WORKLOADS",
+                    help="after each workload's timings (or those listed), one step of each variant under "
+                         "torch.profiler: a Chrome trace per rank (--trace-dir), its exposed comm share in the table, "
+                         "a PNG timeline where matplotlib is (else: python bench/plot.py TRACE.json)")
     ap.add_argument("--trace-dir", help="folder for the traces (default: beside --out, else ./model_tp_traces)")
     ap.add_argument("--out", help="also write the table here, and the figures as JSON beside it")
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
@@ -654,6 +654,9 @@ def main(argv=None) -> int:
     if unknown:
         ap.error(f"unknown variants {unknown}")
     workloads = [w.strip() for w in a.workloads.split(",") if w.strip()]
+    a.trace = workloads if a.trace == "all" else [w.strip() for w in a.trace.split(",") if w.strip()]  # (a list: JSON)
+    if set(a.trace) - set(WORKLOADS):
+        ap.error(f"unknown workloads to trace {sorted(set(a.trace) - set(WORKLOADS))}")
     if set(workloads) - set(WORKLOADS):
         ap.error(f"unknown workloads {sorted(set(workloads) - set(WORKLOADS))}")
     if "train" in workloads and a.seq > a.cache:
