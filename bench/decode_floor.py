@@ -12,6 +12,7 @@ floor = bytes each rank must read per step / read bandwidth + all-reduces per st
 """
 from __future__ import annotations
 
+import math
 import re
 
 import torch
@@ -108,23 +109,57 @@ def kernel_bytes(call) -> dict:
     return seen
 
 
-def kernel_table(call, steps, dev, bandwidth_gbs) -> str:
+BYTES_OPS = re.compile(r"aten::(mm|addmm|bmm|_?scaled_dot_product\w*|_flash_attention\w*|_efficient_attention\w*)$")
+ELEMENT = {"c10::BFloat16": 2, "c10::Half": 2, "float": 4, "double": 8, "bool": 1, "int": 4, "long int": 8}
+
+
+def aten_bytes(events, elem: int) -> dict:
+    """{kernel: bytes of its aten op's tensor inputs} for the ops whose kernels read all of their
+    inputs (matmuls, attention); an op's bytes go to its longest kernel. Dtypes from the profiler
+    where it records them, else `elem` bytes each."""
+    out: dict[str, float] = {}
+    for e in events:
+        if not (e.kernels and BYTES_OPS.match(e.name)):
+            continue
+        dtypes = list(getattr(e, "input_dtypes", None) or [])
+        b = sum(math.prod(shape) * ELEMENT.get(dtypes[i] if i < len(dtypes) else "", elem)
+                for i, shape in enumerate(e.input_shapes) if shape and all(isinstance(d, int) for d in shape))
+        k = max(e.kernels, key=lambda k: k.duration).name
+        out[k] = out.get(k, 0) + b
+    return out
+
+
+def kernel_table(call, steps, dev, bandwidth_gbs, elem=2) -> str:
     """Markdown: each kernel of `call()` (one decode step) by GPU time per step (torch.profiler over
-    `steps` steps), with the bytes of its arguments, its achieved GB/s and its share of the measured
-    read bandwidth; below 80% is flagged."""
-    from bench.profile_model import profile_step  # (imported late: it sets cache folders where unset)
+    `steps` steps), with the bytes it moved (a generated kernel's tensor arguments; a matmul's or
+    attention's aten inputs), its GB/s and its share of the measured read bandwidth, under 80% flagged."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
     moved = kernel_bytes(call)
     call()
     timing.sync(dev)
     dist.barrier()
-    per = {k: v for k, v in profile_step(call, steps, dev.type).items() if not re.fullmatch(r"[\w.]+:[\w.]+", k)}
-    lines = [f"| kernel | µs per step | launches per step | MB per step (its arguments) | GB/s | of {bandwidth_gbs:.0f} GB/s |",
+    gpu = dev.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else []), record_shapes=True) as prof:
+        for _ in range(steps):
+            call()
+        timing.sync(dev)
+    events = prof.events()
+    moved.update({k: v / steps for k, v in aten_bytes(events, elem).items()})
+    per: dict[str, list] = {}
+    for e in events:  # on CPU (the script's check) aten's ops stand in for kernels
+        if e.device_type == (DeviceType.CUDA if gpu else DeviceType.CPU) and (gpu or e.name.startswith("aten::")) \
+                and not getattr(e, "is_user_annotation", False) and not re.fullmatch(r"[\w.]+:[\w.]+", e.name):
+            t = per.setdefault(e.name, [0.0, 0.0])
+            t[0] += e.time_range.elapsed_us() / steps
+            t[1] += 1 / steps
+    lines = [f"| kernel | µs per step | launches per step | MB per step | GB/s | of {bandwidth_gbs:.0f} GB/s |",
              "|---|---|---|---|---|---|"]
     total = 0.0
-    for name, (us, n) in sorted(per.items(), key=lambda kv: -kv[1][0]):  # (nccl:all_reduce: an annotation)
+    for name, (us, n) in sorted(per.items(), key=lambda kv: -kv[1][0]):
         total += us
         b = moved.get(name)
-        gbs = b / us / 1e3 if b else None
+        gbs = b / us / 1e3 if b and us else None
         cells = [f"{b / 1e6:.2f}", f"{gbs:.0f}", f"{100 * gbs / bandwidth_gbs:.0f}%" + (" <80%" if gbs < 0.8 * bandwidth_gbs else "")] \
             if gbs else ["—", "—", "—"]
         lines.append(f"| `{name[:90]}` | {us:.1f} | {n:g} | " + " | ".join(cells) + " |")

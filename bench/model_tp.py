@@ -30,8 +30,8 @@ Workloads:
   plus the row-parallel all-reduces times torch symm_mem's one-shot latency at the step's size; the
   prefix floor reads the cache only up to the position; each variant's GPU time per step (per call
   where self-graphing) over both. --kernels: commfuse's step per kernel (5 steps profiled, rank 0),
-  with the bytes of each generated kernel's tensor arguments and its GB/s against the measured
-  bandwidth, under 80% flagged (aten's kernels, cuBLAS and SDPA included, without bytes).
+  with the bytes it moved (a generated kernel's tensor arguments; a matmul's or attention's aten
+  inputs; other aten kernels without) and its GB/s against the measured bandwidth, under 80% flagged.
 - train: tensor-parallel forward + backward of B=2 x S=1024 tokens (loss: mean square of the output, taken
   eagerly), CUDA events around a loop of steps; host ms per step: one step's time on the host, started
   with the GPU idle and not waiting for it (near the step time, the step is host-bound). Gradients
@@ -59,7 +59,7 @@ Workloads:
   ranks started together: a Chrome / Perfetto trace per rank in --trace-dir, "exposed comm" in the
   table (bench/trace_summary.py: the share of the step during which a comm kernel runs and no
   compute kernel does, from the GPU intervals; the worst rank's), and on rank 0 a line per variant
-  and the step's timeline as a PNG where matplotlib is (else: python bench/plot.py TRACE.json).
+  and the step's timeline as a PNG where matplotlib is (else: python bench/plot.py TRACE.json.gz).
 - max |error| vs eager, in the run's dtype (bf16; fp32 with --cpu): decode, over the outputs of 4 steps (a self-graphing variant replays
   from its third call) and every layer's K/V cache after them, each variant starting from the same
   cache; training, over the loss and every parameter gradient (local shards).
@@ -248,7 +248,7 @@ def decode(model, a, dev, variants, res, failed, check_steps=4):
         if a.kernels and "commfuse" in step:
             try:
                 bw = res[variants[0]].get("floor read GB/s") or decode_floor.read_bandwidth(dev) / 1e9
-                a.kernel_tables["decode, commfuse"] = decode_floor.kernel_table(step["commfuse"], 5, dev, bw)
+                a.kernel_tables["decode, commfuse"] = decode_floor.kernel_table(step["commfuse"], 5, dev, bw, a.dtype.itemsize)
             except Exception as e:
                 failed["commfuse, decode kernels"] = _why(e)
         if "decode" in a.trace:
@@ -407,7 +407,8 @@ def trace_steps(key, steps: dict, a, dev, res, failed):
                 with profile(activities=activities) as prof:
                     fn()
                     timing.sync(dev)
-            path = os.path.join(a.trace_dir, f"{key}_{name.replace(' ', '_')}_rank{rank}.json")
+            stem = os.path.join(a.trace_dir, f"{key}_{name.replace(' ', '_')}_rank{rank}")
+            path = stem + ".json.gz"  # (torch gzips it; Perfetto opens it as is)
             prof.export_chrome_trace(path)
             s = trace_summary.summarize(path)
             res[name][f"{key} exposed comm %"] = 100 * s["exposed share"]
@@ -418,7 +419,7 @@ def trace_steps(key, steps: dict, a, dev, res, failed):
                     from bench import plot
                 except ImportError:  # no matplotlib: bench/plot.py draws it where there is
                     continue
-                plot.timeline(path, f"{key}, {name}, rank 0", os.path.splitext(path)[0] + ".png")
+                plot.timeline(path, f"{key}, {name}, rank 0", stem + ".png")
         except Exception as e:
             failed[f"{name}, {key} trace"] = _why(e)
 
@@ -526,6 +527,7 @@ def floor_ratios(res, variants) -> None:
 
 def table(a, res, world, device_name, variants) -> tuple[str, bool]:
     flagged = False
+    variants = [v for v in variants if res.get(v)]  # (async-TP runs in sequence-parallel training only)
     floor_ratios(res, variants)
     ratios = [(o, c) for o, c in RATIOS if o in variants and c in variants]
     head = ["workload", *variants, *(f"{o} / {c}" for o, c in ratios)]
@@ -586,8 +588,8 @@ def report(a, res, failed, variants, dev, final) -> int:
     if merged:
         text += "\n\nFailed:\n" + "\n".join(f"- {k}: {v}" for k, v in merged.items())
     for what, t in a.kernel_tables.items():
-        text += f"\n\nPer kernel, {what} (rank 0, 5 steps profiled; bytes: each generated kernel's tensor arguments, " \
-                f"once; aten's kernels without):\n\n" + t
+        text += f"\n\nPer kernel, {what} (rank 0, 5 steps profiled; bytes: a generated kernel's tensor arguments, " \
+                f"a matmul's or attention's aten inputs, each once; other aten kernels without):\n\n" + t
     if final:
         print(text, flush=True)
     if a.out:
@@ -629,7 +631,7 @@ def main(argv=None) -> int:
     ap.add_argument("--trace", nargs="?", const="all", default="", metavar="WORKLOADS",
                     help="after each workload's timings (or those listed), one step of each variant under "
                          "torch.profiler: a Chrome trace per rank (--trace-dir), its exposed comm share in the table, "
-                         "a PNG timeline where matplotlib is (else: python bench/plot.py TRACE.json)")
+                         "a PNG timeline where matplotlib is (else: python bench/plot.py TRACE.json.gz)")
     ap.add_argument("--trace-dir", help="folder for the traces (default: beside --out, else ./model_tp_traces)")
     ap.add_argument("--out", help="also write the table here, and the figures as JSON beside it")
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS",

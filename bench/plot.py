@@ -9,12 +9,11 @@ each variant, with its floors where the bench measured them (whole cache, and pr
 trace (bench/model_tp.py --trace) gives the timeline of its step: each stream's compute and comm
 intervals, and the exposed comm beneath them (bench/trace_summary.py).
 
-    python bench/plot.py traces/sp_commfuse_rank0.json --out docs/img
+    python bench/plot.py traces/sp_commfuse_rank0.json.gz --out docs/img
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 import matplotlib
@@ -102,7 +101,8 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     for path in args.json:
-        data, stem = json.load(open(path)), os.path.splitext(os.path.basename(path))[0]
+        from bench.trace_summary import load
+        data, stem = load(path), os.path.basename(path).removesuffix(".gz").removesuffix(".json")
         if "traceEvents" in data:
             timeline(path, stem, os.path.join(args.out, f"{stem}_timeline.png"))
             print(f"{path} -> {args.out}/{stem}_timeline.png")

@@ -11,10 +11,11 @@ copy counts as compute: its name does not say whether it reads a peer.
     exposed = time during which some comm event runs and no compute event does
     step    = first GPU event's start to the last one's end
 
-    python bench/trace_summary.py TRACE.json [...]      # one line per trace
+    python bench/trace_summary.py TRACE.json.gz [...]      # one line per trace
 """
 from __future__ import annotations
 
+import gzip
 import json
 import re
 import sys
@@ -28,12 +29,17 @@ def is_comm(name: str) -> bool:
     return bool(COMM.search(name))
 
 
+def load(path: str) -> dict:
+    """A trace's JSON, gzipped (.gz, as bench/model_tp.py writes them) or not."""
+    with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
+        return json.load(f)
+
+
 def gpu_events(trace: dict | str) -> list[dict]:
     """The GPU events of a trace (a dict, or a path to its JSON): {name, start, end (µs), stream,
     device, comm}, by start."""
     if isinstance(trace, str):
-        with open(trace) as f:
-            trace = json.load(f)
+        trace = load(trace)
     out = []
     for e in trace.get("traceEvents", []):
         if e.get("ph") != "X" or e.get("cat") not in GPU_CATS or not e.get("dur"):

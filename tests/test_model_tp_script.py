@@ -2,6 +2,7 @@
 the sequence-parallel TP training and FSDP2 workloads compile, match eager, and their figures reach
 the table and the JSON, warm compile from commfuse's graph cache included; --trace writes a trace
 per rank and variant and its exposed-comm figure."""
+import gzip
 import json
 import os
 import subprocess
@@ -32,5 +33,6 @@ def test_model_tp_cpu_smoke(tmp_path):
         assert loaded == 1.0, commfuse  # every graph loaded, from one cache or the other
         assert f"{key} exposed comm %" in commfuse  # no GPU kernels on CPU: the figure, not its value
         for rank in (0, 1):
-            assert json.loads((tmp_path / f"model_tp_traces/{key}_commfuse_rank{rank}.json").read_text())["traceEvents"]
+            with gzip.open(tmp_path / f"model_tp_traces/{key}_commfuse_rank{rank}.json.gz", "rt") as f:
+                assert json.load(f)["traceEvents"]
     assert "FSDP2 training fw+bw" in out.read_text() and "sequence-parallel TP training fw+bw" in out.read_text()
