@@ -75,16 +75,17 @@ def floors(model, batch, hidden, pos, dtype, dev) -> dict:
     ar = all_reduce_us(batch * hidden, dtype, dev) if count else 0.0
     return {"floor weight MB": weights / 1e6, "floor cache MB": cache / 1e6, "floor prefix cache MB": prefix / 1e6,
             "floor read GB/s": bw / 1e9, "floor read MiB": size / 2**20, "floor all-reduces": count, "floor all-reduce µs": ar,
-            "decode floor µs": (weights + cache) / bw * 1e6 + count * ar,
-            "decode prefix floor µs": (weights + prefix) / bw * 1e6 + count * ar}
+            "floor µs": (weights + cache) / bw * 1e6 + count * ar, "prefix floor µs": (weights + prefix) / bw * 1e6 + count * ar}
 
 
-def describe(r: dict) -> str:
-    return (f"Decode floor per rank: ({r['floor weight MB']:.4g} MB of weight shards + {r['floor cache MB']:.4g} MB of "
+def describe(r: dict, key="decode") -> str:
+    """A line of the floor's terms, from `r` holding floors()'s figures under `key`."""
+    r = {k.removeprefix(key + " "): v for k, v in r.items()}
+    return (f"{key[0].upper() + key[1:]} floor per rank: ({r['floor weight MB']:.4g} MB of weight shards + {r['floor cache MB']:.4g} MB of "
             f"KV cache ({r['floor prefix cache MB']:.4g} MB up to the position)) / {r['floor read GB/s']:.0f} GB/s "
             f"(torch.sum over {r['floor read MiB']:.0f} MiB) + {r['floor all-reduces']:.0f} all-reduces x "
             f"{r['floor all-reduce µs']:.1f} µs "
-            f"(one-shot) = {r['decode floor µs']:.1f} µs; prefix floor {r['decode prefix floor µs']:.1f} µs.")
+            f"(one-shot) = {r['floor µs']:.1f} µs; prefix floor {r['prefix floor µs']:.1f} µs.")
 
 
 # ------------------------------------------------------------------------ per-kernel breakdown

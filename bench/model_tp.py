@@ -3,7 +3,7 @@ side by side in one run.
 
     torchrun --standalone --nproc-per-node 2 bench/model_tp.py [--out bench/results/model_tp_2xh200.md]
     torchrun --standalone --nproc-per-node 2 bench/model_tp.py --workloads sp --variants "eager,inductor,inductor async-TP,commfuse" --trace
-    torchrun --standalone --nproc-per-node 2 bench/model_tp.py --workloads decode --batch 32 --cache 8192 --variants inductor,commfuse --kernels
+    torchrun --standalone --nproc-per-node 2 bench/model_tp.py --workloads decode --variants inductor,commfuse --kernels --sweep 1:2048,32:2048,8:512,8:8192
     torchrun --standalone --nproc-per-node 2 bench/model_tp.py --cpu --tiny     # checks the script on CPU (fp32)
 
 The model (bench/llama.py, which tests/test_tp_llama.py checks): Llama-3-8B-shaped decoder layers (H 4096, 32 query / 8 KV heads of 128, SwiGLU F 14336,
@@ -32,6 +32,9 @@ Workloads:
   where self-graphing) over both. --kernels: commfuse's step per kernel (5 steps profiled, rank 0),
   with the bytes it moved (a generated kernel's tensor arguments; a matmul's or attention's aten
   inputs; other aten kernels without) and its GB/s against the measured bandwidth, under 80% flagged.
+  --sweep B:C,...: after the workloads, decode again at each batch B and cache length C (position
+  C/2 unless --pos), each on a model of its own, the --sweep-variants only (default Inductor and
+  commfuse): GPU time, per call, floors and ratios, error.
 - train: tensor-parallel forward + backward of B=2 x S=1024 tokens (loss: mean square of the output, taken
   eagerly), CUDA events around a loop of steps; host ms per step: one step's time on the host, started
   with the GPU idle and not waiting for it (near the step time, the step is host-bound). Gradients
@@ -54,8 +57,8 @@ Workloads:
 - warm compile (Inductor and commfuse, plain mode): after a workload's timings, torch._dynamo.reset()
   and the first call again, in the same process, with the on-disk caches that the cold compile filled
   (Inductor's FX graph and AOTAutograd caches, commfuse's graph cache, Triton's kernels).
-- --trace [WORKLOADS]: after each workload's timings (or those listed: the profiler slows what runs
-  after it, so trace the last workload, or the ones whose later timings do not matter), one step of each variant under torch.profiler, the
+- --trace [WORKLOADS]: after each workload's timings (or the listed ones': the profiler slows what
+  runs after it, so trace the last workload), one step of each variant under torch.profiler, the
   ranks started together: a Chrome / Perfetto trace per rank in --trace-dir, "exposed comm" in the
   table (bench/trace_summary.py: the share of the step during which a comm kernel runs and no
   compute kernel does, from the GPU intervals; the worst rank's), and on rank 0 a line per variant
@@ -65,7 +68,8 @@ Workloads:
   cache; training, over the loss and every parameter gradient (local shards).
 
 The table gives each variant's figure and commfuse's ratios, other / commfuse (above 1: commfuse is
-better): plain commfuse against Inductor, and commfuse cuda_graphs against reduce-overhead. A
+better): plain commfuse against Inductor and against Inductor async-TP, and commfuse cuda_graphs
+against reduce-overhead. A
 variant that fails is listed under the table and the others go on; the exit status is then 1, as it
 is when a commfuse variant's error is above max(5 x Inductor's (else eager's), 1e-2, 4 ulps of the dtype at the
 largest reference value) (marked `!`).
@@ -74,6 +78,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
+import itertools
 import json
 import math
 import os
@@ -187,7 +193,10 @@ def max_diff(got, want) -> float:
 
 
 # -------------------------------------------------------------------------------------- workloads
-def decode(model, a, dev, variants, res, failed, check_steps=4):
+def decode(model, a, dev, variants, res, failed, check_steps=4, key="decode"):
+    """The decode figures under `key` ("decode", or a --sweep configuration's: no warm compile,
+    kernels or trace there)."""
+    main = key == "decode"
     variants = variants_for("decode", variants, dev)
     caches = [b for n, b in model.named_buffers() if "cache" in n]
     torch.manual_seed(1)  # the same context on every rank and for every variant
@@ -208,51 +217,54 @@ def decode(model, a, dev, variants, res, failed, check_steps=4):
         return outs, [c.clone() for c in caches]
     reset()
     ref_outs, ref_caches = run(model)
-    a.scales["err decode"] = max(max_diff(t, torch.zeros_like(t)) for t in ref_outs + ref_caches)
+    a.scales[f"err {key}"] = max(max_diff(t, torch.zeros_like(t)) for t in ref_outs + ref_caches)
     fns = {}
     for name in variants:
         try:
             reset()
             fn = compiled(model, name)
-            with torch.no_grad(), _profiled(f"cold_decode_{name}"):
-                res[name]["compile decode s"] = timing.wall_time_s(lambda: fn(xs[0], positions[0]), dev)
+            with torch.no_grad(), _profiled(f"cold_{key}_{name}"):
+                res[name][f"compile {key} s"] = timing.wall_time_s(lambda: fn(xs[0], positions[0]), dev)
             reset()  # the check starts from the same cache as eager's
             outs, after = run(fn)
-            res[name]["err decode"] = max(max(map(max_diff, outs, ref_outs)), max(map(max_diff, after, ref_caches)))
+            res[name][f"err {key}"] = max(max(map(max_diff, outs, ref_outs)), max(map(max_diff, after, ref_caches)))
             fns[name] = fn
         except Exception as e:  # report, go on with the others
-            failed[f"{name}, decode"] = _why(e)
+            failed[f"{name}, {key}"] = _why(e)
     x, pos = xs[-1], positions[-1]  # steady state: every call writes the last position again
     step = {name: (lambda fn=fn: fn(x, pos)) for name, fn in fns.items()}
     with torch.no_grad():
         for name, fn in step.items():
             try:
-                res[name]["decode µs/call"] = per_call_us(fn, a, dev, iters=200 if dev.type == "cuda" else 1)
-                with _profiled(f"decode_host_{name}"):
-                    res[name]["decode host µs/call"] = timing.host_time_us(fn, dev, iters=200 if dev.type == "cuda" else 1)
+                res[name][f"{key} µs/call"] = per_call_us(fn, a, dev, iters=200 if dev.type == "cuda" else 1)
+                with _profiled(f"{key}_host_{name}"):
+                    res[name][f"{key} host µs/call"] = timing.host_time_us(fn, dev, iters=200 if dev.type == "cuda" else 1)
             except Exception as e:
-                failed[f"{name}, decode per call"] = _why(e)
+                failed[f"{name}, {key} per call"] = _why(e)
         if dev.type == "cuda":
             graphable = {n: f for n, f in step.items() if n not in SELF_GRAPHED}
             errors = {}
             times = timing.interleaved_times_us(graphable, rounds=a.rounds, iters=a.graph_steps, failed=errors)
             for name, t in times.items():
-                res[name]["decode GPU µs/step"] = t
-            failed.update({f"{n}, decode CUDA graph": _why(e) for n, e in errors.items()})
+                res[name][f"{key} GPU µs/step"] = t
+            failed.update({f"{n}, {key} CUDA graph": _why(e) for n, e in errors.items()})
         try:  # what HBM allows, measured beside the variants
             floor = decode_floor.floors(model, a.batch, a.hidden, a.pos, a.dtype, dev)
             for name in variants:
-                res[name].update(floor)
+                res[name].update({f"{key} {k}": v for k, v in floor.items()})
         except Exception as e:
-            failed["decode floor"] = _why(e)
-        if a.kernels and "commfuse" in step:
+            failed[f"{key} floor"] = _why(e)
+        if main and a.kernels and "commfuse" in step:
             try:
-                bw = res[variants[0]].get("floor read GB/s") or decode_floor.read_bandwidth(dev) / 1e9
+                bw = res[variants[0]].get("decode floor read GB/s") or decode_floor.read_bandwidth(dev) / 1e9
                 a.kernel_tables["decode, commfuse"] = decode_floor.kernel_table(step["commfuse"], 5, dev, bw, a.dtype.itemsize)
             except Exception as e:
                 failed["commfuse, decode kernels"] = _why(e)
-        if "decode" in a.trace:
+        if main and "decode" in a.trace:
             trace_steps("decode", step, a, dev, res, failed)
+
+    if not main:
+        return
 
     def first_call(name):
         fn = compiled(model, name)
@@ -515,20 +527,31 @@ def ratio(other, ours) -> str:
 RATIOS = (("inductor", "commfuse"), ("inductor reduce-overhead", "commfuse cuda_graphs"), (ASYNC_TP, "commfuse"))
 
 
-def floor_ratios(res, variants) -> None:
+SWEEP_ROWS = (  # per --sweep configuration
+    ("{key} GPU µs/step", "{key}: GPU µs per step", "{:.1f}"),
+    ("{key} µs/call", "{key}: µs per call", "{:.1f}"),
+    ("{key} / floor", "{key}: GPU time / floor (whole cache)", "{:.2f}×"),
+    ("{key} / prefix floor", "{key}: GPU time / prefix floor", "{:.2f}×"),
+    ("err {key}", "{key}: max abs error vs eager", "{:.2e}"),
+)
+
+
+def floor_ratios(res, variants, keys) -> None:
     """Each variant's decode time over the floors: its GPU time per step, else (self-graphing) per call."""
-    for v in variants:
+    for v, key in itertools.product(variants, keys):
         r = res[v]
-        t = r.get("decode GPU µs/step") or (r.get("decode µs/call") if v in SELF_GRAPHED else None)
-        for key in ("floor", "prefix floor"):
-            if t and r.get(f"decode {key} µs"):
-                r[f"decode / {key}"] = t / r[f"decode {key} µs"]
+        t = r.get(f"{key} GPU µs/step") or (r.get(f"{key} µs/call") if v in SELF_GRAPHED else None)
+        for floor in ("floor", "prefix floor"):
+            if t and r.get(f"{key} {floor} µs"):
+                r[f"{key} / {floor}"] = t / r[f"{key} {floor} µs"]
 
 
 def table(a, res, world, device_name, variants) -> tuple[str, bool]:
     flagged = False
     variants = [v for v in variants if res.get(v)]  # (async-TP runs in sequence-parallel training only)
-    floor_ratios(res, variants)
+    keys = ["decode"] + a.sweep_keys
+    floor_ratios(res, variants, keys)
+    rows = list(ROWS) + [tuple(t.replace("{key}", k) for t in row) for k in a.sweep_keys for row in SWEEP_ROWS]
     ratios = [(o, c) for o, c in RATIOS if o in variants and c in variants]
     head = ["workload", *variants, *(f"{o} / {c}" for o, c in ratios)]
     lines = [f"TP Llama decoder layers: {a.layers} layers, H {a.hidden}, {a.heads} query / {a.kv_heads} KV heads, "
@@ -537,7 +560,7 @@ def table(a, res, world, device_name, variants) -> tuple[str, bool]:
              f"{a.fsdp['layers']} layers, H {a.fsdp['hidden']}, {a.fsdp['heads']} / {a.fsdp['kv_heads']} heads, "
              f"F {a.fsdp['ffn']}, B={a.fsdp['batch']} S={a.fsdp['seq']} per rank", "",
              "| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
-    for key, label, fmt in ROWS:
+    for key, label, fmt in rows:
         cells = []
         for v in variants:
             val = res[v].get(key)
@@ -559,9 +582,10 @@ def table(a, res, world, device_name, variants) -> tuple[str, bool]:
     lines += ["", "Ratios are other / commfuse: above 1, commfuse is faster, smaller or compiles sooner. "
               "Self-graphing variants (reduce-overhead, cuda_graphs) cannot be captured in another CUDA graph: "
               "their per-call time is their graph time."]
-    floor = next((res[v] for v in variants if "decode floor µs" in res[v]), None)
-    if floor:
-        lines += ["", decode_floor.describe(floor)]
+    for key in keys:
+        floor = next((res[v] for v in variants if f"{key} floor µs" in res[v]), None)
+        if floor:
+            lines += ["", decode_floor.describe(floor, key)]
     if flagged:
         lines.append("`!`: a commfuse error above max(5 × Inductor's (else eager's), 1e-2, 4 ulps at the largest "
                      "reference value).")
@@ -625,6 +649,10 @@ def main(argv=None) -> int:
     ap.add_argument("--pos", type=int, default=None,
                     help="decode: the position each timed step writes (default: the cache's middle); the prefix "
                          "floor reads the cache up to it")
+    ap.add_argument("--sweep", default="", metavar="B:C,...",
+                    help="after the workloads, decode again at each batch B and cache length C listed (e.g. "
+                         "1:2048,32:2048,8:512,8:8192), its own model each: GPU time, per call, floors, error")
+    ap.add_argument("--sweep-variants", default="inductor,commfuse", help="the variants --sweep runs (default: %(default)s)")
     ap.add_argument("--kernels", action="store_true",
                     help="decode: commfuse's step per kernel (time, bytes of its arguments, GB/s against the "
                          "measured read bandwidth), rank 0's, under the table")
@@ -643,16 +671,24 @@ def main(argv=None) -> int:
     for k, v in (TINY if a.tiny else FULL).items():
         if getattr(a, k) is None:
             setattr(a, k, v)
+    a.pos_arg = a.pos
     a.pos = a.cache // 2 if a.pos is None else a.pos
-    if not 4 <= a.pos + 1 <= a.cache:
-        ap.error(f"--pos {a.pos}: the 4 checked decode steps end there, within the cache of {a.cache}")
+    try:
+        sweep = [tuple(map(int, c.split(":"))) for c in a.sweep.split(",") if c.strip()]
+    except ValueError:
+        ap.error(f"--sweep {a.sweep!r}: B:C pairs, comma-separated")
+    a.sweep_keys = [f"decode B={b} C={c}" for b, c in sweep]
+    for c in [a.cache] + [c for _, c in sweep]:
+        if not 4 <= (c // 2 if a.pos_arg is None else a.pos_arg) + 1 <= c:
+            ap.error(f"--pos {a.pos_arg}: the 4 checked decode steps end there, within the cache of {c}")
     a.trace_dir = a.trace_dir or (os.path.splitext(a.out)[0] + "_traces" if a.out else "model_tp_traces")
     a.fsdp = FSDP_TINY if a.tiny else FSDP_FULL
     a.rounds = a.rounds or (1 if a.tiny else 3)
     a.dtype_name = a.dtype or ("float32" if a.cpu else "bfloat16")
     a.dtype = getattr(torch, a.dtype_name)
     variants = [v.strip() for v in a.variants.split(",") if v.strip()]
-    unknown = sorted(set(variants) - set(VARIANTS))
+    a.sweep_variants = [v.strip() for v in a.sweep_variants.split(",") if v.strip()]
+    unknown = sorted(set(variants + a.sweep_variants) - set(VARIANTS))
     if unknown:
         ap.error(f"unknown variants {unknown}")
     workloads = [w.strip() for w in a.workloads.split(",") if w.strip()]
@@ -688,10 +724,20 @@ def main(argv=None) -> int:
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 8 * len(VARIANTS))
 
     model = build(a, world, dev) if {"decode", "train"} & set(workloads) else None
-    res, failed = {v: {} for v in variants}, {}
+    columns = variants + [v for v in a.sweep_variants if sweep and v not in variants]
+    res, failed = {v: {} for v in columns}, {}
     status = 0
-    for w in workloads:
-        if w == "decode":
+    jobs = workloads + list(zip(a.sweep_keys, sweep))
+    for i, w in enumerate(jobs):
+        if isinstance(w, tuple):  # a --sweep configuration: a model of its own
+            model, sa = None, copy.copy(a)  # (sharing the dicts the figures go to)
+            sa.batch, sa.cache = w[1]
+            sa.pos = sa.cache // 2 if a.pos_arg is None else a.pos_arg
+            try:
+                decode(build(sa, world, dev), sa, dev, a.sweep_variants, res, failed, key=w[0])
+            except Exception as e:  # (out of memory)
+                failed[w[0]] = _why(e)
+        elif w == "decode":
             decode(model, a, dev, variants, res, failed)
         elif w == "train":
             train(model, a, dev, variants, res, failed)
@@ -699,7 +745,7 @@ def main(argv=None) -> int:
             sp_train(a, dev, variants, res, failed)
         elif w == "fsdp":
             fsdp_train(a, dev, variants, res, failed)
-        status = report(a, res, failed, variants, dev, final=w == workloads[-1])  # kept if a later one hangs
+        status = report(a, res, failed, columns, dev, final=i == len(jobs) - 1)  # kept if a later one hangs
     status_t = torch.tensor([status], device=dev)
     dist.broadcast(status_t, 0)
     dist.barrier()
