@@ -431,7 +431,7 @@ def trace_steps(key, steps: dict, a, dev, res, failed):
                     from bench import plot
                 except ImportError:  # no matplotlib: bench/plot.py draws it where there is
                     continue
-                plot.timeline(path, f"{key}, {name}, rank 0", stem + ".png")
+                plot.timeline(path, f"{key}, {name}, rank 0", stem + "_timeline.png")
         except Exception as e:
             failed[f"{name}, {key} trace"] = _why(e)
 
