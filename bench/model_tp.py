@@ -574,7 +574,7 @@ def table(a, res, world, device_name, variants) -> tuple[str, bool]:
             cells.append(text)
         if all(c == "—" for c in cells):
             continue  # a workload not run
-        if key.startswith("err") or "/" in key or "exposed" in key:
+        if key.startswith("err") or " / " in key or "exposed" in key:  # (" / ": a ratio to the floor)
             cols = [""] * len(ratios)
         else:
             cols = [ratio(res.get(o, {}).get(key), res.get(c, {}).get(key)) for o, c in ratios]
