@@ -168,9 +168,10 @@ def tp_llama(cfg: Config, world: int, device, dtype=torch.float32, seed=0, seque
                      "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None, None),
                                                      desired_input_layouts=(Replicate(), None, None, None)),
                      "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))})
-        parallelize_module(model, mesh, {
-            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-            "norm": SequenceParallel(), "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())})
+        if cfg.vocab:  # (without: the layers on hidden states, each rank's shard of the sequence)
+            parallelize_module(model, mesh, {
+                "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+                "norm": SequenceParallel(), "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())})
     for layer in model.layers:
         parallelize_module(layer, mesh, plan)
     return model

@@ -2,14 +2,19 @@
 side by side in one run.
 
     torchrun --standalone --nproc-per-node 2 bench/model_tp.py [--out bench/results/model_tp_2xh200.md]
+    torchrun --standalone --nproc-per-node 2 bench/model_tp.py --workloads sp --variants "eager,inductor,inductor async-TP,commfuse" --trace
+    torchrun --standalone --nproc-per-node 2 bench/model_tp.py --workloads decode --variants inductor,commfuse --kernels --sweep 1:2048,32:2048,8:512,8:8192
     torchrun --standalone --nproc-per-node 2 bench/model_tp.py --cpu --tiny     # checks the script on CPU (fp32)
 
 The model (bench/llama.py, which tests/test_tp_llama.py checks): Llama-3-8B-shaped decoder layers (H 4096, 32 query / 8 KV heads of 128, SwiGLU F 14336,
 RMSNorm, rotary embedding; attention through SDPA with HF's repeat_kv), 4 of them, bf16,
 tensor-parallel over the ranks with DTensor's parallelize_module (torchtitan's plan:
 column-parallel q/k/v and gate/up, row-parallel o and down, whose outputs are all-reduced).
-Variants: eager, Inductor, Inductor mode="reduce-overhead", commfuse, commfuse with
-options={"cuda_graphs": True}; all share one model (its weights and its KV cache).
+Variants: eager, Inductor, Inductor mode="reduce-overhead", Inductor async-TP (options
+{"_micro_pipeline_tp": True}, symmetric memory enabled for the TP group; sequence-parallel training
+only, skipped on CPU and at world 1), commfuse, commfuse with options={"cuda_graphs": True}; all
+share one model per workload (its weights and its KV cache). On one rank (torchrun
+--nproc-per-node 1) the model is the plain one, no DTensor: the single-GPU row.
 
 Workloads:
 - decode: B=8 sequences, one token each at position `pos`, over a static KV cache of 2048 positions
@@ -19,6 +24,17 @@ Workloads:
   per-call time is their graph time. Per call: CUDA events around a loop of calls, as a user loops it;
   host per call: the same loop's time on the host, not waiting for the GPU (near the per-call time,
   the loop is host-bound: Dynamo's guards, AOTAutograd's wrappers, the backend's own Python).
+  The timed steps write position --pos (default: the cache's middle). The floor (bench/decode_floor.py):
+  the bytes each rank reads per step (its weight shards and the whole KV cache, from the model's
+  parameter and buffer shapes) over the read bandwidth measured in the run (torch.sum over 1 GiB),
+  plus the row-parallel all-reduces times torch symm_mem's one-shot latency at the step's size; the
+  prefix floor reads the cache only up to the position; each variant's GPU time per step (per call
+  where self-graphing) over both. --kernels: commfuse's step per kernel (5 steps profiled, rank 0),
+  with the bytes it moved (a generated kernel's tensor arguments; a matmul's or attention's aten
+  inputs; other aten kernels without) and its GB/s against the measured bandwidth, under 80% flagged.
+  --sweep B:C,...: after the workloads, decode again at each batch B and cache length C (position
+  C/2 unless --pos), each on a model of its own, the --sweep-variants only (default Inductor and
+  commfuse): GPU time, per call, floors and ratios, error.
 - train: tensor-parallel forward + backward of B=2 x S=1024 tokens (loss: mean square of the output, taken
   eagerly), CUDA events around a loop of steps; host ms per step: one step's time on the host, started
   with the GPU idle and not waiting for it (near the step time, the step is host-bound). Gradients
@@ -26,6 +42,10 @@ Workloads:
   torch.cuda.max_memory_allocated over one step less what was allocated before it (weights,
   gradients, KV cache, inputs): activations and temporaries. Not for
   the self-graphing variants, whose graph pools are allocated when they record, before that step.
+- sp: sequence-parallel TP training, torchtitan's plan (bench/llama.py tp_llama(sequence_parallel=True):
+  SequenceParallel norms, PrepareModuleInput all-gathering each block's input, row-parallel o and
+  down reduce-scattered to Shard(1)), each rank's input its B=2 x S/world shard of the hidden states;
+  loss and figures as for `train`, its own model.
 - fsdp: FSDP2 training, data parallel over the ranks (fully_shard per layer and at the root, each
   layer compiled on its own as torchtitan does): Llama-3.2-1B-shaped layers (H 2048, 32 query / 8
   KV heads, F 8192), 4 of them, B=4 x S=2048 tokens per rank. Each variant builds its own sharded
@@ -37,12 +57,19 @@ Workloads:
 - warm compile (Inductor and commfuse, plain mode): after a workload's timings, torch._dynamo.reset()
   and the first call again, in the same process, with the on-disk caches that the cold compile filled
   (Inductor's FX graph and AOTAutograd caches, commfuse's graph cache, Triton's kernels).
+- --trace [WORKLOADS]: after each workload's timings (or the listed ones': the profiler slows what
+  runs after it, so trace the last workload), one step of each variant under torch.profiler, the
+  ranks started together: a Chrome / Perfetto trace per rank in --trace-dir, "exposed comm" in the
+  table (bench/trace_summary.py: the share of the step during which a comm kernel runs and no
+  compute kernel does, from the GPU intervals; the worst rank's), and on rank 0 a line per variant
+  and the step's timeline as a PNG where matplotlib is (else: python bench/plot.py TRACE.json.gz).
 - max |error| vs eager, in the run's dtype (bf16; fp32 with --cpu): decode, over the outputs of 4 steps (a self-graphing variant replays
   from its third call) and every layer's K/V cache after them, each variant starting from the same
   cache; training, over the loss and every parameter gradient (local shards).
 
 The table gives each variant's figure and commfuse's ratios, other / commfuse (above 1: commfuse is
-better): plain commfuse against Inductor, and commfuse cuda_graphs against reduce-overhead. A
+better): plain commfuse against Inductor and against Inductor async-TP, and commfuse cuda_graphs
+against reduce-overhead. A
 variant that fails is listed under the table and the others go on; the exit status is then 1, as it
 is when a commfuse variant's error is above max(5 x Inductor's (else eager's), 1e-2, 4 ulps of the dtype at the
 largest reference value) (marked `!`).
@@ -51,6 +78,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
+import itertools
 import json
 import math
 import os
@@ -69,12 +98,14 @@ import commfuse  # noqa: E402,F401  (before torch._dynamo imports triton: Triton
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from bench.llama import Config, fsdp_llama, tp_llama  # noqa: E402
+from bench.llama import Config, fsdp_llama, llama, tp_llama  # noqa: E402
 from commfuse import backend  # noqa: E402
-from bench import timing  # noqa: E402
+from bench import decode_floor, timing, trace_summary  # noqa: E402
 
-VARIANTS = ("eager", "inductor", "inductor reduce-overhead", "commfuse", "commfuse cuda_graphs")
+ASYNC_TP = "inductor async-TP"  # Inductor with _micro_pipeline_tp: sequence-parallel training only
+VARIANTS = ("eager", "inductor", "inductor reduce-overhead", ASYNC_TP, "commfuse", "commfuse cuda_graphs")
 SELF_GRAPHED = ("inductor reduce-overhead", "commfuse cuda_graphs")
+WORKLOADS = ("decode", "train", "sp", "fsdp")
 FULL = dict(hidden=4096, heads=32, kv_heads=8, ffn=14336, layers=4, batch=8, cache=2048, train_batch=2, seq=1024)
 TINY = dict(hidden=64, heads=4, kv_heads=2, ffn=128, layers=2, batch=2, cache=16, train_batch=2, seq=8)
 FSDP_FULL = dict(hidden=2048, heads=32, kv_heads=8, ffn=8192, layers=4, batch=4, seq=2048)  # Llama-3.2-1B's layers
@@ -84,11 +115,11 @@ WARM = ("inductor", "commfuse")  # variants whose warm compile is measured
 
 # ------------------------------------------------------------------------------------------ model
 def build(a, world, dev):
-    """bench/llama.py's decoder layers on hidden states (no embedding or head), in a.dtype."""
-    assert a.seq <= a.cache, "the rotary table covers the cache's positions"
+    """bench/llama.py's decoder layers on hidden states (no embedding or head), in a.dtype; on one
+    rank the plain model (no DTensor)."""
     cfg = Config(dim=a.hidden, n_heads=a.heads, n_kv_heads=a.kv_heads, ffn=a.ffn, n_layers=a.layers,
                  max_batch=a.batch, max_seq=a.cache)
-    return tp_llama(cfg, world, dev, a.dtype)
+    return llama(cfg, 1, dev, a.dtype) if world == 1 else tp_llama(cfg, world, dev, a.dtype)
 
 
 def compile_options(name) -> dict | None:
@@ -96,6 +127,7 @@ def compile_options(name) -> dict | None:
     return {"eager": None,
             "inductor": dict(dynamic=False),
             "inductor reduce-overhead": dict(mode="reduce-overhead", dynamic=False),
+            ASYNC_TP: dict(dynamic=False, options={"_micro_pipeline_tp": True}),
             "commfuse": dict(backend="commfuse", dynamic=False),
             "commfuse cuda_graphs": dict(backend="commfuse", dynamic=False, options={"cuda_graphs": True})}[name]
 
@@ -103,6 +135,34 @@ def compile_options(name) -> dict | None:
 def compiled(model, name):
     kw = compile_options(name)
     return model if kw is None else torch.compile(model, **kw)
+
+
+def variants_for(workload, variants, dev) -> list:
+    """The variants a workload runs: async-TP only where there are all-gathers and
+    reduce-scatters to fuse (sequence parallel) and a GPU's symmetric memory (else skipped, said once)."""
+    if ASYNC_TP not in variants or workload != "sp":
+        return [v for v in variants if v != ASYNC_TP]
+    why = "no symmetric memory on CPU" if dev.type != "cuda" else "world 1" if dist.get_world_size() == 1 else None
+    if why:
+        if dist.get_rank() == 0:
+            print(f"{ASYNC_TP} skipped: {why}", flush=True)
+        return [v for v in variants if v != ASYNC_TP]
+    return variants
+
+
+class SequenceParallelLayers(torch.nn.Module):
+    """A sequence-parallel TP model's layers on this rank's shard of the hidden states (B, S/world,
+    H): the rotary tables cover the whole sequence, which attention sees after its all-gather."""
+    def __init__(self, model, world):
+        super().__init__()
+        self.model, self.world = model, world
+
+    def forward(self, x):
+        s = x.shape[1] * self.world
+        cos, sin = self.model.cos[:s], self.model.sin[:s]
+        for layer in self.model.layers:
+            x = layer(x, cos, sin)
+        return x
 
 
 def fsdp_model(a, dev, name):
@@ -133,7 +193,11 @@ def max_diff(got, want) -> float:
 
 
 # -------------------------------------------------------------------------------------- workloads
-def decode(model, a, dev, variants, res, failed, check_steps=4):
+def decode(model, a, dev, variants, res, failed, check_steps=4, key="decode"):
+    """The decode figures under `key` ("decode", or a --sweep configuration's: no warm compile,
+    kernels or trace there)."""
+    main = key == "decode"
+    variants = variants_for("decode", variants, dev)
     caches = [b for n, b in model.named_buffers() if "cache" in n]
     torch.manual_seed(1)  # the same context on every rank and for every variant
     start = [torch.randn_like(c) for c in caches]
@@ -143,7 +207,7 @@ def decode(model, a, dev, variants, res, failed, check_steps=4):
             for c, s in zip(caches, start):
                 c.copy_(s)  # in place: self-graphing variants keep the addresses they captured
     xs = [torch.randn(a.batch, 1, a.hidden, device=dev, dtype=a.dtype) for _ in range(check_steps)]
-    positions = [torch.tensor([a.cache - check_steps + i], device=dev) for i in range(check_steps)]
+    positions = [torch.tensor([a.pos - check_steps + 1 + i], device=dev) for i in range(check_steps)]
 
     def run(fn):
         outs = []
@@ -153,37 +217,54 @@ def decode(model, a, dev, variants, res, failed, check_steps=4):
         return outs, [c.clone() for c in caches]
     reset()
     ref_outs, ref_caches = run(model)
-    a.scales["err decode"] = max(max_diff(t, torch.zeros_like(t)) for t in ref_outs + ref_caches)
+    a.scales[f"err {key}"] = max(max_diff(t, torch.zeros_like(t)) for t in ref_outs + ref_caches)
     fns = {}
     for name in variants:
         try:
             reset()
             fn = compiled(model, name)
-            with torch.no_grad(), _profiled(f"cold_decode_{name}"):
-                res[name]["compile decode s"] = timing.wall_time_s(lambda: fn(xs[0], positions[0]), dev)
+            with torch.no_grad(), _profiled(f"cold_{key}_{name}"):
+                res[name][f"compile {key} s"] = timing.wall_time_s(lambda: fn(xs[0], positions[0]), dev)
             reset()  # the check starts from the same cache as eager's
             outs, after = run(fn)
-            res[name]["err decode"] = max(max(map(max_diff, outs, ref_outs)), max(map(max_diff, after, ref_caches)))
+            res[name][f"err {key}"] = max(max(map(max_diff, outs, ref_outs)), max(map(max_diff, after, ref_caches)))
             fns[name] = fn
         except Exception as e:  # report, go on with the others
-            failed[f"{name}, decode"] = _why(e)
+            failed[f"{name}, {key}"] = _why(e)
     x, pos = xs[-1], positions[-1]  # steady state: every call writes the last position again
     step = {name: (lambda fn=fn: fn(x, pos)) for name, fn in fns.items()}
     with torch.no_grad():
         for name, fn in step.items():
             try:
-                res[name]["decode µs/call"] = per_call_us(fn, a, dev, iters=200 if dev.type == "cuda" else 1)
-                with _profiled(f"decode_host_{name}"):
-                    res[name]["decode host µs/call"] = timing.host_time_us(fn, dev, iters=200 if dev.type == "cuda" else 1)
+                res[name][f"{key} µs/call"] = per_call_us(fn, a, dev, iters=200 if dev.type == "cuda" else 1)
+                with _profiled(f"{key}_host_{name}"):
+                    res[name][f"{key} host µs/call"] = timing.host_time_us(fn, dev, iters=200 if dev.type == "cuda" else 1)
             except Exception as e:
-                failed[f"{name}, decode per call"] = _why(e)
+                failed[f"{name}, {key} per call"] = _why(e)
         if dev.type == "cuda":
             graphable = {n: f for n, f in step.items() if n not in SELF_GRAPHED}
             errors = {}
             times = timing.interleaved_times_us(graphable, rounds=a.rounds, iters=a.graph_steps, failed=errors)
             for name, t in times.items():
-                res[name]["decode GPU µs/step"] = t
-            failed.update({f"{n}, decode CUDA graph": _why(e) for n, e in errors.items()})
+                res[name][f"{key} GPU µs/step"] = t
+            failed.update({f"{n}, {key} CUDA graph": _why(e) for n, e in errors.items()})
+        try:  # what HBM allows, measured beside the variants
+            floor = decode_floor.floors(model, a.batch, a.hidden, a.pos, a.dtype, dev)
+            for name in variants:
+                res[name].update({f"{key} {k}": v for k, v in floor.items()})
+        except Exception as e:
+            failed[f"{key} floor"] = _why(e)
+        if main and a.kernels and "commfuse" in step:
+            try:
+                bw = res[variants[0]].get("decode floor read GB/s") or decode_floor.read_bandwidth(dev) / 1e9
+                a.kernel_tables["decode, commfuse"] = decode_floor.kernel_table(step["commfuse"], 5, dev, bw, a.dtype.itemsize)
+            except Exception as e:
+                failed["commfuse, decode kernels"] = _why(e)
+        if main and "decode" in a.trace:
+            trace_steps("decode", step, a, dev, res, failed)
+
+    if not main:
+        return
 
     def first_call(name):
         fn = compiled(model, name)
@@ -198,6 +279,35 @@ def train(model, a, dev, variants, res, failed):
     x = torch.randn(a.train_batch, a.seq, a.hidden, device=dev, dtype=a.dtype)
     model.zero_grad(set_to_none=True)
     _train("train", lambda name: (compiled(model, name), model), x, a, dev, variants, res, failed)
+
+
+def sp_train(a, dev, variants, res, failed):
+    """Sequence-parallel TP training (torchtitan's plan: the norms and the residual stream sharded
+    along the sequence, all-gathered before each block's projections and reduce-scattered after):
+    every variant compiles one model's layers, each rank's input its shard of the sequence."""
+    world = dist.get_world_size()
+    if world == 1:
+        print("sp skipped: sequence parallelism needs 2 ranks or more", flush=True)
+        return
+    if a.seq % world:
+        failed["sp"] = f"S={a.seq} does not divide among {world} ranks"
+        return
+    cfg = Config(dim=a.hidden, n_heads=a.heads, n_kv_heads=a.kv_heads, ffn=a.ffn, n_layers=a.layers,
+                 max_batch=1, max_seq=a.seq)
+    model = tp_llama(cfg, world, dev, a.dtype, sequence_parallel=True)
+    layers = SequenceParallelLayers(model, world)
+    torch.manual_seed(4 + dist.get_rank())  # each rank its own positions of the sequence
+    x = torch.randn(a.train_batch, a.seq // world, a.hidden, device=dev, dtype=a.dtype)
+
+    def make(name):
+        if name == ASYNC_TP:  # its fused ops rendezvous on the TP group's symmetric memory
+            import warnings
+            from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+            with warnings.catch_warnings():  # deprecated (and a no-op) in later torch; 2.11 needs it
+                warnings.simplefilter("ignore")
+                enable_symm_mem_for_group(model.layers[0].attention.wq.weight.device_mesh.get_group().group_name)
+        return compiled(layers, name), model
+    _train("sp", make, x, a, dev, variants, res, failed)
 
 
 def fsdp_train(a, dev, variants, res, failed):
@@ -227,6 +337,7 @@ def _train(key, make, x, a, dev, variants, res, failed):
     ref, module = make("eager")
     ref_loss, ref_grads = step(ref), grads(module)
     a.scales[f"err {key}"] = max(max_diff(t, torch.zeros_like(t)) for t in [ref_loss, *ref_grads.values()])
+    variants, kept = variants_for(key, variants, dev), {}
     for name in variants:
         fn = module = None
         try:
@@ -255,6 +366,8 @@ def _train(key, make, x, a, dev, variants, res, failed):
                 step(fn)
                 timing.sync(dev)
                 res[name][f"{key} peak MiB above weights"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+            if key in a.trace:  # traced after every variant's timings: the profiler slows what runs after it
+                kept[name] = (fn, module)
         except Exception as e:
             failed[f"{name}, {key}"] = _why(e)
         finally:
@@ -263,6 +376,11 @@ def _train(key, make, x, a, dev, variants, res, failed):
             del fn, module
     if a.profile:
         return
+    if kept:
+        trace_steps(key, {n: (lambda fn=fn: step(fn)) for n, (fn, _) in kept.items()}, a, dev, res, failed)
+        for _, module in kept.values():
+            module.zero_grad(set_to_none=True)
+        kept.clear()
 
     def first_call(name):
         fn, module = make(name)
@@ -282,6 +400,40 @@ def _profile(step, a, dev, host) -> dict:
         dist.barrier()
         step()
     return profile_step(synced, a.profile, dev.type, host)
+
+
+def trace_steps(key, steps: dict, a, dev, res, failed):
+    """One step of each variant under torch.profiler, with the ranks started together: a Chrome
+    trace per rank in a.trace_dir, the exposed comm share of the step (bench/trace_summary.py) into
+    res, and on rank 0 a line per variant and, where matplotlib is, the step's timeline (PNG)."""
+    from torch.profiler import ProfilerActivity, profile
+    rank = dist.get_rank()
+    os.makedirs(a.trace_dir, exist_ok=True)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    for name, fn in steps.items():
+        try:
+            with torch.no_grad() if key == "decode" else contextlib.nullcontext():
+                fn()  # warm: a self-graphing variant replays
+                timing.sync(dev)
+                dist.barrier()
+                with profile(activities=activities) as prof:
+                    fn()
+                    timing.sync(dev)
+            stem = os.path.join(a.trace_dir, f"{key}_{name.replace(' ', '_')}_rank{rank}")
+            path = stem + ".json.gz"  # (torch gzips it; Perfetto opens it as is)
+            prof.export_chrome_trace(path)
+            s = trace_summary.summarize(path)
+            res[name][f"{key} exposed comm %"] = 100 * s["exposed share"]
+            res[name][f"{key} traced step µs"] = s["step µs"]
+            if rank == 0:
+                print(trace_summary.line(f"{key}, {name}, rank 0 ({path})", s), flush=True)
+                try:
+                    from bench import plot
+                except ImportError:  # no matplotlib: bench/plot.py draws it where there is
+                    continue
+                plot.timeline(path, f"{key}, {name}, rank 0", stem + "_timeline.png")
+        except Exception as e:
+            failed[f"{name}, {key} trace"] = _why(e)
 
 
 def warm_compiles(key, variants, res, failed, first_call):
@@ -341,20 +493,29 @@ ROWS = (  # (key, label, fmt)
     ("decode GPU µs/step", "decode: GPU µs per step (CUDA graph of {graph_steps} steps)", "{:.1f}"),
     ("decode µs/call", "decode: µs per call, as a user loops it", "{:.1f}"),
     ("decode host µs/call", "decode: host µs per call (not waiting for the GPU)", "{:.1f}"),
+    ("decode / floor", "decode: GPU time / floor (whole cache)", "{:.2f}×"),
+    ("decode / prefix floor", "decode: GPU time / prefix floor (cache up to the position)", "{:.2f}×"),
     ("train ms/step", "TP training fw+bw: ms per step", "{:.2f}"),
     ("train host ms/step", "TP training: host ms per step (from an idle GPU)", "{:.2f}"),
     ("train peak MiB above weights", "TP training: peak MiB above weights", "{:.0f}"),
+    ("sp ms/step", "sequence-parallel TP training fw+bw: ms per step", "{:.2f}"),
+    ("sp host ms/step", "sequence-parallel TP training: host ms per step (from an idle GPU)", "{:.2f}"),
+    ("sp peak MiB above weights", "sequence-parallel TP training: peak MiB above weights", "{:.0f}"),
     ("fsdp ms/step", "FSDP2 training fw+bw: ms per step", "{:.2f}"),
     ("fsdp host ms/step", "FSDP2 training: host ms per step (from an idle GPU)", "{:.2f}"),
     ("fsdp peak MiB above weights", "FSDP2 training: peak MiB above weights", "{:.0f}"),
     ("compile decode s", "cold compile, decode (s)", "{:.1f}"),
     ("compile train s", "cold compile, TP training (s)", "{:.1f}"),
+    ("compile sp s", "cold compile, sequence-parallel TP training (s)", "{:.1f}"),
     ("compile fsdp s", "cold compile, FSDP2 training (s)", "{:.1f}"),
     ("warm compile decode s", "warm compile, decode (s)", "{:.1f}"),
     ("warm compile train s", "warm compile, TP training (s)", "{:.1f}"),
+    ("warm compile sp s", "warm compile, sequence-parallel TP training (s)", "{:.1f}"),
     ("warm compile fsdp s", "warm compile, FSDP2 training (s)", "{:.1f}"),
+    *((f"{w} exposed comm %", f"{w}: exposed comm, % of the traced step (--trace)", "{:.1f}") for w in WORKLOADS),
     ("err decode", "max abs error vs eager, decode", "{:.2e}"),
     ("err train", "max abs error vs eager, TP training", "{:.2e}"),
+    ("err sp", "max abs error vs eager, sequence-parallel TP training", "{:.2e}"),
     ("err fsdp", "max abs error vs eager, FSDP2 training", "{:.2e}"),
 )
 
@@ -363,16 +524,43 @@ def ratio(other, ours) -> str:
     return f"{other / ours:.2f}×" if other and ours else "—"
 
 
+RATIOS = (("inductor", "commfuse"), ("inductor reduce-overhead", "commfuse cuda_graphs"), (ASYNC_TP, "commfuse"))
+
+
+SWEEP_ROWS = (  # per --sweep configuration
+    ("{key} GPU µs/step", "{key}: GPU µs per step", "{:.1f}"),
+    ("{key} µs/call", "{key}: µs per call", "{:.1f}"),
+    ("{key} / floor", "{key}: GPU time / floor (whole cache)", "{:.2f}×"),
+    ("{key} / prefix floor", "{key}: GPU time / prefix floor", "{:.2f}×"),
+    ("err {key}", "{key}: max abs error vs eager", "{:.2e}"),
+)
+
+
+def floor_ratios(res, variants, keys) -> None:
+    """Each variant's decode time over the floors: its GPU time per step, else (self-graphing) per call."""
+    for v, key in itertools.product(variants, keys):
+        r = res[v]
+        t = r.get(f"{key} GPU µs/step") or (r.get(f"{key} µs/call") if v in SELF_GRAPHED else None)
+        for floor in ("floor", "prefix floor"):
+            if t and r.get(f"{key} {floor} µs"):
+                r[f"{key} / {floor}"] = t / r[f"{key} {floor} µs"]
+
+
 def table(a, res, world, device_name, variants) -> tuple[str, bool]:
     flagged = False
-    head = ["workload", *variants, "inductor / commfuse", "reduce-overhead / cuda_graphs"]
+    variants = [v for v in variants if res.get(v)]  # (async-TP runs in sequence-parallel training only)
+    keys = ["decode"] + a.sweep_keys
+    floor_ratios(res, variants, keys)
+    rows = list(ROWS) + [tuple(t.replace("{key}", k) for t in row) for k in a.sweep_keys for row in SWEEP_ROWS]
+    ratios = [(o, c) for o, c in RATIOS if o in variants and c in variants]
+    head = ["workload", *variants, *(f"{o} / {c}" for o, c in ratios)]
     lines = [f"TP Llama decoder layers: {a.layers} layers, H {a.hidden}, {a.heads} query / {a.kv_heads} KV heads, "
-             f"F {a.ffn}, {a.dtype_name}, {world}x {device_name}; decode B={a.batch}, KV cache {a.cache}; "
-             f"TP training B={a.train_batch} S={a.seq}; FSDP2 training (data parallel, each layer compiled): "
+             f"F {a.ffn}, {a.dtype_name}, {world}x {device_name}; decode B={a.batch}, KV cache {a.cache}, "
+             f"position {a.pos}; TP training (also sequence-parallel) B={a.train_batch} S={a.seq}; FSDP2 training (data parallel, each layer compiled): "
              f"{a.fsdp['layers']} layers, H {a.fsdp['hidden']}, {a.fsdp['heads']} / {a.fsdp['kv_heads']} heads, "
              f"F {a.fsdp['ffn']}, B={a.fsdp['batch']} S={a.fsdp['seq']} per rank", "",
              "| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
-    for key, label, fmt in ROWS:
+    for key, label, fmt in rows:
         cells = []
         for v in variants:
             val = res[v].get(key)
@@ -384,15 +572,20 @@ def table(a, res, world, device_name, variants) -> tuple[str, bool]:
                 if val > limit:
                     text, flagged = text + " !", True
             cells.append(text)
-        if key.startswith("err"):
-            ratios = ["", ""]
+        if all(c == "—" for c in cells):
+            continue  # a workload not run
+        if key.startswith("err") or " / " in key or "exposed" in key:  # (" / ": a ratio to the floor)
+            cols = [""] * len(ratios)
         else:
-            ratios = [ratio(res.get("inductor", {}).get(key), res.get("commfuse", {}).get(key)),
-                      ratio(res.get("inductor reduce-overhead", {}).get(key), res.get("commfuse cuda_graphs", {}).get(key))]
-        lines.append("| " + " | ".join([label.format(graph_steps=a.graph_steps), *cells, *ratios]) + " |")
+            cols = [ratio(res.get(o, {}).get(key), res.get(c, {}).get(key)) for o, c in ratios]
+        lines.append("| " + " | ".join([label.format(graph_steps=a.graph_steps), *cells, *cols]) + " |")
     lines += ["", "Ratios are other / commfuse: above 1, commfuse is faster, smaller or compiles sooner. "
               "Self-graphing variants (reduce-overhead, cuda_graphs) cannot be captured in another CUDA graph: "
               "their per-call time is their graph time."]
+    for key in keys:
+        floor = next((res[v] for v in variants if f"{key} floor µs" in res[v]), None)
+        if floor:
+            lines += ["", decode_floor.describe(floor, key)]
     if flagged:
         lines.append("`!`: a commfuse error above max(5 × Inductor's (else eager's), 1e-2, 4 ulps at the largest "
                      "reference value).")
@@ -418,6 +611,9 @@ def report(a, res, failed, variants, dev, final) -> int:
     merged = {f"rank {r}: {k}": v for r, f in enumerate(failures) for k, v in f.items()}
     if merged:
         text += "\n\nFailed:\n" + "\n".join(f"- {k}: {v}" for k, v in merged.items())
+    for what, t in a.kernel_tables.items():
+        text += f"\n\nPer kernel, {what} (rank 0, 5 steps profiled; bytes: a generated kernel's tensor arguments, " \
+                f"a matmul's or attention's aten inputs, each once; other aten kernels without):\n\n" + t
     if final:
         print(text, flush=True)
     if a.out:
@@ -429,7 +625,8 @@ def report(a, res, failed, variants, dev, final) -> int:
                 f.write("\n".join(markdown(k, "training", t, 25) for k, t in a.profiles.items()))
                 f.write("".join(host_markdown(k, t, 30) for k, t in a.host_profiles.items()))
         with open(os.path.splitext(a.out)[0] + ".json", "w") as f:
-            json.dump({"config": {k: v for k, v in vars(a).items() if k not in ("dtype", "profiles", "host_profiles")}, "device": name,
+            json.dump({"config": {k: v for k, v in vars(a).items() if k not in ("dtype", "profiles", "host_profiles", "kernel_tables")},
+                       "kernels": a.kernel_tables, "device": name,
                        "world": world, "torch": torch.__version__, "results": res, "failed": merged,
                        "complete": final}, f, indent=1)
     return 1 if merged or flagged else 0
@@ -448,28 +645,60 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=None, help="interleaved timing rounds (default 3; 1 with --tiny)")
     ap.add_argument("--graph-steps", type=int, default=10, help="decode steps per captured CUDA graph")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of: " + ", ".join(VARIANTS))
-    ap.add_argument("--workloads", default="decode,train,fsdp", help="comma-separated subset of: decode, train, fsdp")
+    ap.add_argument("--workloads", default="decode,train,sp,fsdp", help="comma-separated subset of: " + ", ".join(WORKLOADS))
+    ap.add_argument("--pos", type=int, default=None,
+                    help="decode: the position each timed step writes (default: the cache's middle); the prefix "
+                         "floor reads the cache up to it")
+    ap.add_argument("--sweep", default="", metavar="B:C,...",
+                    help="after the workloads, decode again at each batch B and cache length C listed (e.g. "
+                         "1:2048,32:2048,8:512,8:8192), its own model each: GPU time, per call, floors, error")
+    ap.add_argument("--sweep-variants", default="inductor,commfuse", help="the variants --sweep runs (default: %(default)s)")
+    ap.add_argument("--kernels", action="store_true",
+                    help="decode: commfuse's step per kernel (time, bytes of its arguments, GB/s against the "
+                         "measured read bandwidth), rank 0's, under the table")
+    ap.add_argument("--trace", nargs="?", const="all", default="", metavar="WORKLOADS",
+                    help="after each workload's timings (or those listed), one step of each variant under "
+                         "torch.profiler: a Chrome trace per rank (--trace-dir), its exposed comm share in the table, "
+                         "a PNG timeline where matplotlib is (else: python bench/plot.py TRACE.json.gz)")
+    ap.add_argument("--trace-dir", help="folder for the traces (default: beside --out, else ./model_tp_traces)")
     ap.add_argument("--out", help="also write the table here, and the figures as JSON beside it")
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
                     help="training: profile STEPS steps of Inductor and commfuse instead of timing them, and "
                          "write rank 0's GPU time per kernel and host time per op beside --out (OUT_profile.md), as "
                          "bench/profile_model.py does")
     a = ap.parse_args(argv)
-    a.profiles, a.host_profiles, a.scales = {}, {}, {}
+    a.profiles, a.host_profiles, a.scales, a.kernel_tables = {}, {}, {}, {}
     for k, v in (TINY if a.tiny else FULL).items():
         if getattr(a, k) is None:
             setattr(a, k, v)
+    a.pos_arg = a.pos
+    a.pos = a.cache // 2 if a.pos is None else a.pos
+    try:
+        sweep = [tuple(map(int, c.split(":"))) for c in a.sweep.split(",") if c.strip()]
+    except ValueError:
+        ap.error(f"--sweep {a.sweep!r}: B:C pairs, comma-separated")
+    a.sweep_keys = [f"decode B={b} C={c}" for b, c in sweep]
+    for c in [a.cache] + [c for _, c in sweep]:
+        if not 4 <= (c // 2 if a.pos_arg is None else a.pos_arg) + 1 <= c:
+            ap.error(f"--pos {a.pos_arg}: the 4 checked decode steps end there, within the cache of {c}")
+    a.trace_dir = a.trace_dir or (os.path.splitext(a.out)[0] + "_traces" if a.out else "model_tp_traces")
     a.fsdp = FSDP_TINY if a.tiny else FSDP_FULL
     a.rounds = a.rounds or (1 if a.tiny else 3)
     a.dtype_name = a.dtype or ("float32" if a.cpu else "bfloat16")
     a.dtype = getattr(torch, a.dtype_name)
     variants = [v.strip() for v in a.variants.split(",") if v.strip()]
-    unknown = sorted(set(variants) - set(VARIANTS))
+    a.sweep_variants = [v.strip() for v in a.sweep_variants.split(",") if v.strip()]
+    unknown = sorted(set(variants + a.sweep_variants) - set(VARIANTS))
     if unknown:
         ap.error(f"unknown variants {unknown}")
     workloads = [w.strip() for w in a.workloads.split(",") if w.strip()]
-    if set(workloads) - {"decode", "train", "fsdp"}:
-        ap.error(f"unknown workloads {sorted(set(workloads) - {'decode', 'train', 'fsdp'})}")
+    a.trace = workloads if a.trace == "all" else [w.strip() for w in a.trace.split(",") if w.strip()]  # (a list: JSON)
+    if set(a.trace) - set(WORKLOADS):
+        ap.error(f"unknown workloads to trace {sorted(set(a.trace) - set(WORKLOADS))}")
+    if set(workloads) - set(WORKLOADS):
+        ap.error(f"unknown workloads {sorted(set(workloads) - set(WORKLOADS))}")
+    if "train" in workloads and a.seq > a.cache:
+        ap.error(f"TP training (S={a.seq}) uses the decode model's rotary table, of {a.cache} positions: --cache >= --seq")
     if "WORLD_SIZE" not in os.environ:
         ap.error("run it under torchrun: torchrun --standalone --nproc-per-node 2 bench/model_tp.py")
     # cold compile means empty on-disk caches (both are read when compiling, not at import): a
@@ -494,17 +723,29 @@ def main(argv=None) -> int:
     # every variant keeps its graphs on the same code objects, for each workload
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 8 * len(VARIANTS))
 
-    model = build(a, world, dev)
-    res, failed = {v: {} for v in variants}, {}
+    model = build(a, world, dev) if {"decode", "train"} & set(workloads) else None
+    columns = variants + [v for v in a.sweep_variants if sweep and v not in variants]
+    res, failed = {v: {} for v in columns}, {}
     status = 0
-    for w in workloads:
-        if w == "decode":
+    jobs = workloads + list(zip(a.sweep_keys, sweep))
+    for i, w in enumerate(jobs):
+        if isinstance(w, tuple):  # a --sweep configuration: a model of its own
+            model, sa = None, copy.copy(a)  # (sharing the dicts the figures go to)
+            sa.batch, sa.cache = w[1]
+            sa.pos = sa.cache // 2 if a.pos_arg is None else a.pos_arg
+            try:
+                decode(build(sa, world, dev), sa, dev, a.sweep_variants, res, failed, key=w[0])
+            except Exception as e:  # (out of memory)
+                failed[w[0]] = _why(e)
+        elif w == "decode":
             decode(model, a, dev, variants, res, failed)
         elif w == "train":
             train(model, a, dev, variants, res, failed)
+        elif w == "sp":
+            sp_train(a, dev, variants, res, failed)
         elif w == "fsdp":
             fsdp_train(a, dev, variants, res, failed)
-        status = report(a, res, failed, variants, dev, final=w == workloads[-1])  # kept if a later one hangs
+        status = report(a, res, failed, columns, dev, final=i == len(jobs) - 1)  # kept if a later one hangs
     status_t = torch.tensor([status], device=dev)
     dist.broadcast(status_t, 0)
     dist.barrier()

@@ -1,0 +1,168 @@
+"""What HBM allows a tensor-parallel decode step (bench/model_tp.py's decode): the floor, and each
+commfuse kernel's achieved bandwidth against it.
+
+floor = bytes each rank must read per step / read bandwidth + all-reduces per step x one-shot latency
+- bytes: the rank's weight shards (its parameters' local shapes) plus the whole static KV cache (the
+  cache buffers' shapes: eager's SDPA with a mask reads all of it); the prefix floor reads only the
+  valid prefix of the cache (positions <= pos), as a kernel that knows the position can;
+- read bandwidth: bytes over the time of torch.sum over a 1 GiB tensor, measured in the same run;
+- all-reduces: one per row-parallel module (a weight sharded along its input dimension, Shard(1)),
+  each of the step's activation (B x H in the model's dtype), timed as torch symm_mem's
+  one_shot_all_reduce (NCCL's all_reduce where symmetric memory is not there: on CPU, gloo).
+"""
+from __future__ import annotations
+
+import math
+import re
+
+import torch
+import torch.distributed as dist
+
+from bench import timing
+
+
+def _local(t):
+    from torch.distributed.tensor import DTensor
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def nbytes(t) -> int:
+    t = _local(t)
+    return t.numel() * t.element_size()
+
+
+def row_parallel(model) -> int:
+    """Modules whose weight is sharded along its input dimension: each output is all-reduced."""
+    from torch.distributed.tensor import DTensor, Shard
+    return sum(isinstance(w, DTensor) and w.device_mesh.size() > 1 and any(p == Shard(1) for p in w.placements)
+               for w in (getattr(m, "weight", None) for m in model.modules()))
+
+
+def read_bandwidth(dev, size=1 << 30) -> float:
+    """Bytes per second of a read-only reduction (torch.sum) over `size` bytes."""
+    x = torch.ones(size // 2, dtype=torch.bfloat16, device=dev)
+    if dev.type == "cuda":
+        t = timing.cuda_graph_time_us(lambda: torch.sum(x), iters=10, reps=5) * 1e-6
+    else:
+        t = min(timing.wall_time_s(lambda: torch.sum(x), dev) for _ in range(3))
+    del x
+    return size / t
+
+
+def all_reduce_us(numel, dtype, dev) -> float:
+    """µs of one all-reduce of `numel` elements over the world: torch symm_mem's one-shot on
+    GPUs, else the process group's all_reduce."""
+    group = dist.group.WORLD
+    if dev.type == "cuda":
+        import torch.distributed._symmetric_memory as symm_mem
+        buf = symm_mem.empty(numel, dtype=dtype, device=dev)
+        symm_mem.rendezvous(buf, group.group_name)
+        buf.fill_(1)
+        return timing.cuda_graph_time_us(lambda: torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", group.group_name))
+    x = torch.ones(numel, dtype=dtype)
+    return min(timing.wall_time_s(lambda: dist.all_reduce(x), dev) for _ in range(5)) * 1e6
+
+
+def floors(model, batch, hidden, pos, dtype, dev) -> dict:
+    """The floor's terms and the two floors (µs), for a decode step at position `pos`."""
+    weights = sum(nbytes(p) for p in model.parameters())
+    caches = [b for n, b in model.named_buffers() if "cache" in n]
+    cache = sum(nbytes(b) for b in caches)
+    prefix = cache * (pos + 1) / caches[0].shape[2] if caches else 0  # (b, kv heads, positions, d)
+    size = 1 << 30 if dev.type == "cuda" else 1 << 26  # (the CPU check: a smaller read)
+    bw = read_bandwidth(dev, size)
+    count = row_parallel(model) if dist.get_world_size() > 1 else 0
+    ar = all_reduce_us(batch * hidden, dtype, dev) if count else 0.0
+    return {"floor weight MB": weights / 1e6, "floor cache MB": cache / 1e6, "floor prefix cache MB": prefix / 1e6,
+            "floor read GB/s": bw / 1e9, "floor read MiB": size / 2**20, "floor all-reduces": count, "floor all-reduce µs": ar,
+            "floor µs": (weights + cache) / bw * 1e6 + count * ar, "prefix floor µs": (weights + prefix) / bw * 1e6 + count * ar}
+
+
+def describe(r: dict, key="decode") -> str:
+    """A line of the floor's terms, from `r` holding floors()'s figures under `key`."""
+    r = {k.removeprefix(key + " "): v for k, v in r.items()}
+    return (f"{key[0].upper() + key[1:]} floor per rank: ({r['floor weight MB']:.4g} MB of weight shards + {r['floor cache MB']:.4g} MB of "
+            f"KV cache ({r['floor prefix cache MB']:.4g} MB up to the position)) / {r['floor read GB/s']:.0f} GB/s "
+            f"(torch.sum over {r['floor read MiB']:.0f} MiB) + {r['floor all-reduces']:.0f} all-reduces x "
+            f"{r['floor all-reduce µs']:.1f} µs "
+            f"(one-shot) = {r['floor µs']:.1f} µs; prefix floor {r['prefix floor µs']:.1f} µs.")
+
+
+# ------------------------------------------------------------------------ per-kernel breakdown
+def kernel_bytes(call) -> dict:
+    """{kernel name: bytes of its tensor arguments, summed over its launches} for one `call()` of
+    commfuse-generated code (every launch goes through commfuse.runtime.launch.Site): each tensor
+    argument counted once, whole (what a kernel that reads or writes all of it moves)."""
+    from commfuse.runtime import launch
+    seen: dict[str, int] = {}
+    plain = launch.Site.__call__
+
+    def counting(site, stream, grid, *args):
+        k = site.kernel
+        name = getattr(k, "__name__", None) or getattr(getattr(k, "fn", None), "__name__", str(k))
+        seen[name] = seen.get(name, 0) + sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))
+        return plain(site, stream, grid, *args)
+    launch.Site.__call__ = counting
+    try:
+        call()
+    finally:
+        launch.Site.__call__ = plain
+    return seen
+
+
+BYTES_OPS = re.compile(r"aten::(mm|addmm|bmm|_?scaled_dot_product\w*|_flash_attention\w*|_efficient_attention\w*)$")
+ELEMENT = {"c10::BFloat16": 2, "c10::Half": 2, "float": 4, "double": 8, "bool": 1, "int": 4, "long int": 8}
+
+
+def aten_bytes(events, elem: int) -> dict:
+    """{kernel: bytes of its aten op's tensor inputs} for the ops whose kernels read all of their
+    inputs (matmuls, attention); an op's bytes go to its longest kernel. Dtypes from the profiler
+    where it records them, else `elem` bytes each."""
+    out: dict[str, float] = {}
+    for e in events:
+        if not (e.kernels and BYTES_OPS.match(e.name)):
+            continue
+        dtypes = list(getattr(e, "input_dtypes", None) or [])
+        b = sum(math.prod(shape) * ELEMENT.get(dtypes[i] if i < len(dtypes) else "", elem)
+                for i, shape in enumerate(e.input_shapes) if shape and all(isinstance(d, int) for d in shape))
+        k = max(e.kernels, key=lambda k: k.duration).name
+        out[k] = out.get(k, 0) + b
+    return out
+
+
+def kernel_table(call, steps, dev, bandwidth_gbs, elem=2) -> str:
+    """Markdown: each kernel of `call()` (one decode step) by GPU time per step (torch.profiler over
+    `steps` steps), with the bytes it moved (a generated kernel's tensor arguments; a matmul's or
+    attention's aten inputs), its GB/s and its share of the measured read bandwidth, under 80% flagged."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    moved = kernel_bytes(call)
+    call()
+    timing.sync(dev)
+    dist.barrier()
+    gpu = dev.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else []), record_shapes=True) as prof:
+        for _ in range(steps):
+            call()
+        timing.sync(dev)
+    events = prof.events()
+    moved.update({k: v / steps for k, v in aten_bytes(events, elem).items()})
+    per: dict[str, list] = {}
+    for e in events:  # on CPU (the script's check) aten's ops stand in for kernels
+        if e.device_type == (DeviceType.CUDA if gpu else DeviceType.CPU) and (gpu or e.name.startswith("aten::")) \
+                and not getattr(e, "is_user_annotation", False) and not re.fullmatch(r"[\w.]+:[\w.]+", e.name):
+            t = per.setdefault(e.name, [0.0, 0.0])
+            t[0] += e.time_range.elapsed_us() / steps
+            t[1] += 1 / steps
+    lines = [f"| kernel | µs per step | launches per step | MB per step | GB/s | of {bandwidth_gbs:.0f} GB/s |",
+             "|---|---|---|---|---|---|"]
+    total = 0.0
+    for name, (us, n) in sorted(per.items(), key=lambda kv: -kv[1][0]):
+        total += us
+        b = moved.get(name)
+        gbs = b / us / 1e3 if b and us else None
+        cells = [f"{b / 1e6:.2f}", f"{gbs:.0f}", f"{100 * gbs / bandwidth_gbs:.0f}%" + (" <80%" if gbs < 0.8 * bandwidth_gbs else "")] \
+            if gbs else ["—", "—", "—"]
+        lines.append(f"| `{name[:90]}` | {us:.1f} | {n:g} | " + " | ".join(cells) + " |")
+    lines.append(f"| total | {total:.1f} | | | | |")
+    return "\n".join(lines)
