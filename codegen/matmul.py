@@ -62,7 +62,7 @@ def render(buf: ir.MatmulTemplate, name: str) -> tuple[str, dict]:
     """The kernel's source, and what the wrapper needs to launch it."""
     m, k = (int(s) for s in buf.a_size)
     n = int(buf.layout.size[1])
-    cfg = V.choices.mm_template_config(m, n, k)
+    cfg = V.choices.mm_template_config(m, n, k, buf.get_device())
     loads = OperandLoads(m, k, prefetch=buf.prologue)
     with V.set_ops(TritonOps(loads)):
         a = buf.a_loader([XSYM, RSYM])

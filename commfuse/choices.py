@@ -19,7 +19,7 @@ from .collectives import ALGORITHMS, CommPlan, CommRequest, algorithm
 from .dependencies import trace_body
 from .runtime.symm import SIGNAL_PROGRAMS, group_of
 from .sizevars import next_pow2
-from .tuned_tables import lookup
+from .tuned_tables import lookup, mm_row
 from .virtualized import V
 
 MATMULS = (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm)
@@ -563,12 +563,19 @@ class Choices:
         (m, k), (_, n) = a.get_size(), b.get_size()
         if not all(sizevars.is_static(s) for s in (m, k, n)):
             return False
-        return 1 <= int(m) <= config.mm_template_max_rows and int(k) >= 16 and int(n) >= 16
+        if not (1 <= int(m) <= config.mm_template_max_rows and int(k) >= 16 and int(n) >= 16):
+            return False
+        row = mm_row(a.get_device(), int(m), int(k), int(n))  # this GPU's measured table: cuBLAS where it won
+        return row is None or row["us"] <= row["cublas_us"]
 
-    def mm_template_config(self, m: int, n: int, k: int) -> dict:
-        """Blocks of the few-row matmul: one program per 64 columns, and K split over several
+    def mm_template_config(self, m: int, n: int, k: int, device=None) -> dict:
+        """Blocks of the few-row matmul: the fastest measured on this GPU at this K and N
+        (tables/mm, bench/mm_sweep.py), else one program per 64 columns, and K split over several
         (partial sums added atomically) when the columns alone leave SMs idle. Thresholds from the
         H200 sweep (132 SMs): 7168 columns run best unsplit with 256-deep steps, 4096 split in 4."""
+        row = mm_row(device, m, k, n)
+        if row is not None:
+            return {"BLOCK_M": max(16, next_pow2(m)), **row["config"]}
         programs = -(-n // 64)
         split, block_k = 1, 256
         if programs < 96:

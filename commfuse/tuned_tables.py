@@ -9,6 +9,9 @@ rows like `measurements`, keyed by the gathered tensor's bytes: the all-gather's
 reduce-scatter's input). The
 compiler uses a table only when it matches this host and the size lies within the measured range;
 otherwise choices.py falls back to its built-in thresholds. Tables for shipped hosts live in commfuse/tables/.
+
+commfuse/tables/mm/ holds one few-row matmul table per GPU model (`bench/mm_sweep.py --write-table`):
+per (rows, K, N), the fastest template configuration measured, its µs and cuBLAS's.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import json
 import logging
 import math
 import os
+import re
 
 import torch
 
@@ -31,6 +35,7 @@ SECTIONS = {"all_reduce": ("measurements", ALGORITHMS),
             "reduce_scatter_tensor": ("reduce_scatter", ("symm_reduce_scatter", "c10d"))}
 log = logging.getLogger("commfuse")
 TABLE_DIR = os.path.join(os.path.dirname(__file__), "tables")
+MM_TABLE_DIR = os.path.join(TABLE_DIR, "mm")
 
 
 def host_key(world: int, device) -> dict:
@@ -114,3 +119,16 @@ def lookup(world: int, nbytes: int, device, rows: int | None = None, prologue: b
     algo = best_algorithm(table, nbytes, collective) if rows is None else \
         best_fused_algorithm(table, rows, nbytes // rows, prologue)
     return (algo, os.path.basename(path)) if algo else None
+
+
+def mm_table_path(gpu: str) -> str:
+    """The few-row matmul table of a GPU model, by its name ("NVIDIA H100 80GB HBM3")."""
+    return os.path.join(MM_TABLE_DIR, re.sub(r"[^a-z0-9]+", "_", gpu.lower()).strip("_") + ".json")
+
+
+def mm_row(device, m: int, k: int, n: int) -> dict | None:
+    """This GPU's measured row for `m` rows times a [k, n] weight: of the same K and N, the one of
+    the fewest rows at or above m (its blocks fit fewer rows as well); None where none is."""
+    path = device is not None and torch.device(device).type == "cuda" and mm_table_path(torch.cuda.get_device_name(device))
+    rows = _load(path)["rows"] if path and os.path.exists(path) else []
+    return min((r for r in rows if (r["k"], r["n"]) == (k, n) and r["m"] >= m), key=lambda r: r["m"], default=None)

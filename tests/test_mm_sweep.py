@@ -1,0 +1,42 @@
+"""bench/mm_sweep.py's pruning and its table: a sweep's JSON written into commfuse/tables/mm/ is
+what the policy then picks (block sizes, or cuBLAS where it won), and other shapes keep the heuristic."""
+import json
+
+import torch
+
+from bench import mm_sweep
+from commfuse import tuned_tables
+from commfuse.choices import Choices
+
+GPU = "NVIDIA Test GPU 80GB"
+
+
+def test_candidates_split_k_evenly_and_fill_the_sms():
+    for world in (2, 4):
+        for k, n in mm_sweep.shapes(world).values():
+            found = mm_sweep.tiles(8, k, n, sms=132)
+            assert found, (k, n)
+            for t in found:
+                assert k % (t["BLOCK_K"] * t["SPLIT_K"]) == 0 and 132 <= -(-n // t["BLOCK_N"]) * t["SPLIT_K"] <= 8 * 132
+            for v in mm_sweep.variants(found[0], 32):
+                assert mm_sweep.stage_bytes(32, v["BLOCK_N"], v["BLOCK_K"]) * v["num_stages"] <= mm_sweep.SMEM
+
+
+def test_written_table_is_what_the_policy_picks(tmp_path, monkeypatch):
+    monkeypatch.setattr(tuned_tables, "MM_TABLE_DIR", str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: GPU)
+    cfg = {"BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 2, "num_warps": 8, "num_stages": 5}
+    result = lambda m, us, cublas: {"m": m, "k": 4096, "n": 3072, "best": {"config": cfg, "us": us}, "cublas": {"us": cublas}}
+    sweep = tmp_path / "sweep.json"
+    sweep.write_text(json.dumps({"meta": {"device_name": GPU, "commit": "abc", "date": "today"},
+                                 "results": [result(8, 10.0, 12.0), result(32, 14.0, 11.0)]}))
+    path = mm_sweep.write_table(str(sweep))
+    assert path == str(tmp_path / "nvidia_test_gpu_80gb.json")
+    cuda = torch.device("cuda", 0)
+    assert Choices().mm_template_config(3, 3072, 4096, cuda) == {"BLOCK_M": 16, **cfg}  # the 8-row row
+    assert tuned_tables.mm_row(cuda, 8, 4096, 3072)["us"] == 10.0
+    assert tuned_tables.mm_row(cuda, 20, 4096, 3072)["cublas_us"] == 11.0  # cuBLAS won at 32 rows
+    assert tuned_tables.mm_row(cuda, 33, 4096, 3072) is None
+    heuristic = Choices().mm_template_config(8, 3072, 4096)  # no device, another shape: the heuristic
+    assert Choices().mm_template_config(8, 3072, 4096, torch.device("cpu")) == heuristic
+    assert Choices().mm_template_config(8, 4096, 4096, cuda)["BLOCK_N"] == 64
