@@ -1,12 +1,16 @@
 """The few-row matmul template's configurations against cuBLAS, per decode shape (one GPU).
 
 For M rows times each per-rank weight of Llama-3-8B's tensor-parallel decode at world 2 and 4
-(qkv, o, gate+up, down), `a @ w.t()` (w stored [N, K], as nn.Linear's: what the model's matmuls
+(q, k and v, o, gate and up, down as bench/llama.py's Linears run them; `--fused`: qkv and gate+up
+concatenated), `a @ w.t()` (w stored [N, K], as nn.Linear's: what the model's matmuls
 read) is compiled through commfuse once per candidate configuration (a `Choices` whose
 `mm_template_config` returns it) and timed under CUDA graphs, beside torch.mm (cuBLAS) and the
 configuration today's policy picks. Candidates are pruned to those that split K evenly, fill the
 SMs (1-8 programs per SM) and fit shared memory, tiles first (4 warps), then warps and stages
-varied on the best two; a time budget shared among the shapes bounds the run.
+varied on the best two; a time budget shared among the shapes (three shares for each shape at the
+first M, one at the others, which try the first M's best three first) bounds the run. Runs of
+disjoint shapes (`--worlds 2`, `--worlds 4`, `--fused`) each get the whole budget; `--write-table`
+merges them.
 
     python bench/mm_sweep.py --out bench/results/mm_sweep_h100.md   # GPU: table + .json
     python bench/mm_sweep.py --write-table bench/results/mm_sweep_h100.json  # into commfuse/tables/mm/
@@ -37,10 +41,13 @@ DIM, KV, HIDDEN = 4096, 1024, 14336  # Llama-3-8B
 SMEM = 200 * 1024                    # bytes of shared memory a candidate's stages may take
 
 
-def shapes(world: int) -> dict:
-    """Per rank's (K, N) of each decode matmul at `world`."""
-    return {"qkv": (DIM, (DIM + 2 * KV) // world), "o": (DIM // world, DIM),
-            "gate+up": (DIM, 2 * HIDDEN // world), "down": (HIDDEN // world, DIM)}
+def shapes(world: int, fused: bool = False) -> dict:
+    """Per rank's (K, N) of each decode matmul at `world`: the projections as bench/llama.py's
+    Linears run them (q, k and v apart, gate and up apart), or concatenated (`fused`)."""
+    if fused:
+        return {"qkv": (DIM, (DIM + 2 * KV) // world), "gate+up": (DIM, 2 * HIDDEN // world)}
+    return {"q": (DIM, DIM // world), "k,v": (DIM, KV // world), "o": (DIM // world, DIM),
+            "gate,up": (DIM, HIDDEN // world), "down": (HIDDEN // world, DIM)}
 
 
 class Forced(Choices):
@@ -58,15 +65,15 @@ class Forced(Choices):
 
 
 def tiles(m: int, k: int, n: int, sms: int) -> list[dict]:
-    """(BLOCK_N, BLOCK_K, SPLIT_K) that split K evenly in at least two steps each, give every SM
-    1 to 8 programs and fit shared memory at 4 stages; nearest to 2 programs per SM first."""
-    out = []
-    for bn, bk, sk in itertools.product((32, 64, 128), (64, 128, 256), (1, 2, 4, 8)):
-        programs = -(-n // bn) * sk
-        if k % (bk * sk) or k // (bk * sk) < 2 or not sms <= programs <= 8 * sms or stage_bytes(m, bn, bk) * 3 > SMEM:
-            continue
-        out.append((abs(math.log2(programs / (2 * sms))), -bk, {"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk}))
-    return [c for *_, c in sorted(out, key=lambda t: t[:2])]
+    """(BLOCK_N, BLOCK_K, SPLIT_K) that split K evenly in at least two steps each, fit shared
+    memory at 3 stages and give every SM 1 to 8 programs (where none can: those of the most
+    programs, within 2x); nearest to 2 programs per SM first, deeper steps first among equals."""
+    fit = [(-(-n // bn) * sk, bn, bk, sk) for bn, bk, sk in itertools.product((32, 64, 128), (64, 128, 256), (1, 2, 4, 8))
+           if k % (bk * sk) == 0 and k // (bk * sk) >= 2 and stage_bytes(m, bn, bk) * 3 <= SMEM]
+    most = max((p for p, *_ in fit), default=0)
+    keep = [t for t in fit if sms <= t[0] <= 8 * sms] or [t for t in fit if 2 * t[0] >= most]
+    keep.sort(key=lambda t: (abs(math.log2(t[0] / (2 * sms))), -t[2]))
+    return [{"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk} for _, bn, bk, sk in keep]
 
 
 def stage_bytes(m: int, bn: int, bk: int) -> int:
@@ -194,6 +201,7 @@ def main():
     ap.add_argument("--cpu", action="store_true", help="smoke run: Triton's interpreter, one tiny shape, two configurations")
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--rows", type=int, nargs="+", default=[8, 1, 32], help="M values; the first is swept widest")
+    ap.add_argument("--fused", action="store_true", help="the concatenated qkv and gate+up weights instead")
     ap.add_argument("--budget-s", type=float, default=120, help="seconds for all shapes' candidates together")
     ap.add_argument("--write-table", metavar="JSON", help="merge a sweep's JSON into commfuse/tables/mm/ and exit")
     args = ap.parse_args()
@@ -206,14 +214,15 @@ def main():
         jobs = [("tiny", 2, 256, 128, [{"BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 2, "num_warps": 4, "num_stages": 3}])]
         args.budget_s, read_gbs = 0.0, None  # the heuristic and the one seed
     else:
-        named = {(k, n): f"{name} w{world}" for world in args.worlds for name, (k, n) in shapes(world).items()}
+        named = {(k, n): f"{name} w{world}" for world in args.worlds for name, (k, n) in shapes(world, args.fused).items()}
         jobs = [(name, m, k, n, None) for m in args.rows for (k, n), name in named.items()]
         x = torch.ones(1 << 29, dtype=torch.bfloat16, device=dev)
         read_gbs = (1 << 30) / cuda_graph_time_us(lambda: torch.sum(x), iters=10) / 1e3
         del x
     deadline, results, best_at = time.perf_counter() + args.budget_s, [], {}
+    weights = [3 if m == jobs[0][1] else 1 for _, m, *_ in jobs]  # the first M swept widest
     for i, (name, m, k, n, seeds) in enumerate(jobs):
-        share = max(0.0, deadline - time.perf_counter()) / (len(jobs) - i)
+        share = max(0.0, deadline - time.perf_counter()) * weights[i] / sum(weights[i:])
         if seeds is None:  # the best configurations at the first M, tried first at the others
             seeds = [cfg for _, cfg in best_at.get((k, n), [])[:3]]
         r = sweep_shape(name, m, k, n, dev, seeds, share, time_us)

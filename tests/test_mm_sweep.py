@@ -12,12 +12,13 @@ GPU = "NVIDIA Test GPU 80GB"
 
 
 def test_candidates_split_k_evenly_and_fill_the_sms():
-    for world in (2, 4):
-        for k, n in mm_sweep.shapes(world).values():
+    for world, fused in ((2, False), (4, False), (2, True)):
+        for k, n in mm_sweep.shapes(world, fused).values():
             found = mm_sweep.tiles(8, k, n, sms=132)
             assert found, (k, n)
-            for t in found:
-                assert k % (t["BLOCK_K"] * t["SPLIT_K"]) == 0 and 132 <= -(-n // t["BLOCK_N"]) * t["SPLIT_K"] <= 8 * 132
+            programs = [-(-n // t["BLOCK_N"]) * t["SPLIT_K"] for t in found]
+            assert all(k % (t["BLOCK_K"] * t["SPLIT_K"]) == 0 for t in found)
+            assert all(132 <= p <= 8 * 132 for p in programs) or max(programs) < 132 and 2 * min(programs) >= max(programs), (k, n)
             for v in mm_sweep.variants(found[0], 32):
                 assert mm_sweep.stage_bytes(32, v["BLOCK_N"], v["BLOCK_K"]) * v["num_stages"] <= mm_sweep.SMEM
 
