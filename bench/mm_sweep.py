@@ -135,7 +135,9 @@ def sweep_shape(name, m, k, n, dev, seeds, share_s, time_us) -> dict:
         except Exception as e:  # out of resources, a wrong value: reported, never chosen
             failed[key] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
 
-    for cfg in [heur] + seeds + [dict(t, num_warps=4, num_stages=4) for t in tiles(m, k, n, sm_count(dev))]:
+    first = [dict(t, num_warps=4, num_stages=4 if stage_bytes(m, t["BLOCK_N"], t["BLOCK_K"]) * 4 <= SMEM else 3)
+             for t in tiles(m, k, n, sm_count(dev))]
+    for cfg in [heur] + seeds + first:
         attempt(cfg)
     by_tile = {}
     for key, us in sorted(tried.items(), key=lambda kv: kv[1]):
@@ -144,6 +146,8 @@ def sweep_shape(name, m, k, n, dev, seeds, share_s, time_us) -> dict:
     for cfg in list(by_tile.values())[:2]:
         for v in variants({t: cfg[t] for t in ("BLOCK_N", "BLOCK_K", "SPLIT_K")}, m):
             attempt(v)
+    if not tried:
+        raise RuntimeError(f"{name} M={m}: every configuration failed: {failed}")
     best_key = min(tried, key=tried.get)
     heur_key = json.dumps(heur, sort_keys=True)
 
@@ -167,6 +171,7 @@ def table(results: list, read_gbs: float | None) -> str:
     for r in results:
         b, c, h = r["best"], r["cublas"], r["heuristic"]
         hus = f"{h['us']:.1f} | {h['gbs']:.0f}{pct(h['gbs'])}" if h["us"] else f"failed | {r['heuristic_error']}"
+        hus += " (policy: cuBLAS)" if r["m"] > config.mm_template_max_rows else ""
         lines.append(f"| {r['shape']} | {r['m']} | {r['k']} | {r['n']} | {short(b['config'])} | {b['us']:.1f} | "
                      f"{b['gbs']:.0f}{pct(b['gbs'])} | {c['us']:.1f} | {c['gbs']:.0f}{pct(c['gbs'])} | "
                      f"{short(h['config'])} | {hus} | {c['us'] / b['us']:.2f} | {r['tried']} |")
@@ -178,6 +183,8 @@ def write_table(path: str) -> str:
     with open(path) as f:
         data = json.load(f)
     gpu = data["meta"]["device_name"]
+    if gpu == "cpu":
+        raise SystemExit("a --cpu run measured nothing worth a table")
     out = tuned_tables.mm_table_path(gpu)
     rows = {}
     if os.path.exists(out):
