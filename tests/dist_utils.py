@@ -85,3 +85,41 @@ def run_ranks(fn, world: int = 2, args=(), timeout: float = 300) -> list:
         if status != "ok":
             raise AssertionError(f"rank {r} failed:\n{value}")
     return [v for _, v in out]
+
+
+def _key(check) -> str:
+    fn, args = check if isinstance(check, tuple) else (check, ())
+    return f"{fn.__module__}.{fn.__name__}{tuple(args)!r}"
+
+
+def _checks(rank, world, checks):
+    out = {}
+    for check in checks:
+        fn, args = check if isinstance(check, tuple) else (check, ())
+        torch._dynamo.reset()
+        try:
+            out[_key(check)] = ("ok", fn(rank, world, *args))
+        except BaseException:
+            out[_key(check)] = ("error", traceback.format_exc())
+    return out
+
+
+class SharedRanks:
+    """Several checks, fn(rank, world, *args) each (given as fn or (fn, args)), run one after
+    another in a single spawn of `world` ranks, Dynamo reset between them: a spawn costs seconds of
+    process start and first-compile imports per rank. `result(fn, *args)` is that check's result
+    on every rank, raising where it failed. The checks share the process group and its pool, as the
+    graphs of one program do; a check that fails on some ranks only can fail the ones after it:
+    read the first failure. The spawn runs at the first result(), in the environment of that time."""
+
+    def __init__(self, checks, world: int = 2, timeout: float = 600):
+        self.checks, self.world, self.timeout, self._results = list(checks), world, timeout, None
+
+    def result(self, fn, *args) -> list:
+        if self._results is None:
+            self._results = run_ranks(_checks, self.world, args=(self.checks,), timeout=self.timeout)
+        out = [r[_key((fn, args))] for r in self._results]
+        for r, (status, value) in enumerate(out):
+            if status != "ok":
+                raise AssertionError(f"rank {r} failed:\n{value}")
+        return [v for _, v in out]
