@@ -11,6 +11,8 @@ from torch.testing import FileCheck
 from tests.common import check_peer_sum, check_reduced_in_place, count
 from tests.dist_utils import WORLD, SharedRanks, device, run_ranks
 
+pytestmark = pytest.mark.xdist_group("comm")  # one worker: its checks share spawns
+
 
 def _summaries(dump_dir, rank):
     return [json.load(open(p)) for p in sorted(glob.glob(f"{dump_dir}/rank{rank}/*/summary.json"))]

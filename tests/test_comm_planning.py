@@ -9,6 +9,8 @@ import torch
 from tests.dist_utils import WORLD, device, run_ranks
 from tests.test_comm import _assert_disjoint_when_live_together
 
+pytestmark = pytest.mark.xdist_group("comm_planning")  # one worker: its checks share spawns
+
 
 def _summaries(dump_dir, rank):
     return [json.load(open(p)) for p in sorted(glob.glob(f"{dump_dir}/rank{rank}/*/summary.json"))]

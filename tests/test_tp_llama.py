@@ -16,6 +16,8 @@ from bench.llama import Config, RMSNorm, tp_llama as build_tp_llama
 from tests.common import DEVICE, check_peer_sum
 from tests.dist_utils import SharedRanks, device, run_ranks
 
+pytestmark = pytest.mark.xdist_group("tp_llama")  # one worker: its checks share spawns
+
 RANKS = 2
 CFG = Config(dim=32, n_heads=4, n_kv_heads=2, ffn=64, n_layers=2, max_batch=2, max_seq=16, vocab=64)
 
