@@ -431,7 +431,7 @@ def _titan_steps(rank, world, steps=2):
     return {k: v for k, v in bad.items() if v is not None}, graphs
 
 
-@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)], ids=["tp", "dp2xtp2"])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.world4)], ids=["tp", "dp2xtp2"])
 def test_torchtitan_style_training_matches_eager(world, shared):
     """torchtitan's Llama 3 plan, hand-written (bench/torchtitan_llama.py runs torchtitan itself):
     every graph compiles, and the losses and AdamW-updated weights match eager. The first layer's
