@@ -16,7 +16,26 @@ import torch  # noqa: E402
 import commfuse  # noqa: E402,F401  (selects Triton's interpreter on CPU-only machines)
 
 
+def pytest_configure(config):
+    """Under xdist (-n), tests marked xdist_group run on one worker: a module whose checks share one
+    spawn of ranks (dist_utils.SharedRanks, a module fixture) spawns it once, not once per worker.
+    The workers read --dist before this runs: the controller tells them (pytest_configure_node), and
+    they name each grouped test's group in its id as xdist's loadgroup does."""
+    if getattr(config.option, "dist", "no") == "load":
+        config.option.dist = "loadgroup"
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    node.workerinput["commfuse_loadgroup"] = node.config.getvalue("dist") == "loadgroup"
+
+
 def pytest_collection_modifyitems(config, items):
+    if getattr(config, "workerinput", {}).get("commfuse_loadgroup"):
+        for item in items:
+            group = item.get_closest_marker("xdist_group")
+            if group and "@" not in item.nodeid:
+                item._nodeid = f"{item.nodeid}@{group.args[0]}"
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")
@@ -45,3 +64,4 @@ def _exact_fp32():
                      allow_tf32=False):
         yield
     torch.backends.cuda.matmul.allow_tf32 = saved
+

@@ -11,6 +11,16 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
+# What the forkserver of CPU ranks imports once, so that no rank imports it again: torch, and what
+# a rank's first compile imports (AOTAutograd, Inductor's cache and codegen modules, Triton in the
+# interpreter mode the parent chose, DTensor): seconds of CPU per rank per spawn otherwise. None of
+# it reads the environment a rank is given; commfuse (its config does) is imported in the rank.
+FORKSERVER_PRELOAD = [
+    "torch", "torch.distributed", "torch._dynamo", "torch._functorch.aot_autograd", "torch._functorch.partitioners",
+    "torch._inductor.codecache", "torch._inductor.select_algorithm", "torch._inductor.codegen.cuda_combined_scheduling",
+    "torch._inductor.async_compile", "torch.distributed._functional_collectives", "torch.distributed.tensor",
+    "torch.distributed.tensor.parallel", "triton", "triton.language", "networkx", "jinja2"]
+
 # The world size of the multi-rank tests written for any number of ranks (they pass it to
 # run_ranks): 2 by default, as on CPU and in CI; COMMFUSE_TEST_WORLD=8 on an 8-GPU host.
 WORLD = int(os.environ.get("COMMFUSE_TEST_WORLD", "2"))
@@ -57,7 +67,7 @@ def run_ranks(fn, world: int = 2, args=(), timeout: float = 300) -> list:
         # costs seconds of CPU each, most of an 8-rank test on a small machine. commfuse itself is
         # imported in the rank, after its environment is set.
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo"])
+        ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
     with tempfile.TemporaryDirectory() as d, ctx.Manager() as manager:
         results = manager.dict()
         init, env = os.path.join(d, "init"), dict(os.environ)
@@ -75,3 +85,41 @@ def run_ranks(fn, world: int = 2, args=(), timeout: float = 300) -> list:
         if status != "ok":
             raise AssertionError(f"rank {r} failed:\n{value}")
     return [v for _, v in out]
+
+
+def _key(check) -> str:
+    fn, args = check if isinstance(check, tuple) else (check, ())
+    return f"{fn.__module__}.{fn.__name__}{tuple(args)!r}"
+
+
+def _checks(rank, world, checks):
+    out = {}
+    for check in checks:
+        fn, args = check if isinstance(check, tuple) else (check, ())
+        torch._dynamo.reset()
+        try:
+            out[_key(check)] = ("ok", fn(rank, world, *args))
+        except BaseException:
+            out[_key(check)] = ("error", traceback.format_exc())
+    return out
+
+
+class SharedRanks:
+    """Several checks, fn(rank, world, *args) each (given as fn or (fn, args)), run one after
+    another in a single spawn of `world` ranks, Dynamo reset between them: a spawn costs seconds of
+    process start and first-compile imports per rank. `result(fn, *args)` is that check's result
+    on every rank, raising where it failed. The checks share the process group and its pool, as the
+    graphs of one program do; a check that fails on some ranks only can fail the ones after it:
+    read the first failure. The spawn runs at the first result(), in the environment of that time."""
+
+    def __init__(self, checks, world: int = 2, timeout: float = 600):
+        self.checks, self.world, self.timeout, self._results = list(checks), world, timeout, None
+
+    def result(self, fn, *args) -> list:
+        if self._results is None:
+            self._results = run_ranks(_checks, self.world, args=(self.checks,), timeout=self.timeout)
+        out = [r[_key((fn, args))] for r in self._results]
+        for r, (status, value) in enumerate(out):
+            if status != "ok":
+                raise AssertionError(f"rank {r} failed:\n{value}")
+        return [v for _, v in out]

@@ -9,7 +9,9 @@ import torch
 from torch.testing import FileCheck
 
 from tests.common import check_peer_sum, check_reduced_in_place, count
-from tests.dist_utils import WORLD, device, run_ranks
+from tests.dist_utils import WORLD, SharedRanks, device, run_ranks
+
+pytestmark = pytest.mark.xdist_group("comm")  # one worker: its checks share spawns
 
 
 def _summaries(dump_dir, rank):
@@ -204,7 +206,7 @@ def _assert_disjoint_when_live_together(buffers):
 
 # ---------------------------------------------------------------------------------------- tests
 def test_all_reduce_ops_and_dtypes():
-    assert run_ranks(_reduce_ops_and_dtypes, WORLD) == [True] * WORLD
+    assert SHARED.result(_reduce_ops_and_dtypes) == [True] * WORLD
 
 
 def test_producers_write_into_the_pool(tmp_path):
@@ -321,11 +323,11 @@ def _two_groups_chained(rank, world):
 
 
 def test_all_reduces_over_two_groups_compile():
-    assert run_ranks(_two_groups_chained, WORLD) == [[True]] * WORLD
+    assert SHARED.result(_two_groups_chained) == [[True]] * WORLD
 
 
 def test_all_reduce_into_the_input_updates_it():
-    assert run_ranks(_all_reduce_into_the_input, WORLD) == [True] * WORLD
+    assert SHARED.result(_all_reduce_into_the_input) == [True] * WORLD
 
 
 def test_dtensor_tp_mlp_forward_backward(tmp_path):
@@ -380,7 +382,7 @@ def _nan_max_min(rank, world):
 
 
 def test_max_min_across_ranks_propagate_nan():
-    assert run_ranks(_nan_max_min, WORLD) == [True] * WORLD
+    assert SHARED.result(_nan_max_min) == [True] * WORLD
 
 
 def _signed_zeros(rank, world):
@@ -399,7 +401,7 @@ def _signed_zeros(rank, world):
 
 
 def test_signed_zeros_survive_both_algorithms():
-    assert run_ranks(_signed_zeros, WORLD) == [True] * WORLD
+    assert SHARED.result(_signed_zeros) == [True] * WORLD
 
 
 def _one_rank_groups(rank, world):
@@ -483,7 +485,7 @@ def _degenerate_shapes(rank, world):
 
 def test_all_reduce_of_degenerate_shapes():
     # static shapes, (0, s0), then the step's forward and backward (its grad all-reduced too)
-    assert run_ranks(_degenerate_shapes, WORLD) == [[(True, 1)] * 3 + [(True, 0)] + [(True, 1)] * 2] * WORLD
+    assert SHARED.result(_degenerate_shapes) == [[(True, 1)] * 3 + [(True, 0)] + [(True, 1)] * 2] * WORLD
 
 
 def _inference_mode_then_training(rank, world):
@@ -504,7 +506,7 @@ def _inference_mode_then_training(rank, world):
 
 
 def test_inference_mode_then_training():
-    assert run_ranks(_inference_mode_then_training, WORLD) == [True] * WORLD
+    assert SHARED.result(_inference_mode_then_training) == [True] * WORLD
 
 
 def _other_collectives(rank, world, dump_dir):
@@ -647,3 +649,8 @@ def test_eight_ranks_one_shot_two_shot_and_fused_norm(tmp_path):
     assert comm == [("one_shot", False), ("one_shot", True), ("two_shot", False), ("two_shot", True)], comm
     for b in s0["comm_buffers"]:  # every kernel reads all 8 ranks' copies
         check_peer_sum(code0, b["name"], 8)
+
+
+# the value checks above, in one spawn (they assert values and their own graphs' summaries only)
+SHARED = SharedRanks([_reduce_ops_and_dtypes, _two_groups_chained, _all_reduce_into_the_input, _nan_max_min,
+                      _signed_zeros, _degenerate_shapes, _inference_mode_then_training], WORLD)

@@ -3,10 +3,13 @@ identical on every rank, and a cross-rank check that turns divergent programs in
 import glob
 import json
 
+import pytest
 import torch
 
 from tests.dist_utils import WORLD, device, run_ranks
 from tests.test_comm import _assert_disjoint_when_live_together
+
+pytestmark = pytest.mark.xdist_group("comm_planning")  # one worker: its checks share spawns
 
 
 def _summaries(dump_dir, rank):
@@ -95,11 +98,9 @@ def test_buffers_live_together_get_disjoint_slices(tmp_path):
     assert s0["comm_pools"][0]["planned_bytes"] >= a["bytes"] + b["bytes"]
 
 
-def _divergent(rank, world, mode):
+def _divergent(rank, world, mode, g):
     import time
-    import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
-    g = dist.group.WORLD
     x = torch.randn(64, device=device())
     if mode == "branch":  # the other ranks reduce a slice: different comm buffers
         fn = (lambda x: funcol.all_reduce(x * 2, "sum", g)) if rank == 0 else \
@@ -130,58 +131,81 @@ def _divergent(rank, world, mode):
     return ("ok", "", time.time() - start)
 
 
-def test_rank_divergent_branch_fails_on_every_rank():
-    results = run_ranks(_divergent, WORLD, args=("branch",))
+# "missing" last: its ranks leave the plan check at different times
+MODES = ("branch", "constant", "producer", "algorithm", "reduce_op", "fusion", "apart", "missing")
+
+
+def _every_divergence(rank, world):
+    """Each mode of _divergent in one spawn, over a group of its own (every rank): its own pool and
+    plan-check sequence, as a fresh process group would have; Dynamo reset between modes."""
+    import torch.distributed as dist
+    out = {}
+    for mode in MODES:
+        torch._dynamo.reset()
+        out[mode] = _divergent(rank, world, mode, dist.new_group(list(range(world))))
+    dist.barrier()  # the ranks that skip "missing"'s collective stay alive: they never arrive, not exit
+    return out
+
+
+@pytest.fixture(scope="module")
+def divergent():
+    """mode -> every rank's (status, message, seconds)."""
+    ranks = run_ranks(_every_divergence, WORLD)
+    return {mode: [r[mode] for r in ranks] for mode in MODES}
+
+
+def test_rank_divergent_branch_fails_on_every_rank(divergent):
+    results = divergent["branch"]
     for status, message, seconds in results:
         assert status == "error"
         assert "ranks disagree on the comm-buffer plan" in message and "buf" in message, message
         assert seconds < 30
 
 
-def test_a_rank_dependent_constant_is_no_disagreement():
+def test_a_rank_dependent_constant_is_no_disagreement(divergent):
     """The graphs differ in a constant, their collectives do not: the check compared the graphs'
     code and refused a correct SPMD program."""
-    for status, message, _ in run_ranks(_divergent, WORLD, args=("constant",)):
+    for status, message, _ in divergent["constant"]:
         assert status == "ok", message
 
 
-def test_collectives_agreeing_under_other_buffer_names_are_no_disagreement():
+def test_collectives_agreeing_under_other_buffer_names_are_no_disagreement(divergent):
     """The ranks' collectives agree, their buffer names do not (rank 0 stores one more value before
     the all-reduce; DTensor's uneven shards do the same): the check compared the names."""
-    for status, message, _ in run_ranks(_divergent, WORLD, args=("producer",)):
+    for status, message, _ in divergent["producer"]:
         assert status == "ok", message
 
 
-def test_ranks_running_different_comm_kernels_fail_before_any_barrier():
+def test_ranks_running_different_comm_kernels_fail_before_any_barrier(divergent):
     # a config or tuned table that differs between ranks: the buffers agree, the kernels do not
-    results = run_ranks(_divergent, WORLD, args=("algorithm",))
+    results = divergent["algorithm"]
     for status, message, seconds in results:
         assert status == "error", message
         assert "ranks disagree" in message and "comm kernel" in message and "two_shot" in message, message
         assert seconds < 30
 
 
-def test_ranks_reducing_with_different_ops_fail():
+def test_ranks_reducing_with_different_ops_fail(divergent):
     """sum on some ranks, max on others: each rank combined the peers' values its own way and the
     ranks went on with different results, silently."""
-    for status, message, seconds in run_ranks(_divergent, WORLD, args=("reduce_op",)):
+    for status, message, seconds in divergent["reduce_op"]:
         assert status == "error", message
         assert "comm kernel #0" in message and "differs in reduce op: '" in message and "'max' on rank 0" in message, message
         assert seconds < 30
 
 
-def test_option_set_on_one_rank_is_named_in_the_error():
+def test_option_set_on_one_rank_is_named_in_the_error(divergent):
     """max_fusion_size or comm.algorithm set on rank 0 only: the error showed two identical
     descriptions of the kernels; it names what differs, and the option behind it."""
     for mode, want in (("fusion", ["differs in input's producer fused in (fusion options", "False on rank 0"]),
                        ("apart", ["algorithm (comm.algorithm", "'one_shot_apart' on rank"])):
-        for status, message, _ in run_ranks(_divergent, WORLD, args=(mode,)):
+        for status, message, _ in divergent[mode]:
             assert status == "error", message
             assert all(w in message for w in want), message
 
 
-def test_missing_rank_is_reported_not_hung():
-    (s0, m0, t0), *others = run_ranks(_divergent, WORLD, args=("missing",))
+def test_missing_rank_is_reported_not_hung(divergent):
+    (s0, m0, t0), *others = divergent["missing"]
     missing = str(list(range(1, WORLD)))  # every other rank, by number
     assert s0 == "error" and "did not reach the comm-buffer plan check" in m0 and missing in m0, m0
     assert t0 < 30

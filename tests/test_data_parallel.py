@@ -8,11 +8,14 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from tests.dist_utils import device, run_ranks
+from tests.dist_utils import SharedRanks, device, run_ranks
+
+pytestmark = pytest.mark.xdist_group("data_parallel")  # one worker: its checks share a spawn
 
 
 def _ddp_steps(rank, world, steps=2):
     from commfuse import backend
+    before = len(backend.summaries)
     dev = device()
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU()) for _ in range(6)],
@@ -33,11 +36,11 @@ def _ddp_steps(rank, world, steps=2):
             torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-5)
             worst = max(worst, (p.grad - q.grad).abs().max().item())
             p.grad = q.grad = None
-    return [(s["graph_id"], s["compiled"]) for s in backend.summaries], worst
+    return [(s["graph_id"], s["compiled"]) for s in backend.summaries[before:]], worst
 
 
 def test_ddp_buckets_compile_and_match_eager():
-    for graphs, _ in run_ranks(_ddp_steps, world=2):
+    for graphs, _ in SHARED.result(_ddp_steps):
         forward = [g for g, _ in graphs if "_forward_" in g]
         assert len(forward) >= 2, graphs  # the graph was split at a bucket boundary
         assert all(ok for _, ok in graphs), graphs
@@ -66,11 +69,15 @@ def _fsdp_steps(rank, world, options, steps=3):
     return [(s["graph_id"], s["compiled"]) for s in backend.summaries[before:]]
 
 
+# DDP and FSDP2 (plain) in one spawn
+SHARED = SharedRanks([_ddp_steps, (_fsdp_steps, ({},))], 2)
+
+
 @pytest.mark.parametrize("options", [{}, pytest.param({"cuda_graphs": True}, marks=pytest.mark.gpu)],
                          ids=["plain", "cuda_graphs"])
 def test_fsdp2_per_layer_compile_matches_eager(options):
     """(In CUDA-graph mode the layers share one compiled code, and FSDP2 frees each layer's
     gathered weights after its forward: the next layer's may land at the same address.)"""
-    for graphs in run_ranks(_fsdp_steps, world=2, args=(options,)):
+    for graphs in (SHARED.result(_fsdp_steps, {}) if not options else run_ranks(_fsdp_steps, world=2, args=(options,))):
         assert any("_forward_" in g for g, _ in graphs) and any("_backward_" in g for g, _ in graphs), graphs
         assert all(ok for _, ok in graphs), graphs

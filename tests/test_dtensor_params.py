@@ -1,9 +1,12 @@
 """Inference graphs take their DTensor parameters and buffers as local shards (dtensor_params.py):
 which inputs are rewritten, and that results and in-place buffer updates stay those of eager."""
+import pytest
 import torch
 import torch.nn as nn
 
-from tests.dist_utils import device, run_ranks
+from tests.dist_utils import SharedRanks, device
+
+pytestmark = pytest.mark.xdist_group("dtensor_params")  # one worker: its checks share a spawn
 
 
 class _Model(nn.Module):
@@ -63,8 +66,12 @@ def _run(rank, world, grad, return_weight=False):
     return seen, diffs, compiled.count.full_tensor().tolist(), returned_is_param, static
 
 
+# the three cases in one spawn
+SHARED = SharedRanks([(_run, (False,)), (_run, (True,)), (_run, (False, True))], 2)
+
+
 def test_inference_takes_dtensor_parameters_and_buffers_as_shards():
-    for seen, diffs, count, _, static in run_ranks(_run, 2, args=(False,)):
+    for seen, diffs, count, _, static in SHARED.result(_run, False):
         (before, after, shards), = seen
         # the four weights and biases and the buffer: DTensors to Dynamo, local tensors to AOTAutograd
         assert before.count("DTensor") == 5 and after.count("DTensor") == 0 and len(shards) == 5, seen
@@ -74,13 +81,13 @@ def test_inference_takes_dtensor_parameters_and_buffers_as_shards():
 
 
 def test_training_keeps_dtensor_parameters():
-    for seen, diffs, count, _, _ in run_ranks(_run, 2, args=(True,)):
+    for seen, diffs, count, _, _ in SHARED.result(_run, True):
         (before, after, shards), = seen
         assert shards == [] and after == before, seen  # a shard would cut the weights off their gradients
         assert max(diffs) < 1e-5 and count == [3.0] * 4, (diffs, count)
 
 
 def test_a_returned_parameter_stays_the_callers_object():
-    for seen, diffs, count, returned_is_param, _ in run_ranks(_run, 2, args=(False, True)):
+    for seen, diffs, count, returned_is_param, _ in SHARED.result(_run, False, True):
         assert len(seen) == 1 and len(seen[0][2]) == 5, seen  # Dynamo returns the parameter itself
         assert returned_is_param and max(diffs) < 1e-5 and count == [3.0] * 4

@@ -24,6 +24,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from tests.dist_utils import FORKSERVER_PRELOAD
+
 GUARD = 150  # seconds: a case that takes longer hangs
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -90,7 +92,7 @@ def _run(body, *args, world=2, env=None) -> list[dict]:
     mp.spawn or a hand-written launcher makes them: no launcher ends the others when one dies)."""
     ctx = mp.get_context("spawn" if torch.cuda.is_available() else "forkserver")
     if not torch.cuda.is_available():
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo"])
+        ctx.set_forkserver_preload(FORKSERVER_PRELOAD)  # the one forkserver of this process: dist_utils' list
     with tempfile.TemporaryDirectory() as d:
         environ = {**os.environ, "COMMFUSE_FALLBACK_ON_ERROR": "0", **(env or {})}
         procs = [ctx.Process(target=_rank_main, args=(r, world, d, body, args, environ)) for r in range(world)]

@@ -14,7 +14,9 @@ from torch.testing import FileCheck
 
 from bench.llama import Config, RMSNorm, tp_llama as build_tp_llama
 from tests.common import DEVICE, check_peer_sum
-from tests.dist_utils import device, run_ranks
+from tests.dist_utils import SharedRanks, device, run_ranks
+
+pytestmark = pytest.mark.xdist_group("tp_llama")  # one worker: its checks share spawns
 
 RANKS = 2
 CFG = Config(dim=32, n_heads=4, n_kv_heads=2, ffn=64, n_layers=2, max_batch=2, max_seq=16, vocab=64)
@@ -100,15 +102,25 @@ def _decode(rank, world, dump_dir, prefill=3, steps=3):
 
 
 @pytest.fixture(scope="module")
-def train_run(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tp_train")
-    return run_ranks(_train, RANKS, args=(str(d),)), d
+def shared(tmp_path_factory):
+    """The 2-rank checks of this file in one spawn, each dumping to its own folder."""
+    d = tmp_path_factory.mktemp("tp")
+    dirs = {name: d / name for name in ("train", "sequence_parallel", "decode", "reshaped")}
+    return dirs, SharedRanks([(_train, (str(dirs["train"]),)), (_train, (str(dirs["sequence_parallel"]), True)),
+                              (_decode, (str(dirs["decode"]),)), (_reshaped_all_reduce, (str(dirs["reshaped"]),)),
+                              _hf_llama_tp, _titan_steps], RANKS)
 
 
 @pytest.fixture(scope="module")
-def decode_run(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tp_decode")
-    return run_ranks(_decode, RANKS, args=(str(d),)), d
+def train_run(shared):
+    dirs, ranks = shared
+    return ranks.result(_train, str(dirs["train"])), dirs["train"]
+
+
+@pytest.fixture(scope="module")
+def decode_run(shared):
+    dirs, ranks = shared
+    return ranks.result(_decode, str(dirs["decode"])), dirs["decode"]
 
 
 def _assert_comm_kernels(summary, code, count, norm_fused, mm_writes=True):
@@ -150,14 +162,14 @@ def test_tp_training_all_reduces_are_comm_kernels(train_run):
         assert any("scaled_dot_product" in c for c in fw["extern_calls"])
 
 
-def test_tp_sequence_parallel_training_matches_eager(tmp_path):
+def test_tp_sequence_parallel_training_matches_eager(shared):
     """torchtitan's plan: the residual stream, the norms, the embedding and the head sharded along
     the sequence, with all-gathers and reduce-scatters around each block. The whole step is one
     compiled graph pair, and the loss and every gradient match the same model run eagerly."""
-    results = run_ranks(_train, RANKS, args=(str(tmp_path), True))
-    for rank, bad in enumerate(results):
+    dirs, ranks = shared
+    for rank, bad in enumerate(ranks.result(_train, str(dirs["sequence_parallel"]), True)):
         assert not bad, f"rank {rank}: loss or gradients differ from eager (max |diff|): {bad}"
-    graphs = _graphs(tmp_path)
+    graphs = _graphs(dirs["sequence_parallel"])
     assert [n.split("_")[1] for n, _, _ in graphs] == ["forward", "backward"], [n for n, _, _ in graphs]
     assert all(s["compiled"] for _, s, _ in graphs)
     for _, s, _ in graphs:  # every all-gather and reduce-scatter, forward and backward, is a comm kernel of ours
@@ -211,11 +223,12 @@ def _reshaped_all_reduce(rank, world, dump_dir):
     return True
 
 
-def test_mm_viewed_back_writes_the_comm_buffer(tmp_path):
-    run_ranks(_reshaped_all_reduce, RANKS, args=(str(tmp_path),))
-    ((_, s, code),) = _graphs(tmp_path / "reshaped")
+def test_mm_viewed_back_writes_the_comm_buffer(shared):
+    dirs, ranks = shared
+    ranks.result(_reshaped_all_reduce, str(dirs["reshaped"]))
+    ((_, s, code),) = _graphs(dirs["reshaped"] / "reshaped")
     _assert_comm_kernels(s, code, 1, norm_fused=True)
-    ((_, s, code),) = _graphs(tmp_path / "transposed")
+    ((_, s, code),) = _graphs(dirs["reshaped"] / "transposed")
     (buf,) = s["comm_buffers"]
     assert buf["copy_in"] and not s["comm_fallbacks"]
 
@@ -261,9 +274,9 @@ def _hf_llama_tp(rank, world):
     return {k: v for k, v in bad.items() if v is not None}, [(s["compiled"], len(s["comm_plans"])) for s in summaries]
 
 
-def test_hf_llama_tensor_parallel_matches_eager():
+def test_hf_llama_tensor_parallel_matches_eager(shared):
     pytest.importorskip("transformers")
-    for bad, graphs in run_ranks(_hf_llama_tp, RANKS):
+    for bad, graphs in shared[1].result(_hf_llama_tp):
         assert not bad, f"loss or gradients differ from eager (max |diff|): {bad}"
         # forward and backward, compiled; an all-reduce per row-parallel output, and in the
         # backward one per summed input gradient (q/k/v, gate/up): 2 per layer each way
@@ -420,14 +433,14 @@ def _titan_steps(rank, world, steps=2):
     return {k: v for k, v in bad.items() if v is not None}, graphs
 
 
-@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)], ids=["tp", "dp2xtp2"])
-def test_torchtitan_style_training_matches_eager(world):
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.world4)], ids=["tp", "dp2xtp2"])
+def test_torchtitan_style_training_matches_eager(world, shared):
     """torchtitan's Llama 3 plan, hand-written (bench/torchtitan_llama.py runs torchtitan itself):
     every graph compiles, and the losses and AdamW-updated weights match eager. The first layer's
     input comes from the embedding's async reduce-scatter and the second's does not, so Dynamo
     traces the layer twice: two identical aten graphs whose inputs differ in tensor subclass
     (a graph-cache hit must not hand the second the first one's subclass wrappers)."""
-    for bad, graphs in run_ranks(_titan_steps, world):
+    for bad, graphs in (shared[1].result(_titan_steps) if world == RANKS else run_ranks(_titan_steps, world)):
         assert not bad, f"losses or weights differ from eager (max |diff|): {bad}"
         assert {g.split("_")[1] for g, _ in graphs} == {"forward", "backward"}, graphs
         assert all(ok for _, ok in graphs), graphs
