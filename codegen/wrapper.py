@@ -10,7 +10,7 @@ import sympy
 import torch
 
 from commfuse import config, ir, memory, sizevars
-from commfuse.choices import group_size
+from commfuse.choices import group_size_or_0
 from commfuse.runtime.compile_worker import HOST_CODE
 from commfuse.virtualized import V
 
@@ -531,12 +531,8 @@ class WrapperCodegen:
         op, names = buf.op, [a.name for a in buf.op._schema.arguments]
         arg = dict(zip(names, buf.args), **buf.kwargs)
         group = str(getattr(arg.get("group_name"), "group_name", arg.get("group_name")))
-        try:
-            world = group_size(group)
-        except Exception:  # a group this process cannot resolve: the op itself will say so
-            world = 0
         record = {"collective": op._opname, "reduce_op": arg.get("reduce_op", ""), "algorithm": "c10d",
-                  "group": group, "ranks": world, "pool": None, "offset": None}
+                  "group": group, "ranks": group_size_or_0(group), "pool": None, "offset": None}
         self.comm_protocol.append({"kernel": f"c10d_{op._opname}_{step}", "reads": "c10d", "programs": 0,
                                    "barriers": 0, "collectives": [record]})
         self.c10d[buf.name] = {"name": buf.name, "collective": op._opname, "group": group, "issued_at": step,

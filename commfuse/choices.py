@@ -68,6 +68,14 @@ def group_size(group_name: str) -> int:
     return dist.get_world_size(group_of(group_name))
 
 
+def group_size_or_0(group_name: str) -> int:
+    """The group's size, 0 where this process cannot resolve it (the c10d op itself will say so)."""
+    try:
+        return group_size(group_name)
+    except Exception:
+        return 0
+
+
 def single_host(group_name: str) -> bool:
     """torchrun places ranks node by node: a group is on one host when its ranks share a node."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))

@@ -21,7 +21,7 @@ import sympy
 import torch
 
 from commfuse import ir, sizevars
-from commfuse.choices import group_size
+from commfuse.choices import group_size_or_0
 from commfuse.collectives import CommPlan, CommRequest, algorithm
 from commfuse.ir import Pointwise, TensorBox
 from commfuse.sizevars import FloorDiv, Mod
@@ -82,6 +82,12 @@ def place_input(x: TensorBox, plan: CommPlan, through_views: bool = False) -> ir
     return buf
 
 
+def _say_c10d(plan: CommPlan) -> None:
+    # a dynamic-shape recompile silently losing the fast path is worth one warning
+    (log.warning if plan.reason.startswith("symbolic size") else log.info)(
+        "commfuse: %s on %s runs through c10d: %s", plan.collective, plan.group, plan.reason)
+
+
 def _read_only_here(node) -> bool:
     """`node` (an all-reduce's FX input) is memory of the graph's own, made by an op that does not
     alias, read by this all-reduce alone (through views that only it reads)."""
@@ -99,9 +105,7 @@ def _all_reduce(x, reduce_op, group_name, inplace):
     plan = V.choices.all_reduce_plan(request)
     graph.comm_plans.append(plan)
     if plan.algorithm.name == "c10d":
-        # a dynamic-shape recompile silently losing the fast path is worth one warning
-        (log.warning if plan.reason.startswith("symbolic size") else log.info)(
-            "commfuse: all_reduce on %s runs through c10d: %s", group_name, plan.reason)
+        _say_c10d(plan)
         arg = graph.current_node.args[0] if graph.current_node is not None else None
         if inplace or not _read_only_here(arg):
             return None  # c10d's functional all_reduce: a copy of x, reduced
@@ -144,8 +148,7 @@ def _gather_scatter(collective, x, reduce_op, group_name):
                                                      tuple(size)))
     graph.comm_plans.append(plan)
     if plan.algorithm.name == "c10d":
-        (log.warning if plan.reason.startswith("symbolic size") else log.info)(
-            "commfuse: %s on %s runs through c10d: %s", collective, group_name, plan.reason)
+        _say_c10d(plan)
         raise ir.Declined(f"{collective} runs through c10d: {plan.reason}")
     buf = place_input(x, plan, through_views=True)
     name, world, rows = buf.name, plan.world, int(size[0])
@@ -188,12 +191,8 @@ def _through_c10d(name: str):
         group = kwargs.get("group_name", args[-1])
         group = str(getattr(group, "group_name", group))
         reduce_op = args[1] if len(args) > 1 and isinstance(args[1], str) else ""
-        try:
-            world = group_size(group)
-        except Exception:  # a group this process cannot resolve: the op itself will say so
-            world = 0
         why = f"commfuse has no kernel for {name}: it runs through c10d"
-        V.graph.comm_plans.append(CommPlan(name, group, world, reduce_op, algorithm("c10d"), why))
+        V.graph.comm_plans.append(CommPlan(name, group, group_size_or_0(group), reduce_op, algorithm("c10d"), why))
         raise ir.Declined(why)
     return lower
 
