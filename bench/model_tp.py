@@ -644,6 +644,8 @@ def main(argv=None) -> int:
                          "bf16 that a GPU rounds (the mm template's store): fp32 errors there are exact checks")
     ap.add_argument("--rounds", type=int, default=None, help="interleaved timing rounds (default 3; 1 with --tiny)")
     ap.add_argument("--graph-steps", type=int, default=10, help="decode steps per captured CUDA graph")
+    ap.add_argument("--fsdp-shape", default="", metavar="KEY=N,...",
+                    help="fsdp: override its shape (keys: " + ", ".join(FSDP_FULL) + "), e.g. hidden=2048,ffn=5632,seq=1024")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of: " + ", ".join(VARIANTS))
     ap.add_argument("--workloads", default="decode,train,sp,fsdp", help="comma-separated subset of: " + ", ".join(WORKLOADS))
     ap.add_argument("--pos", type=int, default=None,
@@ -682,7 +684,12 @@ def main(argv=None) -> int:
         if not 4 <= (c // 2 if a.pos_arg is None else a.pos_arg) + 1 <= c:
             ap.error(f"--pos {a.pos_arg}: the 4 checked decode steps end there, within the cache of {c}")
     a.trace_dir = a.trace_dir or (os.path.splitext(a.out)[0] + "_traces" if a.out else "model_tp_traces")
-    a.fsdp = FSDP_TINY if a.tiny else FSDP_FULL
+    a.fsdp = dict(FSDP_TINY if a.tiny else FSDP_FULL)
+    for item in filter(None, a.fsdp_shape.split(",")):
+        k, _, v = item.partition("=")
+        if k not in a.fsdp or not v.isdigit():
+            ap.error(f"--fsdp-shape {item!r}: expected KEY=INT with KEY one of {', '.join(a.fsdp)}")
+        a.fsdp[k] = int(v)
     a.rounds = a.rounds or (1 if a.tiny else 3)
     a.dtype_name = a.dtype or ("float32" if a.cpu else "bfloat16")
     a.dtype = getattr(torch, a.dtype_name)

@@ -19,7 +19,7 @@ from .collectives import ALGORITHMS, CommPlan, CommRequest, algorithm
 from .dependencies import trace_body
 from .runtime.symm import SIGNAL_PROGRAMS, group_of
 from .sizevars import next_pow2
-from .tuned_tables import lookup, mm_row
+from .tuned_tables import lookup, measured_us, mm_row
 from .virtualized import V
 
 MATMULS = (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm)
@@ -39,6 +39,9 @@ ATTENTION_BIAS_ALIGN = 16
 # Empty until measured: aten's attention runs.
 DECODE_ATTENTION_WINS: list = []
 DEFAULT_SMS = 132  # H100 / H200
+# matmul throughput assumed per SM, TFLOP/s: about half of an H100's dense peak (tensor cores for
+# 16-bit, plain fp32 without TF32), so that the work a collective is said to hide behind is there
+MATMUL_TFLOPS_PER_SM = {2: 3.5, 4: 0.25}
 INTERPRETED_BLOCK = 1 << 16  # lanes of an interpreted reduction's program (interpreted_reduction_config)
 INTERPRETED_MATH_FP32 = ("atan", "asin", "acos", "atan2", "erfc")  # see kernel_math_exact
 POW_MULTIPLY_MAX = 32
@@ -196,6 +199,25 @@ class Choices:
         return launches * (8 << 20)
 
     # ------------------------------------------------------------------------- overlap
+    def matmul_us(self, flops: int, dtype: torch.dtype, device) -> float:
+        """A conservative estimate of how long `flops` of matmuls take on `device`."""
+        per_sm = MATMUL_TFLOPS_PER_SM.get(dtype.itemsize, MATMUL_TFLOPS_PER_SM[4])
+        return flops / (per_sm * 1e6 * sm_count(device))
+
+    def hidden_behind_compute(self, request: CommRequest, world: int, nbytes: int) -> str:
+        """Why c10d should run a collective that a symmetric kernel runs faster alone, or "": c10d
+        runs on its own stream, under the independent matmuls the overlap order puts beside it, while
+        our kernel runs on the compute stream between them. Only where the table measured c10d at
+        this size and that work takes at least as long (at a conservative throughput)."""
+        if not config.overlap_collectives or not request.independent_flops:
+            return ""
+        c10d = measured_us(world, nbytes, request.device, request.collective).get("c10d")
+        compute = self.matmul_us(request.independent_flops, request.dtype, request.device)
+        if c10d is None or compute < c10d:
+            return ""
+        return (f"c10d, on its own stream, hides behind about {compute:.0f} µs of independent matmuls "
+                f"({c10d:.0f} µs alone at {nbytes} bytes); a symmetric kernel would run between them")
+
     def overlap_within_peak(self, peak: int, memory_peak: int, program_peak: int) -> bool:
         """May a c10d collective be issued early and waited late (commfuse/overlap.py) in an order
         of estimated peak `peak`? Up to the peak of the program's own order (eager's: the overlap
@@ -454,7 +476,9 @@ class Choices:
     def _all_reduce_choice(self, request: CommRequest, world: int) -> tuple[str, str]:
         forced = config.comm.algorithm
         if forced == "auto":
-            return self.all_reduce_algorithm(world, request.nbytes, request.device)
+            name, reason = self.all_reduce_algorithm(world, request.nbytes, request.device)
+            hidden = name != "c10d" and self.hidden_behind_compute(request, world, request.nbytes)
+            return ("c10d", hidden) if hidden else (name, reason)
         name = "torch_one_shot" if forced == "torch" else forced
         why = algorithm(name).eligible(request)
         return ("one_shot", why) if why else (name, "forced by config.comm.algorithm")
@@ -495,6 +519,8 @@ class Choices:
             name, reason = (symm if forced == "symmetric" else "c10d"), "forced by config.comm.gather_scatter"
         elif (best := lookup(world, full, request.device, collective=request.collective)) is not None:
             name, reason = best[0], f"{best[0]} is fastest at {full} bytes in {best[1]}"
+            if name != "c10d" and (hidden := self.hidden_behind_compute(request, world, full)):
+                name, reason = "c10d", hidden
         elif full // world <= config.comm.gather_scatter_max_bytes:
             name, reason = symm, (f"{full // world} bytes per rank, under comm.gather_scatter_max_bytes (no table "
                                   "measured this collective here: a conservative cap)")

@@ -30,6 +30,7 @@ class CommRequest:
     device: torch.device
     size: tuple                   # ints, or sympy expressions in a dynamic-shape graph
     inplace: bool = False
+    independent_flops: int = 0    # matmul work the overlap order can run while it is in flight
 
     @property
     def numel(self):

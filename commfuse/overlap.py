@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import collections
 
+import torch
+
 from . import config, ir, memory
 from .virtualized import V
 
@@ -111,3 +113,43 @@ def _opaque(g) -> bool:
     """An extern that may communicate and is neither a collective nor our comm kernel."""
     return memory.communicates(g) and g.is_extern() and not memory.is_collective(g) and \
         not isinstance(g.nodes[0].buf, ir.CommKernel)
+
+
+# ------------------------------------------------- what a collective can hide behind (FX, lowering)
+_MATMULS = {"mm": lambda a, b, *_: a[0] * a[1] * b[-1], "addmm": lambda c, a, b, *_: a[0] * a[1] * b[-1],
+            "bmm": lambda a, b, *_: a[0] * a[1] * a[2] * b[-1], "baddbmm": lambda c, a, b, *_: a[0] * a[1] * a[2] * b[-1]}
+
+
+def _fx_meets_ranks(n) -> bool:
+    """An FX node that issues a collective or that we cannot see into (it might)."""
+    t = n.target
+    if n.op != "call_function" or getattr(t, "__name__", "") == "getitem":
+        return False
+    if not isinstance(t, torch._ops.OpOverload):
+        return True
+    return t.namespace not in memory.SEEN_THROUGH and t.name() != "_c10d_functional::wait_tensor"
+
+
+def independent_flops(node) -> int:
+    """Multiply-adds x 2 of the matmuls that neither feed the collective `node` (an FX node) nor
+    need its result, between the collectives (or opaque ops) before and after it in program order:
+    the work the overlap order can run while a c10d collective is in flight (its issue moves up
+    past them, its wait sinks below them)."""
+    nodes = list(node.graph.nodes)
+    pos = {n: k for k, n in enumerate(nodes)}
+    i = pos[node]
+    lo = max((k for k in range(i) if _fx_meets_ranks(nodes[k])), default=-1)
+    hi = next((k for k in range(i + 1, len(nodes)) if _fx_meets_ranks(nodes[k])), len(nodes))
+    related, todo = {node}, list(node.all_input_nodes) + list(node.users)
+    while todo:  # ancestors through inputs, descendants through users, as far as the window
+        n = todo.pop()
+        if n not in related:
+            related.add(n)
+            todo.extend(n.all_input_nodes if pos[n] < i else n.users)
+    flops = 0
+    for n in nodes[lo + 1: hi]:
+        shapes = [a.meta["val"].shape for a in n.args if isinstance(a, torch.fx.Node) and "val" in a.meta]
+        count = _MATMULS.get(getattr(n.target, "_opname", None))
+        if n not in related and count is not None and len(shapes) == len(n.all_input_nodes):
+            flops += 2 * int(count(*shapes))
+    return flops

@@ -108,6 +108,15 @@ def best_fused_algorithm(table: dict, rows: int, row_bytes: int, prologue: bool)
     return "one_shot" if algo == "one_shot_apart" and not prologue else algo  # nothing to keep apart
 
 
+def measured_us(world: int, nbytes: int, device, collective: str = "all_reduce") -> dict:
+    """{algorithm: µs alone} at the measured size nearest to `nbytes` in this host's table ({}
+    without a table, or out of its range)."""
+    table, _ = find_table(world, device)
+    section, algorithms = SECTIONS[collective]
+    row = _nearest(table.get(section, []), {"bytes": nbytes}) if table else None
+    return {a: row[a] for a in algorithms if row and row.get(a) is not None}
+
+
 def lookup(world: int, nbytes: int, device, rows: int | None = None, prologue: bool = False,
            collective: str = "all_reduce"):
     """(algorithm, table file) from this host's table: for a collective alone, or an all-reduce

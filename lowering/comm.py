@@ -20,7 +20,7 @@ import logging
 import sympy
 import torch
 
-from commfuse import ir, sizevars
+from commfuse import ir, overlap, sizevars
 from commfuse.choices import group_size_or_0
 from commfuse.collectives import CommPlan, CommRequest, algorithm
 from commfuse.ir import Pointwise, TensorBox
@@ -98,10 +98,15 @@ def _read_only_here(node) -> bool:
     return False
 
 
+def _independent_flops() -> int:
+    node = V.graph.current_node
+    return overlap.independent_flops(node) if node is not None else 0
+
+
 def _all_reduce(x, reduce_op, group_name, inplace):
     graph = V.graph
     request = CommRequest("all_reduce", reduce_op, group_name, x.get_dtype(), x.get_device(),
-                          tuple(x.get_size()), inplace)
+                          tuple(x.get_size()), inplace, _independent_flops())
     plan = V.choices.all_reduce_plan(request)
     graph.comm_plans.append(plan)
     if plan.algorithm.name == "c10d":
@@ -145,7 +150,7 @@ def _gather_scatter(collective, x, reduce_op, group_name):
     graph = V.graph
     size = list(x.get_size())
     plan = V.choices.gather_scatter_plan(CommRequest(collective, reduce_op, group_name, x.get_dtype(), x.get_device(),
-                                                     tuple(size)))
+                                                     tuple(size), independent_flops=_independent_flops()))
     graph.comm_plans.append(plan)
     if plan.algorithm.name == "c10d":
         _say_c10d(plan)

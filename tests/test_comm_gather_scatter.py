@@ -153,11 +153,11 @@ def test_policy_says_why_c10d(collective, monkeypatch, tmp_path):
     gather = collective == "all_gather_into_tensor"
     symm = "symm_all_gather" if gather else "symm_reduce_scatter"
 
-    def plan(rows, cols=256, dtype=torch.float32, op="sum", **patch):  # a shard of rows x cols per rank
+    def plan(rows, cols=256, dtype=torch.float32, op="sum", flops=0, **patch):  # a shard of rows x cols per rank
         size = (rows, cols) if gather else (rows * 4, cols)
         with config.patch(patch):
             return choices_mod.Choices().gather_scatter_plan(
-                CommRequest(collective, "" if gather else op, "0", dtype, torch.device("cpu"), size))
+                CommRequest(collective, "" if gather else op, "0", dtype, torch.device("cpu"), size, False, flops))
     cap = config.comm.gather_scatter_max_bytes // 1024  # rows of 1 KiB
     p = plan(cap)
     assert (p.algorithm.name, p.world) == (symm, 4) and "under comm.gather_scatter_max_bytes" in p.reason
@@ -175,3 +175,10 @@ def test_policy_says_why_c10d(collective, monkeypatch, tmp_path):
     in_table = plan(1024, **{"comm.table": str(tmp_path / "t.json")})  # 1 MiB per rank: 4 MiB gathered
     assert in_table.algorithm.name == symm and "t.json" in in_table.reason, in_table.reason
     assert plan(16 << 10, **{"comm.table": str(tmp_path / "t.json")}).algorithm.name == "c10d"  # 64 MiB
+    # c10d where independent matmuls (overlap.independent_flops) take longer than it: it runs under them
+    per_us = choices_mod.Choices().matmul_us(10**9, torch.float32, torch.device("cpu")) / 1e9  # µs per flop
+    hidden = plan(1024, flops=int(25 / per_us), **{"comm.table": str(tmp_path / "t.json")})
+    assert hidden.algorithm.name == "c10d" and "hides behind about 25 µs" in hidden.reason, hidden.reason
+    assert plan(1024, flops=int(15 / per_us), **{"comm.table": str(tmp_path / "t.json")}).algorithm.name == symm
+    assert plan(1024, flops=int(25 / per_us), overlap_collectives=False,
+                **{"comm.table": str(tmp_path / "t.json")}).algorithm.name == symm

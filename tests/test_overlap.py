@@ -150,3 +150,33 @@ def test_overlap_orders(tmp_path):
     for r, o in enumerate(out):
         assert "ranks disagree" in o["swapped"] and "comm kernel #0" in o["swapped"] and "c10d" in o["swapped"], \
             (r, o["swapped"])
+
+
+def test_independent_flops_counts_what_neither_feeds_nor_needs_the_collective():
+    """The matmuls between the collectives before and after, that neither feed this one nor need
+    its result (the work a c10d collective can run under)."""
+    from commfuse.overlap import independent_flops
+    g = torch.fx.Graph()
+
+    def op(target, *args):
+        n = g.call_function(target, args)
+        n.meta["val"] = target(*[a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args])
+        return n
+    x, w, b = (g.placeholder(n) for n in "xwb")
+    for n, shape in ((x, (8, 16)), (w, (16, 32)), (b, (16,))):
+        n.meta["val"] = torch.empty(shape, device="meta")
+    aten = torch.ops.aten
+    before = op(aten.mm.default, x, w)                           # 8 x 16 x 32: before a barrier
+    opaque_ = g.call_function(torch.ops.cftest.opaque.default, (x,))
+    feeds = op(aten.relu.default, op(aten.mm.default, x, w))     # feeds the collective
+    independent = op(aten.mm.default, x, w)                      # 8 x 16 x 32
+    ag = g.call_function(c10d.all_gather_into_tensor.default, (feeds, 2, "0"))
+    ag.meta["val"] = torch.empty(16, 32, device="meta")
+    wait = g.call_function(c10d.wait_tensor.default, (ag,))
+    wait.meta["val"] = ag.meta["val"]
+    needs = op(aten.mm.default, wait, op(aten.t.default, op(aten.mm.default, x, w)))  # its user's input is independent
+    later = op(aten.addmm.default, b, independent, op(aten.t.default, w))  # 8 x 32 x 16, after the wait
+    other = g.call_function(c10d.all_reduce.default, (later, "sum", "0"))
+    after = op(aten.mm.default, x, w)                            # past the next collective
+    g.output((before, opaque_, needs, other, after))
+    assert independent_flops(ag) == 2 * (8 * 16 * 32 + 8 * 16 * 32 + 8 * 32 * 16)
