@@ -430,10 +430,9 @@ def is_collective(op) -> bool:  # a c10d functional collective: asynchronous on 
 
 
 def meets_ranks(op, effects_only: bool = False) -> bool:
-    """May a call of `op` (an FX node's target, an extern's op) meet other ranks, for all we can see?
-    A c10d collective, and every op we cannot see into: one outside aten / prims / ours
-    (runtime/*.py), such as a custom op, send / recv or a higher-order op, or (`effects_only`) an
-    op run for its effects alone. All ranks must meet these in one order."""
+    """May a call of `op` (an FX node's target, an extern's op) meet other ranks, for all we can see? A
+    c10d collective, and every op we cannot see into: outside aten / prims / ours (runtime/*.py), such
+    as a custom op, send / recv or a higher-order op; or (`effects_only`) one run for its effects alone."""
     if not isinstance(op, torch._ops.OpOverload):
         return True
     return not (is_wait(op) or op.namespace == "commfuse") and (effects_only or op.namespace not in ("aten", "prims"))

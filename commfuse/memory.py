@@ -246,10 +246,9 @@ def is_wait(g) -> bool:
 
 
 def communicates(g) -> bool:
-    """May the group meet other ranks, for all we can see? Our comm kernels, and an extern call
-    that may (`ir.meets_ranks`: c10d collectives, externs we cannot see into). These keep their
-    program order (all ranks must meet the same collectives in the same order) and no collective
-    crosses one."""
+    """May the group meet other ranks, for all we can see? Our comm kernels, and an extern call that
+    may (`ir.meets_ranks`). These keep their program order (all ranks must meet the same collectives
+    in the same order) and no collective crosses one."""
     buf, op = g.nodes[0].buf, extern_op(g)
     return isinstance(buf, ir.CommKernel) or not g.is_extern() and g.reads_peers() or \
         op is not None and ir.meets_ranks(op, buf.side_effect)
