@@ -14,6 +14,11 @@ A query whose keys are all masked gets 0/0 (NaN), as SDPA's math kernel gives.
 """
 from __future__ import annotations
 
+import torch
+
+from commfuse import sizevars
+from commfuse.virtualized import V
+
 SPLIT = '''
 @triton.jit
 def {name}(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, part_acc, part_ml, S, chunk, scale,
@@ -99,6 +104,42 @@ def {name}(part_acc, part_ml, out_ptr, sob, soh, sod, HQ: tl.constexpr, HKV: tl.
 '''
 
 
-def render(split_name: str, combine_name: str) -> tuple[str, str]:
-    """The two kernels' sources (the combine runs only with more than one split)."""
-    return SPLIT.format(name=split_name).lstrip("\n"), COMBINE.format(name=combine_name).lstrip("\n")
+_MASKS = {None: 0, "bool": 1, "float": 2}  # the kernel's MASK for `buf.mask`
+
+
+def launches(buf, value) -> tuple[dict, list[tuple]]:
+    """What the wrapper launches for `buf` (`ir.DecodeAttention`): (its config, [(kernel, source, grid,
+    args, specs, constexprs)]): the split kernel, then the combine where there are several splits.
+    `value(x)`: the Python source of argument `x`."""
+    q, k, v, *mask = buf.args
+    (b, hq, _, d), (_, hkv, s, _) = (map(int, x.layout.size) for x in (q, k))
+    g, dtype = hq // hkv, buf.get_dtype()
+    cfg = V.choices.decode_attention_config(q.get_device(), b, hkv, g, s, d)
+    splits, chunk = cfg["SPLITS"], cfg["chunk"]
+    rows = b * hkv * splits * g  # partial sums and (max, sum) per split: overwritten by every call
+    scratch = [f"workspace(_workspaces, 'attn_{what}_{n}', {n}, torch.float32, {buf.name}.device)"
+               for what, n in (("acc", rows * d), ("ml", rows * 2))] if splits > 1 else [buf.name] * 2
+    scratch_dtypes = [torch.float32 if splits > 1 else dtype] * 2
+    strides = [int(x) for t in (q, k, v) for x in _bhsd(t.layout.stride, t is q)]
+    strides += [int(x) for x in buf.mask_strides or (0, 0, 0)] + [int(x) for x in _bhsd(buf.layout.stride, True)]
+    ins = (q, k, v, mask[0] if mask else q)
+    args = [value(x) for x in ins] + [buf.name, *scratch, str(s), str(chunk), repr(buf.scale)] + list(map(str, strides))
+    specs = [x.get_dtype() for x in ins] + [dtype, *scratch_dtypes, s, chunk, buf.scale] + strides
+    consts = (f"HKV={hkv}, G={g}, D={d}, GBLOCK={cfg['GBLOCK']}, DBLOCK={cfg['DBLOCK']}, BLOCK_N={cfg['BLOCK_N']}, "
+              f"SPLITS={splits}, MASK={_MASKS[buf.mask]}, F32={cfg['F32'] or dtype == torch.float32}, "
+              f"num_warps={cfg['num_warps']}, num_stages={cfg['num_stages']}")
+    name = f"cf_attn_{buf.name}"
+    out = [(name, SPLIT.format(name=name).lstrip("\n"), f"({b * hkv}, {splits})", args, specs, consts)]
+    if splits > 1:
+        name = f"cf_attn_combine_{buf.name}"
+        consts = (f"HQ={hq}, HKV={hkv}, G={g}, D={d}, DBLOCK={cfg['DBLOCK']}, SPLITS={splits}, "
+                  f"SBLOCK={sizevars.next_pow2(splits)}, num_warps=4")
+        out.append((name, COMBINE.format(name=name).lstrip("\n"), f"({b * hq},)",
+                    [*scratch, buf.name, *map(str, strides[-3:])], [*scratch_dtypes, dtype, *strides[-3:]], consts))
+    return cfg, out
+
+
+def _bhsd(stride, query: bool) -> list:
+    """A [B, H, S, D] tensor's strides that the kernels take: (b, h, s, d), or for the one-token
+    query and output (b, h, d)."""
+    return [stride[0], stride[1], stride[3]] if query else list(stride)

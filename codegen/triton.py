@@ -16,7 +16,7 @@ import itertools
 import sympy
 import torch
 
-from commfuse import config, sizevars
+from commfuse import config, ir, sizevars
 from commfuse.scheduler import RSYM, XSYM
 from commfuse.virtualized import V
 
@@ -254,16 +254,16 @@ class TritonKernel:
         self.values[name] = (self.cur.id, value, index)
         if self.recompute or name in self.internal:
             return value
-        dtype = V.graph.get_buffer(name).get_dtype()
-        v = store_text(value.name, value.dtype, dtype)
+        layout = V.graph.get_buffer(name).layout
+        v = store_text(value.name, value.dtype, layout.dtype)
         bp = self.block_ptr(index, store=True)
         if bp:
-            if dtype == torch.bool:  # block pointers take the stored type exactly: bools are bytes
+            if layout.dtype == torch.bool:  # block pointers take the stored type exactly: bools are bytes
                 v = f"{v}.to(tl.int8)"
             line = bp.store(self.arg(name), v)
             self.block_ptr_accesses.add(line)
         else:
-            scatter = any(s.name.startswith("tmp") for s in index.free_symbols)  # in bounds only
+            scatter = isinstance(layout, ir.ScatterLayout)  # at positions read from the device: in bounds only
             line = f"tl.store({self.arg(name)} + ({self.index_str(index)}), {v}, {self.mask(loads=scatter)})"
         self.cur.body.writeline(line)
         return value

@@ -468,45 +468,14 @@ class WrapperCodegen:
                                  "config": cfg})
 
     def decode_attention(self, buf: ir.DecodeAttention, pool):
-        split, combine = f"cf_attn_{buf.name}", f"cf_attn_combine_{buf.name}"
-        q, k, v, *mask = buf.args
-        (b, hq, _, d), (_, hkv, s, _) = (map(int, x.layout.size) for x in (q, k))
-        cfg = V.choices.decode_attention_config(q.get_device(), b, hkv, hq // hkv, s, d)
-        src_split, src_combine = attention_codegen.render(split, combine)
-        split = self.define(split, src_split)
+        cfg, kernels = attention_codegen.launches(buf, self.value)
         self.allocate_out(buf, pool)
-        splits, chunk, g = cfg["SPLITS"], cfg["chunk"], hq // hkv
-        if splits > 1:  # partial sums and (max, sum) per split: overwritten by every call
-            dev, rows = f"{buf.name}.device", b * hkv * splits * g
-            scratch = [f"workspace(_workspaces, 'attn_acc_{rows * d}', {rows * d}, torch.float32, {dev})",
-                       f"workspace(_workspaces, 'attn_ml_{rows * 2}', {rows * 2}, torch.float32, {dev})"]
-            scratch_dtypes = [torch.float32] * 2
-        else:
-            scratch, scratch_dtypes = [buf.name] * 2, [buf.get_dtype()] * 2
-        strides = [int(x) for t in (q, k, v) for x in _bhsd(t.layout.stride, t is q)]
-        strides += [int(x) for x in buf.mask_strides or (0, 0, 0)] + [int(x) for x in _bhsd(buf.layout.stride, True)]
-        ptrs = [self.value(x) for x in (q, k, v, mask[0] if mask else q)]
-        args = ptrs + [buf.name, *scratch, str(s), str(chunk), repr(buf.scale)] + list(map(str, strides))
-        specs = [x.get_dtype() for x in (q, k, v, mask[0] if mask else q)] + [buf.get_dtype(), *scratch_dtypes, s, chunk,
-                                                                            buf.scale] + strides
-        kinds = {None: 0, "bool": 1, "float": 2}
-        consts = (f"HKV={hkv}, G={g}, D={d}, GBLOCK={cfg['GBLOCK']}, DBLOCK={cfg['DBLOCK']}, BLOCK_N={cfg['BLOCK_N']}, "
-                  f"SPLITS={splits}, MASK={kinds[buf.mask]}, F32={cfg['F32'] or buf.get_dtype() == torch.float32}, "
-                  f"num_warps={cfg['num_warps']}, num_stages={cfg['num_stages']}")
-        self.body.writeline(self.launch(split, f"({b * hkv}, {splits})", args, specs, consts))
-        names = [split]
-        if splits > 1:
-            combine = self.define(combine, src_combine)
-            out_strides = list(map(str, strides[-3:]))
-            consts = (f"HQ={hq}, HKV={hkv}, G={g}, D={d}, DBLOCK={cfg['DBLOCK']}, SPLITS={splits}, "
-                      f"SBLOCK={sizevars.next_pow2(splits)}, num_warps=4")
-            self.body.writeline(self.launch(combine, f"({b * hq},)", [*scratch, buf.name, *out_strides],
-                                            [*scratch_dtypes, buf.get_dtype(), *strides[-3:]], consts))
-            names.append(combine)
         reads = [getattr(r, "base", r).name for r in buf.inputs()]
-        self.kernel_info += [{"name": n, "reads": reads, "writes": [buf.name], "nodes": [buf.name], "config": cfg,
-                              "template": "decode_attention", "reduction": False, "persistent": False, "tiled": False}
-                             for n in names]
+        for name, src, grid, args, specs, consts in kernels:
+            name = self.define(name, src)
+            self.body.writeline(self.launch(name, grid, args, specs, consts))
+            self.kernel_info.append({"name": name, "reads": reads, "writes": [buf.name], "nodes": [buf.name], "config": cfg,
+                                     "template": "decode_attention", "reduction": False, "persistent": False, "tiled": False})
 
     # ------------------------------------------------------------------ collectives
     def pool_summary(self) -> list:
@@ -658,9 +627,3 @@ def _op_path(op) -> str:
     ns = op.namespace
     base = "aten" if ns == "aten" else "prims" if ns == "prims" else f"torch.ops.{ns}"
     return f"{base}.{op._opname}.{op._overloadname}"
-
-
-def _bhsd(stride, query: bool) -> list:
-    """A [B, H, S, D] tensor's strides that the decode kernels take: (b, h, s, d), or for the
-    one-token query and output (b, h, d)."""
-    return [stride[0], stride[1], stride[3]] if query else list(stride)

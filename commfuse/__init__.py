@@ -52,6 +52,7 @@ def _select_triton_mode() -> None:
 _select_triton_mode()
 
 from .runtime.symm import comm_report  # noqa: E402  (after the Triton mode is chosen)
+from . import collectives as _collectives  # noqa: E402,F401  (the algorithm registry, which checks config.comm.algorithm)
 
 __all__ = ["config", "commfuse_backend"]
 

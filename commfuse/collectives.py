@@ -88,8 +88,6 @@ ALGORITHMS: dict[str, CommAlgorithm] = {}
 
 def register_algorithm(algorithm: CommAlgorithm) -> CommAlgorithm:
     ALGORITHMS[algorithm.name] = algorithm
-    if algorithm.collective in ("all_reduce", ""):
-        config.add_choice("comm.algorithm", algorithm.name)  # config.comm.algorithm may force it
     return algorithm
 
 
@@ -122,3 +120,5 @@ register_algorithm(CommAlgorithm("c10d", collective="", symmetric=False))
 # rank * shard + i. Each rank pulls from every peer between the fused kernel's barriers.
 register_algorithm(CommAlgorithm("symm_all_gather", collective="all_gather_into_tensor", fused=True))
 register_algorithm(CommAlgorithm("symm_reduce_scatter", collective="reduce_scatter_tensor", fused=True))
+# what config.comm.algorithm may be: "auto" (policy's choice), "torch" (torch_one_shot), or it forces an all-reduce's
+config.one_of("comm.algorithm", lambda: {"auto", "torch"} | {n for n, a in ALGORITHMS.items() if a.collective in ("all_reduce", "")})

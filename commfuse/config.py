@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from typing import Any
+from typing import Any, Callable
 
 # Debugging and dumps. (debug, dump_dir and the cache options are left out of the graph cache's key:
 # they must not change the generated code. Every other option is in it.)
@@ -105,7 +105,7 @@ use_block_ptr = False                  # N-D block pointers for affine div/mod i
 class comm:
     """Collectives (`config.patch({"comm.enabled": False})`, env `COMMFUSE_COMM_ENABLED=0`)."""
     enabled = True                 # lower eligible all-reduces to symmetric-memory kernels
-    algorithm = "auto"             # auto | one_shot | one_shot_apart | two_shot | torch | c10d
+    algorithm = "auto"             # auto | torch | a registered all-reduce algorithm (collectives.py)
     # one-shot all-reduce up to this many bytes per world size (larger: c10d)
     one_shot_max_bytes = {2: 1 << 20, 4: 512 << 10, 8: 256 << 10}
     # built-in thresholds when no tuned table matches: two-shot up to this many bytes
@@ -158,17 +158,22 @@ _RULES = (
                                                              "comm.num_warps")),  # tl.arange sizes, warps
     ("at most 1024", lambda v: v <= 1024, ("comm.max_programs",)),  # barrier slots
 )
-# the built-in algorithms (collectives.register_algorithm adds any other) and their aliases: seeded
-# here so that the environment, read at import, is checked too
-_ONE_OF = {"comm.algorithm": {"auto", "torch", "one_shot", "one_shot_apart", "two_shot", "torch_one_shot", "c10d"},
-           "comm.gather_scatter": {"auto", "symmetric", "c10d"}}
+# the values an enumerated option may take; comm.algorithm's are the algorithm registry's, from the
+# time it has loaded (collectives.py, during `import commfuse`: `one_of`)
+_ONE_OF: dict[str, Callable[[], set]] = {"comm.gather_scatter": lambda: {"auto", "symmetric", "c10d"}}
 # COMMFUSE_ variables of the project's own that are not options (tests, examples, benchmarks)
 _NOT_OPTIONS = ("COMMFUSE_TEST_", "COMMFUSE_EXAMPLE_", "COMMFUSE_BENCH_", "COMMFUSE_OPINFO_")
 
 
-def add_choice(name: str, value: str) -> None:
-    """Another value an enumerated option may take (a registered algorithm's name)."""
-    _ONE_OF[name].add(value)
+def one_of(name: str, values: Callable[[], set]) -> None:
+    """Option `name` takes one of `values()`, a registry's names; its environment value, read before, is checked now."""
+    _ONE_OF[name] = values
+    if os.environ.get(var := _variable(name)):
+        parse(name, os.environ[var], var)
+
+
+def _variable(name: str) -> str:
+    return f"COMMFUSE_{name.replace('.', '_').upper()}"
 
 
 def _kind(name: str) -> tuple[type | None, bool]:
@@ -215,8 +220,8 @@ def _check(name: str, value: Any) -> None:
         if name in names and not all(type(v) in (int, float) and ok(v) for v in numbers):
             raise ValueError(f"commfuse option {name}={value!r}: must be {what}"
                              f"{' (each value)' if isinstance(value, dict) else ''} (docs/config.md)")
-    if name in _ONE_OF and value not in _ONE_OF[name]:
-        raise ValueError(f"commfuse option {name}={value!r}: must be one of {sorted(_ONE_OF[name])}")
+    if name in _ONE_OF and value not in (allowed := _ONE_OF[name]()):
+        raise ValueError(f"commfuse option {name}={value!r}: must be one of {sorted(allowed)}")
     if name == "fallback_ops":
         for op in value:
             if not _is_aten_op(op):
@@ -283,7 +288,7 @@ def parse(name: str, text: str, source: str | None = None) -> Any:
 def _load_env() -> None:
     """Options from `COMMFUSE_<NAME>` (empty: not set). A value that does not parse or check is an
     error naming the variable; a COMMFUSE_ variable that names no option, a warning."""
-    names = {f"COMMFUSE_{name.replace('.', '_').upper()}": name for name in _options()}
+    names = {_variable(name): name for name in _options()}
     for var, name in names.items():
         if os.environ.get(var):
             _set(name, parse(name, os.environ[var], var))

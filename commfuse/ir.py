@@ -420,6 +420,24 @@ def _arg_str(a):
     return repr(a)
 
 
+# ----------------------------------------------------------------------------- what meets other ranks
+def is_wait(op) -> bool:
+    return isinstance(op, torch._ops.OpOverload) and op.name() == "_c10d_functional::wait_tensor"
+
+
+def is_collective(op) -> bool:  # a c10d functional collective: asynchronous on c10d's stream until its wait
+    return isinstance(op, torch._ops.OpOverload) and op.namespace == "_c10d_functional" and not is_wait(op)
+
+
+def meets_ranks(op, effects_only: bool = False) -> bool:
+    """May a call of `op` (an FX node's target, an extern's op) meet other ranks, for all we can see? A
+    c10d collective, and every op we cannot see into: outside aten / prims / ours (runtime/*.py), such
+    as a custom op, send / recv or a higher-order op; or (`effects_only`) one run for its effects alone."""
+    if not isinstance(op, torch._ops.OpOverload):
+        return True
+    return not (is_wait(op) or op.namespace == "commfuse") and (effects_only or op.namespace not in ("aten", "prims"))
+
+
 # ----------------------------------------------------------------------------- views
 @dataclasses.dataclass(eq=False)
 class View(IRNode):

@@ -231,9 +231,6 @@ def pinned(g) -> bool:
 
 
 # ----------------------------------------------------------------------------- what meets other ranks
-SEEN_THROUGH = ("aten", "prims")  # op namespaces whose ops never communicate
-
-
 def extern_op(g):
     """The op of a group that is one extern call (not an item of a result, a cat or our matmul), else None."""
     buf = g.nodes[0].buf
@@ -241,29 +238,20 @@ def extern_op(g):
 
 
 def is_collective(g) -> bool:
-    """A c10d functional collective run by c10d: asynchronous on its own stream until its wait."""
-    op = extern_op(g)
-    return isinstance(op, torch._ops.OpOverload) and op.namespace == "_c10d_functional" and not is_wait(g)
+    return ir.is_collective(extern_op(g))
 
 
 def is_wait(g) -> bool:
-    op = extern_op(g)
-    return isinstance(op, torch._ops.OpOverload) and op.name() == "_c10d_functional::wait_tensor"
+    return ir.is_wait(extern_op(g))
 
 
 def communicates(g) -> bool:
-    """May the group meet other ranks, for all we can see? Our comm kernels, c10d collectives, and
-    every extern we cannot see into: an op outside aten / prims (a custom op, send / recv, a
-    higher-order op), or one with side effects. These keep their program order (all ranks must
-    meet the same collectives in the same order) and no collective crosses one."""
-    buf = g.nodes[0].buf
-    if isinstance(buf, ir.CommKernel) or not g.is_extern() and g.reads_peers():
-        return True
-    op = extern_op(g)
-    if op is None or is_wait(g) or getattr(op, "namespace", None) == "commfuse":  # ours (runtime/scatter.py)
-        return False
-    return is_collective(g) or buf.side_effect or not (
-        isinstance(op, torch._ops.OpOverload) and op.namespace in SEEN_THROUGH)
+    """May the group meet other ranks, for all we can see? Our comm kernels, and an extern call that
+    may (`ir.meets_ranks`). These keep their program order (all ranks must meet the same collectives
+    in the same order) and no collective crosses one."""
+    buf, op = g.nodes[0].buf, extern_op(g)
+    return isinstance(buf, ir.CommKernel) or not g.is_extern() and g.reads_peers() or \
+        op is not None and ir.meets_ranks(op, buf.side_effect)
 
 
 def _stored(sched, order) -> tuple[dict, dict]:

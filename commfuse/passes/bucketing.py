@@ -17,7 +17,7 @@ import operator
 import torch
 import torch.fx
 
-from .. import choices, config
+from .. import choices, config, ir
 from ..collectives import CommRequest
 from .fx_rewrite import finish
 
@@ -26,19 +26,16 @@ aten, c10d = torch.ops.aten, torch.ops._c10d_functional
 _KINDS = {c10d.all_gather_into_tensor.default: ("all_gather", 2, None, 1),
           c10d.reduce_scatter_tensor.default: ("reduce_scatter", 3, 1, 2),
           c10d.all_reduce.default: ("all_reduce", 2, 1, None)}
-_PURE_NAMESPACES = ("aten", "prims", "_c10d_functional")
 _P2P = ("isend", "irecv", "batch_p2p_ops")  # functional, yet only the two peers order them
 
 
 def _barrier(node: torch.fx.Node) -> bool:
-    """An op that may communicate or has effects the compiler cannot see into: send/recv, a custom
-    or extern op, a higher-order op (effect tokens, wrapped kernels), anything that mutates."""
+    """An op that may meet other ranks (`ir.meets_ranks`) in an order of their own, or that mutates.
+    A collective that every rank runs is none: this pass moves it the same way on all ranks."""
     t = node.target
     if node.op != "call_function" or t is operator.getitem:
         return False
-    if not isinstance(t, torch._ops.OpOverload):
-        return True
-    return t.namespace not in _PURE_NAMESPACES or t._schema.is_mutable or t._opname in _P2P
+    return ir.meets_ranks(t) and not (ir.is_collective(t) and t._opname not in _P2P) or t._schema.is_mutable
 
 
 def _candidate(node: torch.fx.Node, pos: dict, end: int):
