@@ -17,6 +17,7 @@ Our own symmetric comm kernels run on the compute stream and stay where they are
 from __future__ import annotations
 
 import collections
+import operator
 
 import torch
 
@@ -121,13 +122,7 @@ _MATMULS = {"mm": lambda a, b, *_: a[0] * a[1] * b[-1], "addmm": lambda c, a, b,
 
 
 def _fx_meets_ranks(n) -> bool:
-    """An FX node that issues a collective or that we cannot see into (it might)."""
-    t = n.target
-    if n.op != "call_function" or getattr(t, "__name__", "") == "getitem":
-        return False
-    if not isinstance(t, torch._ops.OpOverload):
-        return True
-    return t.namespace not in memory.SEEN_THROUGH and t.name() != "_c10d_functional::wait_tensor"
+    return n.op == "call_function" and n.target is not operator.getitem and ir.meets_ranks(n.target)
 
 
 def independent_flops(node) -> int:
