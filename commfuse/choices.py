@@ -209,7 +209,7 @@ class Choices:
         runs on its own stream, under the independent matmuls the overlap order puts beside it, while
         our kernel runs on the compute stream between them. Only where the table measured c10d at
         this size and that work takes at least as long (at a conservative throughput)."""
-        if not config.overlap_collectives or not request.independent_flops:
+        if not (config.overlap_collectives and config.comm.hide_behind_compute and request.independent_flops):
             return ""
         c10d = measured_us(world, nbytes, request.device, request.collective).get("c10d")
         compute = self.matmul_us(request.independent_flops, request.dtype, request.device)

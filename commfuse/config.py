@@ -115,6 +115,7 @@ class comm:
     # without a table that measured them: the symmetric-memory kernels up to this many bytes per
     # rank's shard (larger: c10d); a conservative guess, not a measurement
     gather_scatter_max_bytes = 1 << 20
+    hide_behind_compute = True     # c10d (own stream) where independent matmuls outlast it, not a faster kernel
     table: str | None = None       # a `commfuse.tune` JSON table (None: the shipped one for this host)
     groups: list | None = None     # only these group names (None: all)
     sum_before_all_reduce = True   # all_reduce(a) + all_reduce(b) as all_reduce(a + b) (comm_sums.py)

@@ -143,8 +143,8 @@ def independent_flops(node) -> int:
             todo.extend(n.all_input_nodes if pos[n] < i else n.users)
     flops = 0
     for n in nodes[lo + 1: hi]:
-        shapes = [a.meta["val"].shape for a in n.args if isinstance(a, torch.fx.Node) and "val" in a.meta]
         count = _MATMULS.get(getattr(n.target, "_opname", None))
-        if n not in related and count is not None and len(shapes) == len(n.all_input_nodes):
-            flops += 2 * int(count(*shapes))
+        vals = [a.meta.get("val") for a in n.args if isinstance(a, torch.fx.Node)]
+        if n not in related and count is not None and all(isinstance(v, torch.Tensor) for v in vals):
+            flops += 2 * int(count(*[v.shape for v in vals]))
     return flops

@@ -170,6 +170,10 @@ def test_independent_flops_counts_what_neither_feeds_nor_needs_the_collective():
     opaque_ = g.call_function(torch.ops.cftest.opaque.default, (x,))
     feeds = op(aten.relu.default, op(aten.mm.default, x, w))     # feeds the collective
     independent = op(aten.mm.default, x, w)                      # 8 x 16 x 32
+    pair = g.call_function(aten.var_mean.correction, (x,))       # a tuple-valued node and its item
+    pair.meta["val"] = aten.var_mean.correction(x.meta["val"])
+    item = g.call_function(__import__("operator").getitem, (pair, 0))
+    item.meta["val"] = pair.meta["val"][0]
     ag = g.call_function(c10d.all_gather_into_tensor.default, (feeds, 2, "0"))
     ag.meta["val"] = torch.empty(16, 32, device="meta")
     wait = g.call_function(c10d.wait_tensor.default, (ag,))
@@ -178,5 +182,5 @@ def test_independent_flops_counts_what_neither_feeds_nor_needs_the_collective():
     later = op(aten.addmm.default, b, independent, op(aten.t.default, w))  # 8 x 32 x 16, after the wait
     other = g.call_function(c10d.all_reduce.default, (later, "sum", "0"))
     after = op(aten.mm.default, x, w)                            # past the next collective
-    g.output((before, opaque_, needs, other, after))
+    g.output((before, opaque_, needs, other, after, item))
     assert independent_flops(ag) == 2 * (8 * 16 * 32 + 8 * 16 * 32 + 8 * 32 * 16)
