@@ -26,6 +26,7 @@ MATMULS = (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.op
 COMM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 COMM_REDUCE_OPS = ("sum", "avg", "max", "min")
 MM_TEMPLATE_DTYPES = (torch.bfloat16, torch.float16)
+MM_GROUP_MAX = 4  # few-row matmuls of one `a` in one launch (mm_group_member)
 CONVOLUTIONS = (torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default)
 # aten's fused attention kernels read the mask (attn_bias: which argument) in rows that start at
 # multiples of 16 elements; eager pads the mask so, and a mask we store is laid out so too
@@ -575,6 +576,16 @@ class Choices:
             return False
         row = mm_row(a.get_device(), int(m), int(k), int(n))  # this GPU's measured table: cuBLAS where it won
         return row is None or row["us"] <= row["cublas_us"]
+
+    def mm_group_member(self, members: int) -> bool:
+        """May a few-row matmul join a group of `members` that load the same `a` (one launch over
+        all their column blocks)? Up to MM_GROUP_MAX: a decode layer's q, k, v are three."""
+        return members < MM_GROUP_MAX
+
+    def mm_epilogue(self, members: int) -> bool:
+        """Does a pointwise consumer of `members` of a matmul group join it as its epilogue? Where it
+        reads two or more (SiLU(gate) * up): their outputs need not be stored, and its launch goes."""
+        return members >= 2
 
     def mm_template_config(self, m: int, n: int, k: int, device=None) -> dict:
         """Blocks of the few-row matmul: the fastest measured on this GPU at this K and N
