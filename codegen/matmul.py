@@ -17,6 +17,7 @@ writer over the [rows, columns] tile.
 from __future__ import annotations
 
 import itertools
+import re
 
 import torch
 
@@ -41,11 +42,18 @@ class OperandLoads(TritonKernel):
         self.sections, self.mask_stack, self.block_ptr_accesses = [], [], set()
         self.tmp, self.recompute, self.uses_assert, self.comm = itertools.count(), False, False, None
         self.prefetch: list[tuple[str, str]] = []  # (register, load text) of the next step
-        self.internal, self.block_shape = set(), "[XBLOCK, RBLOCK]"
+        self.internal, self.block_shape, self.epilogue = set(), "[XBLOCK, RBLOCK]", False
         self.new_section(loop=True)
 
     def shape(self) -> str:
         return self.block_shape
+
+    def index_str(self, index) -> str:  # an epilogue's columns are `cols`: `rindex` is the K loop's
+        text = super().index_str(index)
+        return re.sub(r"\brindex\b", "cols", text) if self.epilogue else text
+
+    def mask(self, loads=True) -> str:  # ... and its lanes `omask` (of the last program in, split)
+        return " & ".join(["omask"] + [f"({m})" for m in self.mask_stack] * loads) if self.epilogue else super().mask(loads)
 
     def block_ptr(self, index, store=False):
         return None  # plain pointer loads: the tile's row and K offsets are not a block's
@@ -102,12 +110,9 @@ def render(nodes: list, internal: set, name: str) -> tuple[str, dict]:
     code.writeline(f"def {name}({', '.join(params + pointers)}, ws_ptr, lock_ptr, xnumel, rnumel, {', '.join(ints)}, "
                    "XBLOCK: tl.constexpr, RBLOCK: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr):")
     with code.indent():
-        code.writelines([
-            "pid = tl.program_id(0)",
-            "xindex = tl.arange(0, XBLOCK)[:, None]",
-            "xmask = xindex < xnumel",
-            "k_len = tl.cdiv(rnumel, SPLIT_K * RBLOCK) * RBLOCK  # this program's share of K",
-            "k_start = tl.program_id(1) * k_len"])
+        code.writelines(["pid = tl.program_id(0)", "xindex = tl.arange(0, XBLOCK)[:, None]", "xmask = xindex < xnumel",
+                         "k_len = tl.cdiv(rnumel, SPLIT_K * RBLOCK) * RBLOCK  # this program's share of K",
+                         "k_start = tl.program_id(1) * k_len"])
         start = 0
         for (seg, epilogue), count, body in zip(segments, blocks, epilogues):
             if len(segments) > 1:  # this segment's programs
@@ -127,7 +132,6 @@ def render(nodes: list, internal: set, name: str) -> tuple[str, dict]:
                             value = store_text(f"acc{i}", torch.float32, members[i].get_dtype())
                             code.writeline(f"tl.store(out{i}_ptr + xindex * stride_om{i} + cols * stride_on{i}, {value}, omask)")
                     if body is not None:
-                        code.writelines(["rindex = cols  # the epilogue's columns", "rmask = omask"])
                         code.splice(body)
             start += count
     meta = {"loader_args": list(loads.args), "size_symbols": sorted(loads.size_symbols, key=str), "m": m, "k": k,
@@ -139,6 +143,7 @@ def _k_loop(code, loads, loader, a: str, dtype: str, operand: str, seg: list, ev
     """The walk over K: a's tile through its loader, then each member's tile of b and its dot."""
     code.writelines(["rindex = k_start + tl.arange(0, RBLOCK)[None, :]", "rmask = rindex < rnumel"])
     code.writelines(f"{reg} = {text}" for reg, text in loads.prefetch)  # the first step's
+    code.splice(loads.sections[0].init)  # the prologue's loads of row values ([XBLOCK, 1])
     code.writeline("for roffset in range(k_start, k_start + k_len, RBLOCK):")
     with code.indent():
         code.writelines([f"{reg}_now = {reg}" for reg, _ in loads.prefetch])
@@ -163,11 +168,10 @@ def _split_k_sum(code, seg: list, ws_of: dict, width: int):
     for i in seg:
         code.writelines([f"ws{i} = ws_ptr + xindex * {width} + {ws_of[i]} + cols",
                          f"tl.atomic_add(ws{i}, acc{i}, omask, sem=\"relaxed\")"])
-    code.writelines([
-        "tl.debug_barrier()  # every thread's partial sums come before the count (release)",
-        "arrived = tl.atomic_add(lock_ptr + pid, 1, sem=\"acq_rel\")",
-        "if arrived == SPLIT_K - 1:  # the last in: every partial sum is in the workspace",
-        "    tl.debug_barrier()"])
+    code.writelines(["tl.debug_barrier()  # every thread's partial sums come before the count (release)",
+                     "arrived = tl.atomic_add(lock_ptr + pid, 1, sem=\"acq_rel\")",
+                     "if arrived == SPLIT_K - 1:  # the last in: every partial sum is in the workspace",
+                     "    tl.debug_barrier()"])
     for i in seg:
         code.writelines([f"    acc{i} = tl.where(omask, tl.atomic_add(ws{i}, tl.zeros_like(acc{i}), omask), 0.0)",
                          f"    tl.store(ws{i}, tl.zeros_like(acc{i}), omask)  # zeroed for the next call"])
@@ -179,11 +183,12 @@ def _epilogue(loads: OperandLoads, node, seg: list, members: list, m: int, n: in
     its own: each member it reads is its accumulator, rounded to the member's dtype as a stored
     value would be; its other loads and its store through the ordinary kernel writer."""
     loads.new_section(loop=True)
-    loads.R, loads.prefetching, loads.block_shape = n, False, "[XBLOCK, BLOCK_N]"
+    loads.R, loads.prefetching, loads.block_shape, loads.epilogue = n, False, "[XBLOCK, BLOCK_N]", True
     for i in seg:
         dtype = members[i].get_dtype()
         loads.cur.body.writeline(f"mv{i} = {store_text(f'acc{i}', torch.float32, dtype)}.to(tl.float32)")
         loads.values[members[i].name] = (loads.cur.id, Var(f"mv{i}", dtype), None)
     with V.set_ops(TritonOps(loads)):
         node.run_body(node.body_index(node.kernel_index_map(m, n)))
-    return loads.cur.body
+    loads.cur.init.splice(loads.cur.body)  # after its loads of row values ([XBLOCK, 1])
+    return loads.cur.init

@@ -17,10 +17,6 @@ from .sizevars import RSYM, XSYM
 from .virtualized import V
 
 
-def is_matmul_group(g) -> bool:
-    return isinstance(g.nodes[0].buf, ir.MatmulTemplate)
-
-
 def _a_key(buf: ir.MatmulTemplate) -> tuple:
     """What `a` the loader computes: its traced body (loads and ops) over a's [M, K]."""
     body = trace_body(ir.Pointwise(buf.get_device(), buf.get_dtype(), buf.a_loader, list(buf.a_size)))
@@ -35,7 +31,7 @@ def group_matmuls(sched) -> None:
     sched._succ = None
     by_a = collections.defaultdict(list)
     for g in sorted(sched.groups, key=lambda g: g.order):
-        if len(g.nodes) == 1 and is_matmul_group(g):
+        if len(g.nodes) == 1 and isinstance(g.nodes[0].buf, ir.MatmulTemplate):
             by_a[_a_key(g.nodes[0].buf)].append(g)
     for groups in by_a.values():
         while len(groups) > 1:
@@ -46,7 +42,7 @@ def group_matmuls(sched) -> None:
                 else:
                     rest.append(g)
             groups = rest
-    for g in [g for g in sched.groups if is_matmul_group(g) and len(g.nodes) > 1]:
+    for g in [g for g in sched.groups if isinstance(g.nodes[0].buf, ir.MatmulTemplate) and len(g.nodes) > 1]:
         for c in sorted(sched.groups, key=lambda c: c.order):
             members = _epilogue_members(sched, g, c)
             if members and V.choices.mm_epilogue(len(members)):
@@ -75,8 +71,7 @@ def _epilogue_members(sched, g, c) -> list:
     [] where it cannot."""
     if len(c.nodes) != 1 or c.is_extern() or c.is_reduction() or c.reads_peers():
         return []
-    node = c.nodes[0]
-    if type(node.buf.layout) not in (ir.FixedLayout, ir.FlexibleLayout):
+    if type((node := c.nodes[0]).buf.layout) not in (ir.FixedLayout, ir.FlexibleLayout):
         return []
     free = {n.name: n.buf for n in g.nodes if isinstance(n.buf, ir.MatmulTemplate) and n.buf.out_view is None
             and type(n.buf.layout) is ir.FixedLayout}

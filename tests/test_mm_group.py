@@ -75,14 +75,16 @@ def test_decode_block(tmp_path, dtype, k):
 
 
 def test_intermediate_with_another_user_is_stored(tmp_path):
+    """Gate is returned too: stored beside the epilogue's value. A row scale read by the prologue
+    and by the epilogue (loads of one value per row)."""
     wg, wu = _weights(64, (40, 40), torch.bfloat16)
 
-    def mlp(x):
-        g, u = F.linear(x * 2, wg), F.linear(x * 2, wu)
-        return F.silu(g) * u, g  # gate is also returned
+    def mlp(x, s):
+        g, u = F.linear(x * s, wg), F.linear(x * s, wu)
+        return F.silu(g) * u * s, g
 
-    x = torch.randn(5, 64, dtype=torch.bfloat16, device=DEVICE)
-    summary, _, launches = _check(mlp, (x,), tmp_path)
+    x, s = torch.randn(5, 64, dtype=torch.bfloat16, device=DEVICE), torch.rand(5, 1, dtype=torch.bfloat16, device=DEVICE)
+    summary, _, launches = _check(mlp, (x, s), tmp_path)
     (kernel,) = summary["kernels"]
     assert (kernel["members"], len(kernel["epilogues"]), len(kernel["writes"])) == (2, 1, 2), kernel
     assert kernel["prologue"] and len(launches) == 1, (kernel, launches)
