@@ -587,11 +587,21 @@ class Choices:
         reads two or more (SiLU(gate) * up): their outputs need not be stored, and its launch goes."""
         return members >= 2
 
-    def mm_template_config(self, m: int, n: int, k: int, device=None) -> dict:
+    def mm_template_config(self, m: int, n: int, k: int, device=None, dots: int = 1) -> dict:
         """Blocks of the few-row matmul: the fastest measured on this GPU at this K and N
         (tables/mm, bench/mm_sweep.py), else one program per 64 columns, and K split over several
         (partial sums added atomically) when the columns alone leave SMs idle. Thresholds from the
-        H200 sweep (132 SMs): 7168 columns run best unsplit with 256-deep steps, 4096 split in 4."""
+        H200 sweep (132 SMs): 7168 columns run best unsplit with 256-deep steps, 4096 split in 4.
+        With `dots` weights' tiles per step (an epilogue's members, mm_group.py), steps shorten
+        until a stage's tiles take no more shared memory than one weight's did (gate and up at
+        4 stages of 256 would need 288 KB; an H100 has 228)."""
+        cfg = self._mm_config(m, n, k, device)
+        bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+        while bk > 64 and (bm + dots * bn) * bk > (bm + bn) * cfg["BLOCK_K"]:
+            bk //= 2
+        return {**cfg, "BLOCK_K": bk}
+
+    def _mm_config(self, m: int, n: int, k: int, device) -> dict:
         row = mm_row(device, m, k, n)
         if row is not None:
             return {"BLOCK_M": max(16, next_pow2(m)), **row["config"]}
