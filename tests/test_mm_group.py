@@ -107,3 +107,12 @@ def test_off(tmp_path):
     x = torch.randn(2, 64, dtype=torch.bfloat16, device=DEVICE)
     summary, _, launches = _check(lambda x: (F.silu(x @ wg.t()) * (x @ wu.t()),), (x,), tmp_path, mm_group=False)
     assert _mms(summary) == [(1, 0), (1, 0)] and len(launches) == 3, (summary, launches)
+
+
+def test_members_write_a_cats_slices(tmp_path):
+    """Grouped members whose outputs are slices of a cat (out views): each stores into its slice."""
+    w1, w2 = _weights(64, (40, 24), torch.bfloat16)
+    x = torch.randn(4, 64, dtype=torch.bfloat16, device=DEVICE)
+    summary, code, launches = _check(lambda x: (torch.cat([F.linear(x * 2, w1), F.linear(x * 2, w2)], 1) + 1,),
+                                     (x,), tmp_path)
+    assert _mms(summary) == [(2, 0)] and len(launches) == 2 and "cat written in place" in code, (summary, launches)
