@@ -579,8 +579,9 @@ class Choices:
 
     def mm_group_member(self, members: int) -> bool:
         """May a few-row matmul join a group of `members` that load the same `a` (one launch over
-        all their column blocks)? Up to MM_GROUP_MAX: a decode layer's q, k, v are three."""
-        return members < MM_GROUP_MAX
+        all their column blocks)? Up to MM_GROUP_MAX (a decode layer's q, k, v are three), unless
+        `config.mm_group` is off."""
+        return config.mm_group and members < MM_GROUP_MAX
 
     def mm_epilogue(self, members: int) -> bool:
         """Does a pointwise consumer of `members` of a matmul group join it as its epilogue? Where it

@@ -11,7 +11,7 @@ import collections
 
 import sympy
 
-from . import config, ir, sizevars
+from . import ir, sizevars
 from .dependencies import trace_body
 from .sizevars import RSYM, XSYM
 from .virtualized import V
@@ -26,8 +26,6 @@ def _a_key(buf: ir.MatmulTemplate) -> tuple:
 def group_matmuls(sched) -> None:
     """Merge matmul groups of one `a` (greedily, in program order, as policy allows), then take
     their pointwise epilogues."""
-    if not config.mm_group:
-        return
     sched._succ = None
     by_a = collections.defaultdict(list)
     for g in sorted(sched.groups, key=lambda g: g.order):
