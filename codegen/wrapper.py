@@ -175,6 +175,8 @@ class WrapperCodegen:
             self.note_c10d(grp, step)
             if isinstance(grp.nodes[0].buf, ir.CommKernel):
                 self.comm_kernel(grp.nodes[0].buf, step, pool)
+            elif isinstance(grp.nodes[0].buf, ir.MatmulTemplate):
+                self.matmul(grp, pool)
             elif grp.is_extern():
                 self.extern(grp.nodes[0], pool)
             else:
@@ -392,9 +394,6 @@ class WrapperCodegen:
             self.allocate_once(buf, pool)
             self.body.writeline(f"# {buf.name}: cat written in place by {', '.join(p.name for p in buf.parts)}")
             return
-        if isinstance(buf, ir.MatmulTemplate):
-            self.matmul(buf, pool)
-            return
         if isinstance(buf, ir.DecodeAttention):
             self.decode_attention(buf, pool)
             return
@@ -435,37 +434,44 @@ class WrapperCodegen:
         else:
             self.allocate(buf, pool)
 
-    def matmul(self, buf: ir.MatmulTemplate, pool):
-        name = f"cf_mm_{buf.name}"
-        src, meta = matmul_codegen.render(buf, name)
+    def matmul(self, grp, pool):
+        """A group of few-row matmuls of one `a` (mm_group.py), with their epilogues: one launch."""
+        name = f"cf_mm_{grp.nodes[0].name}"
+        src, meta = matmul_codegen.render(grp.nodes, self.sched.internal, name)
+        self.kernel_sources[id(grp)] = src
         kernel = self.define(name, src)
-        self.allocate_out(buf, pool)
-        cfg, m, n = meta["cfg"], meta["m"], meta["n"]
-        b = buf.args[1]
-        out_stride = (buf.out_view or buf).layout.stride
+        for n in grp.nodes:
+            if n.name not in self.sched.internal:
+                (self.allocate_out if n.is_extern() else self.allocate)(n.buf, pool)
+        cfg, members, stored = meta["cfg"], meta["members"], meta["stored"]
+        b0 = members[0].args[1]
         if cfg["SPLIT_K"] > 1:  # zeroed once, left zeroed by every call
-            dev = f"{buf.name}.device"
-            scratch = [f"workspace(_workspaces, {name + '_sums'!r}, {m * n}, torch.float32, {dev})",
-                       f"workspace(_workspaces, {name + '_count'!r}, {meta['column_blocks']}, torch.int32, {dev})"]
+            dev = f"{self.value(b0)}.device"
+            scratch = [f"workspace(_workspaces, {name + '_sums'!r}, {meta['m'] * meta['ws_columns']}, torch.float32, {dev})",
+                       f"workspace(_workspaces, {name + '_count'!r}, {meta['programs']}, torch.int32, {dev})"]
             scratch_dtypes = [torch.float32, torch.int32]
         else:
-            scratch = [buf.name, buf.name]  # not read
-            scratch_dtypes = [buf.get_dtype()] * 2
-        sizes, ints = meta["size_symbols"], [m, meta["k"], n, *b.layout.stride, *out_stride]
+            scratch, scratch_dtypes = [self.value(b0)] * 2, [b0.get_dtype()] * 2  # not read
+        sizes = meta["size_symbols"]
         args = [self.ref(a) for a in meta["loader_args"]] + [self.expr(s) for s in sizes]
-        args += [self.value(b), buf.name, *scratch, *map(self.expr, ints)]
         specs = [self.dtype(a) for a in meta["loader_args"]] + [sizevars.hint(s) for s in sizes]
-        specs += [b.get_dtype(), buf.get_dtype(), *scratch_dtypes]
+        ints = [meta["m"], meta["k"]]
+        for buf, keep in zip(members, stored):
+            b = buf.args[1]
+            args += [self.value(b)] + [buf.name] * keep
+            specs += [b.get_dtype()] + [buf.get_dtype()] * keep
+            ints += [buf.layout.size[1], *b.layout.stride] + list((buf.out_view or buf).layout.stride) * keep
+        args += [*scratch, *map(self.expr, ints)]
+        specs += [*scratch_dtypes, *(sizevars.hint(i) for i in ints)]
         consts = (f"XBLOCK={cfg['BLOCK_M']}, RBLOCK={cfg['BLOCK_K']}, BLOCK_N={cfg['BLOCK_N']}, "
-                  f"SPLIT_K={cfg['SPLIT_K']}, EVEN={meta['even']}, num_warps={cfg['num_warps']}, "
-                  f"num_stages={cfg['num_stages']}")
-        self.body.writeline(self.launch(kernel, f"({meta['column_blocks']}, {cfg['SPLIT_K']})", args,
-                                        specs + [sizevars.hint(i) for i in ints], consts))
-        reads = [getattr(r, "base", r).name for r in buf.inputs()]  # a view's base
-        self.kernel_info.append({"name": kernel, "reads": reads, "writes": [buf.name],
-                                 "nodes": [buf.name], "template": "mm", "prologue": buf.prologue,
-                                 "reduction": False, "persistent": False, "tiled": False,
-                                 "config": cfg})
+                  f"SPLIT_K={cfg['SPLIT_K']}, num_warps={cfg['num_warps']}, num_stages={cfg['num_stages']}")
+        self.body.writeline(self.launch(kernel, f"({meta['programs']}, {cfg['SPLIT_K']})", args, specs, consts))
+        writes = [n.name for n in grp.nodes if n.name not in self.sched.internal]
+        reads = sorted({r for n in grp.nodes for r in n.read_names} - set(grp.names))
+        self.kernel_info.append({"name": kernel, "reads": reads, "writes": writes, "nodes": grp.names,
+                                 "template": "mm", "prologue": members[0].prologue, "members": len(members),
+                                 "epilogues": [n.name for n in grp.nodes if not n.is_extern()],
+                                 "reduction": False, "persistent": False, "tiled": False, "config": cfg})
 
     def decode_attention(self, buf: ir.DecodeAttention, pool):
         cfg, kernels = attention_codegen.launches(buf, self.value)

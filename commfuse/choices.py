@@ -26,6 +26,7 @@ MATMULS = (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.op
 COMM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 COMM_REDUCE_OPS = ("sum", "avg", "max", "min")
 MM_TEMPLATE_DTYPES = (torch.bfloat16, torch.float16)
+MM_GROUP_MAX = 4  # few-row matmuls of one `a` in one launch (mm_group_member)
 CONVOLUTIONS = (torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default)
 # aten's fused attention kernels read the mask (attn_bias: which argument) in rows that start at
 # multiples of 16 elements; eager pads the mask so, and a mask we store is laid out so too
@@ -602,11 +603,32 @@ class Choices:
         row = mm_row(a.get_device(), int(m), int(k), int(n))  # this GPU's measured table: cuBLAS where it won
         return row is None or row["us"] <= row["cublas_us"]
 
-    def mm_template_config(self, m: int, n: int, k: int, device=None) -> dict:
+    def mm_group_member(self, members: int) -> bool:
+        """May a few-row matmul join a group of `members` that load the same `a` (one launch over
+        all their column blocks)? Up to MM_GROUP_MAX (a decode layer's q, k, v are three), unless
+        `config.mm_group` is off."""
+        return config.mm_group and members < MM_GROUP_MAX
+
+    def mm_epilogue(self, members: int) -> bool:
+        """Does a pointwise consumer of `members` of a matmul group join it as its epilogue? Where it
+        reads two or more (SiLU(gate) * up): their outputs need not be stored, and its launch goes."""
+        return members >= 2
+
+    def mm_template_config(self, m: int, n: int, k: int, device=None, dots: int = 1) -> dict:
         """Blocks of the few-row matmul: the fastest measured on this GPU at this K and N
         (tables/mm, bench/mm_sweep.py), else one program per 64 columns, and K split over several
         (partial sums added atomically) when the columns alone leave SMs idle. Thresholds from the
-        H200 sweep (132 SMs): 7168 columns run best unsplit with 256-deep steps, 4096 split in 4."""
+        H200 sweep (132 SMs): 7168 columns run best unsplit with 256-deep steps, 4096 split in 4.
+        With `dots` weights' tiles per step (an epilogue's members, mm_group.py), steps shorten
+        until a stage's tiles take no more shared memory than one weight's did (gate and up at
+        4 stages of 256 would need 288 KB; an H100 has 228)."""
+        cfg = self._mm_config(m, n, k, device)
+        bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+        while bk > 64 and (bm + dots * bn) * bk > (bm + bn) * cfg["BLOCK_K"]:
+            bk //= 2
+        return {**cfg, "BLOCK_K": bk}
+
+    def _mm_config(self, m: int, n: int, k: int, device) -> dict:
         row = mm_row(device, m, k, n)
         if row is not None:
             return {"BLOCK_M": max(16, next_pow2(m)), **row["config"]}

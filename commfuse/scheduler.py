@@ -16,7 +16,7 @@ import itertools
 import sympy
 import torch
 
-from . import collectives, config, ir, loop_order, memory, mix_order, overlap, remat, sizevars
+from . import collectives, config, ir, loop_order, memory, mix_order, mm_group, overlap, remat, sizevars
 from .dependencies import InlineLoads, MemoryAccess, index_vars, trace_body
 from .sizevars import RSYM, XSYM, index_symbol  # noqa: F401  (codegen imports the kernel's indices from here)
 from .virtualized import V
@@ -272,6 +272,7 @@ class Scheduler:
             self.remove_dead_nodes()
             self.fuse()
         self.mixed = mix_order.fuse_mixed_orders(self)
+        mm_group.group_matmuls(self)  # few-row matmuls of one `a` in one launch, with their epilogues
         self.compute_buffer_users()
         self.fit_comm_plans()
         inplace = memory.inplace_candidates(self)
@@ -691,7 +692,7 @@ class Scheduler:
         self.node_readers = self._node_readers()
         self.internal = set()
         for g in self.groups:
-            if g.is_extern():
+            if g.is_extern() and len(g.nodes) == 1:  # (several: matmuls with an epilogue, mm_group.py)
                 continue
             for n in g.nodes:
                 if n.name in self.output_names or V.graph.comm_plan(n.name) or n.buf.mutates:  # peers, or the input, read those

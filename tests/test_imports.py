@@ -25,7 +25,7 @@ LAYERS = [
                "commfuse.decompositions", "commfuse.diff", "commfuse.dump", "commfuse.tune"]),
     ("lowering", ["commfuse.lowering", "commfuse.lowering.*"]),
     ("codegen", ["commfuse.codegen", "commfuse.codegen.wrapper", "commfuse.codegen.triton", "commfuse.codegen.matmul"]),
-    ("scheduling", ["commfuse.scheduler", "commfuse.loop_order", "commfuse.remat", "commfuse.mix_order", "commfuse.memory", "commfuse.overlap",
+    ("scheduling", ["commfuse.scheduler", "commfuse.loop_order", "commfuse.remat", "commfuse.mix_order", "commfuse.mm_group", "commfuse.memory", "commfuse.overlap",
                     "commfuse.choices", "commfuse.collectives", "commfuse.tuned_tables"]),
     ("kernel source", ["commfuse.codegen.comm", "commfuse.codegen.common", "commfuse.codegen.triton_ops",
                        "commfuse.codegen.block_ptr", "commfuse.codegen.decode_attention"]),

@@ -34,7 +34,7 @@ def test_silu_prologue_is_computed_in_the_matmul(tmp_path, m, k, n, dtype):
     # the prologue's load is issued a step ahead; silu is computed on it in the loop, before tl.dot
     FileCheck().check(f"def {kernel['name']}(").check("pf0 = tl.load(ptr_arg0_1 + ").check(
         "for roffset in range(").check_next("pf0_now = pf0").check("pf0 = tl.load(ptr_arg0_1 + ").check(
-        "= pf0_now").check("tl.sigmoid(").check("acc = tl.dot(a, b, acc)").run(code)
+        "= pf0_now").check("tl.sigmoid(").check("acc0 = tl.dot(a, b, acc0)").run(code)
     if (m, k, n) == (3, 512, 64):  # one column block: K is split over four programs
         assert kernel["config"]["SPLIT_K"] == 4
         FileCheck().check(f"{kernel['name']}_launch0 = Site({kernel['name']}, dict(").check_same("SPLIT_K=4").check(
