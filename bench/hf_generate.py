@@ -14,10 +14,13 @@ the embedding row-parallel over the vocabulary and the head column-parallel with
 replicated; the heads must divide among the ranks. At world 1 it is the plain model.
 
 Variants: eager, Inductor mode="reduce-overhead", Inductor, commfuse, commfuse options
-{"cuda_graphs": True}; each sets `model.forward = torch.compile(<the original forward>, ...)`, and
-`generation_config.disable_compile = True` keeps generate() from compiling over it (on a GPU it
-would otherwise wrap its own Inductor compile around the call, which decides the decode steps).
-Every variant uses the one model.
+{"cuda_graphs": True}, all on the one model. Two ways to compile, as users do (--compile):
+- forward (default): `model.forward = torch.compile(<the original forward>, ...)`, prefill and decode
+  steps compiled, with `disable_compile=True` so that generate() compiles nothing itself (on a GPU
+  it would otherwise compile its decode steps with Inductor reduce-overhead over ours);
+- generate: `generate(..., compile_config=CompileConfig(backend=..., mode=..., options=...))`:
+  generate() runs the prefill eagerly and compiles the decode steps (also on CPU here). The static
+  cache is then allocated eagerly, its tensors marked static (torch._dynamo.mark_static_address).
 
 Figures, the worst rank's:
 - generate: `model.generate(prompt, max_new_tokens=N, min_new_tokens=N, do_sample=False)` with
@@ -98,15 +101,23 @@ def build(a, world, dev):
     return model
 
 
-def variant_forwards(model, variants, options) -> dict:
-    """{variant: forward}: the model's own forward for eager, else torch.compile of it (--set
-    options go to the commfuse variants)."""
+def variant_calls(model, variants, options, how, dev) -> dict:
+    """{variant: (forward, generate()'s extra arguments)}. --compile forward: torch.compile of the
+    model's forward; generate: the forward as it is, and a CompileConfig by which generate() compiles
+    its decode steps itself. --set options go to the commfuse variants."""
+    from transformers import CompileConfig
     forward, out = model.forward, {}
     for name in variants:
         kw = compile_options(name)
         if kw is not None and name.startswith("commfuse") and options:
             kw = {**kw, "options": {**kw.get("options", {}), **options}}
-        out[name] = forward if kw is None else torch.compile(forward, **kw)
+        if kw is None or how == "forward":
+            out[name] = (forward if kw is None else torch.compile(forward, **kw)), {"disable_compile": True}
+            continue
+        cc = CompileConfig(fullgraph=False, dynamic=False, backend=kw.get("backend", "inductor"), mode=kw.get("mode"),
+                           options=kw.get("options"))
+        cc._compile_all_devices = dev.type != "cuda"  # (else generate() compiles on GPUs only)
+        out[name] = forward, {"disable_compile": False, "compile_config": cc}
     return out
 
 
@@ -133,7 +144,7 @@ def run(a, dev, variants, options) -> tuple[dict, dict, float]:
     from transformers import LogitsProcessorList
     world = dist.get_world_size()
     model = build(a, world, dev)
-    forwards = variant_forwards(model, variants, options)
+    calls = variant_calls(model, variants, options, a.compile, dev)
     torch.manual_seed(1)  # the same prompt and forced tokens on every rank
     prompt = torch.randint(1, a.vocab, (a.batch, a.prompt), device=dev)
     forced = torch.randint(1, a.vocab, (a.batch, a.new_tokens), device=dev)
@@ -145,12 +156,12 @@ def run(a, dev, variants, options) -> tuple[dict, dict, float]:
     res, failed, tokens, ref = {v: {} for v in variants}, {}, {}, None
     for name in variants:
         try:
-            model.forward = forwards[name]
+            model.forward, kw = calls[name]
             first = []
-            res[name]["first generate s"] = timing.wall_time_s(lambda: first.append(generate()), dev)
+            res[name]["first generate s"] = timing.wall_time_s(lambda: first.append(generate(**kw)), dev)
             tokens[name] = first[0][:, a.prompt:]
             forcing = Forced(forced, a.prompt)
-            if not torch.equal(generate(logits_processor=LogitsProcessorList([forcing]))[:, a.prompt:], forced):
+            if not torch.equal(generate(logits_processor=LogitsProcessorList([forcing]), **kw)[:, a.prompt:], forced):
                 raise RuntimeError("teacher forcing: generate() did not emit the forced tokens")
             if name == "eager":
                 ref = forcing.logits
@@ -164,23 +175,26 @@ def run(a, dev, variants, options) -> tuple[dict, dict, float]:
     scale = max(t.abs().max().item() for t in ref) if ref is not None else 0.0
     timed = [v for v in variants if v not in failed]
     times = {v: [] for v in timed}
-    for r in range(a.rounds + (dev.type == "cuda")):  # interleaved: the variants see the same drift
-        for name in timed:
-            try:
-                model.forward = forwards[name]
-                if dev.type == "cuda":
-                    t = timing.median_us(generate, 1, 1) / 1e3
-                    times[name] += [t] if r else []  # (round 0: a warm-up call)
-                else:
-                    times[name].append(timing.wall_time_s(generate, dev) * 1e3)
-            except Exception as e:
-                failed[f"{name}, timing"] = _why(e)
+    rounds = range(a.rounds + (dev.type == "cuda"))  # (on a GPU, round 0 is a warm-up call)
+    # interleaved where each variant is its own compiled forward (the variants see the same drift);
+    # generate() keeps one compiled call, recompiled at each change of CompileConfig: one at a time
+    order = [(r, v) for r in rounds for v in timed] if a.compile == "forward" else [(r, v) for v in timed for r in rounds]
+    for r, name in order:
+        try:
+            model.forward, kw = calls[name]
+            if dev.type == "cuda":
+                t = timing.median_us(lambda: generate(**kw), 1, 1) / 1e3
+                times[name] += [t] if r else []
+            else:
+                times[name].append(timing.wall_time_s(lambda: generate(**kw), dev) * 1e3)
+        except Exception as e:
+            failed[f"{name}, timing"] = _why(e)
     for name, t in times.items():
         if t:
             ms = sorted(t)[len(t) // 2]
             res[name].update({"ms/generate": ms, "tokens/s": a.batch * a.new_tokens / ms * 1e3,
                               "ms/token": ms / a.new_tokens})
-    model.forward = forwards["eager"] if "eager" in forwards else model.forward
+    model.forward = calls[variants[0]][0]
     return res, failed, scale
 
 
@@ -201,7 +215,8 @@ def table(a, res, failed, variants, world, device_name, scale) -> tuple[str, boo
     lines = [f"HF LlamaForCausalLM generate(), static cache: {a.layers} layers, H {a.hidden}, {a.heads} query / "
              f"{a.kv_heads} KV heads, F {a.ffn}, vocab {a.vocab}, {a.dtype_name}, "
              f"{'tensor-parallel over ' + str(world) if world > 1 else 'one'} x {device_name}; B={a.batch}, prompt "
-             f"{a.prompt}, {a.new_tokens} new tokens (greedy, and teacher-forced)", "",
+             f"{a.prompt}, {a.new_tokens} new tokens (greedy, and teacher-forced); "
+             f"compiled: {'model.forward' if a.compile == 'forward' else 'by generate(compile_config=...)'}", "",
              "| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     for key, label, fmt, higher in ROWS:
         cells = []
@@ -233,6 +248,9 @@ def main(argv=None) -> int:
     add_size_args(ap, FULL, TINY)
     ap.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), help="default bfloat16; float32 with --cpu")
     ap.add_argument("--rounds", type=int, default=None, help="timed generate calls per variant (default 5; 1 with --tiny)")
+    ap.add_argument("--compile", choices=("forward", "generate"), default="forward",
+                    help="forward: model.forward = torch.compile(model.forward, ...) (default); generate: "
+                         "generate(compile_config=CompileConfig(...)), transformers compiling its decode steps")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of: " + ", ".join(VARIANTS))
     add_run_args(ap, "decode_attention=True")
     a = ap.parse_args(argv)
