@@ -7,7 +7,7 @@ PACKAGES = ("commfuse", "lowering", "codegen")
 
 # Non-blank, non-comment lines of the product's .py files (docstrings count). Raising the budget
 # is a decision: make it in its own commit, saying what the lines buy.
-LINE_BUDGET = 11068  # 10270 + bucketing 150 + decode (in-place cache store, decode attention) 320 + all-gather / reduce-scatter kernels 150 + overlap scheduling 166 + per-GPU mm table lookup 12
+LINE_BUDGET = 11091  # 10270 + bucketing 150 + decode (in-place cache store, decode attention) 320 + all-gather / reduce-scatter kernels 150 + overlap scheduling 166 + per-GPU mm table lookup 12 + CUDA graphs over a caller's KV cache 23
 MAX_FILE_LINES = 800  # lines of one file, all of them
 
 
