@@ -102,7 +102,7 @@ def test_a_graph_whose_parameters_keep_moving_stops_capturing(monkeypatch, caplo
         self.captured_signature, self.out_bytes = None, 0
     monkeypatch.setattr(CudaGraphed, "_capture", capture)
     graphed = CudaGraphed(lambda args: calls.append(1) or [], "g", InputRoles(frozenset({0}), frozenset(), False),
-                          max_captures=2, copy_limit=1 << 30)
+                          max_captures=2, copy_limit=1 << 30, paid_replays=8)
     weights = [torch.randn(4) for _ in range(6)]  # all alive: six addresses
     with caplog.at_level("WARNING", logger="commfuse"):
         for w in weights:
@@ -112,6 +112,36 @@ def test_a_graph_whose_parameters_keep_moving_stops_capturing(monkeypatch, caplo
     assert "runs without a CUDA graph" in caplog.text
     graphed([weights[-1]])
     assert len(calls) == 5 and captures == [1, 1]
+
+
+@pytest.mark.parametrize("marked_static", [False, True])
+def test_a_cache_allocated_per_sequence_is_captured_in_place_once_per_sequence(monkeypatch, caplog, marked_static):
+    """transformers' generate() allocates a new StaticCache for each sequence and the decode step
+    writes it: a graph input that moves once per sequence and stays put for its tokens. Marked
+    static (the prefill ran eagerly) or not (a compiled prefill allocated it), it is captured in
+    place, never copied in or back, captured again at each sequence, and the graph keeps being
+    replayed: captures that served a sequence's tokens do not count towards the limit."""
+    captures, calls = [], []
+
+    def capture(self, args):
+        self._plan(args)
+        captures.append((self.calls, self.copy_in, self.copy_back, [p for _, p in self.static_ptrs]))
+        self.graph, self.outputs, self.aliases, self.cloned, self.out_bytes = _FakeCapture(), [], {}, set(), 0
+    monkeypatch.setattr(CudaGraphed, "_capture", capture)
+    roles = InputRoles(frozenset({0, 1} if marked_static else {0}), frozenset({1}), False)
+    graphed = CudaGraphed(lambda args: calls.append(1) or [], "g", roles, max_captures=2, copy_limit=1 << 30,
+                          paid_replays=8)
+    weight, tokens = torch.randn(4), 10
+    caches = [torch.zeros(8) for _ in range(5)]  # all alive: five addresses
+    with caplog.at_level("WARNING", logger="commfuse"):
+        for cache in caches:
+            for _ in range(tokens):
+                graphed([weight, cache, torch.randn(1)])  # (token ids: a new tensor each call)
+    # the 1st call runs plainly; a written input is kept in place once seen twice at one address
+    assert [c[0] for c in captures] == [2] + [tokens * k + 1 for k in range(1, 5)], captures
+    assert all(c[1] == [2] and c[2] == [] for c in captures), "the cache is neither copied in nor back"
+    assert [c[3] for c in captures] == [[weight.data_ptr(), c.data_ptr()] for c in caches]
+    assert len(calls) == 1 and "runs without a CUDA graph" not in caplog.text
 
 
 @pytest.mark.parametrize("size,out_bytes,replayed", [(64, 0, 7), (4096, 0, 2), (64, 1 << 20, 2)])
@@ -130,7 +160,7 @@ def test_a_graph_whose_copies_cost_more_than_its_launches_stops_replaying(monkey
         self.graph.replay = lambda: replays.append(1)
     monkeypatch.setattr(CudaGraphed, "_capture", capture)
     graphed = CudaGraphed(lambda args: calls.append(1) or [], "g", InputRoles(frozenset(), frozenset(), False),
-                          max_captures=3, copy_limit=1024 * 4)
+                          max_captures=3, copy_limit=1024 * 4, paid_replays=8)
     with caplog.at_level("WARNING", logger="commfuse"):
         for _ in range(8):
             graphed([torch.randn(size)])  # a new tensor each call
