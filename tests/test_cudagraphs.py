@@ -271,3 +271,36 @@ def test_replays_draw_new_random_numbers():
     for i, out in enumerate(outs):
         assert 0.45 < (out >= 1).float().mean() < 0.55  # dropout kept about half
         assert all(not torch.equal(out, other) for other in outs[i + 1:])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("how", ["forward", "generate"])
+def test_hf_generate_keeps_its_graph_over_a_new_cache_per_call(how, caplog):
+    """transformers' generate() with a static cache allocates a new cache at each call, which the
+    decode step writes (marked static where generate() compiles the step, a compiled prefill's
+    output where the forward is compiled): each call's logits are eager's, and the graph is captured
+    again for each call's cache rather than given up after a few calls."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa",
+                                   eos_token_id=None, pad_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).cuda().eval()
+    model.generation_config.cache_implementation = "static"
+    ids = torch.randint(1, 128, (2, 5), device="cuda")
+
+    def generate(**kw):
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False, output_logits=True,
+                                 return_dict_in_generate=True, **kw)
+        return torch.stack(out.logits)
+    want = generate(disable_compile=True)
+    if how == "forward":
+        model.forward, kw = torch.compile(model.forward, backend="commfuse", mode="reduce-overhead"), {"disable_compile": True}
+    else:
+        kw = {"compile_config": transformers.CompileConfig(backend="commfuse", mode="reduce-overhead")}
+    with caplog.at_level("INFO", logger="commfuse"):
+        for _ in range(6):
+            torch.testing.assert_close(generate(**kw), want, atol=1e-3, rtol=1e-3)
+    assert "runs without a CUDA graph" not in caplog.text
+    assert caplog.text.count("in a CUDA graph") >= 5  # the decode step's graph, captured for each new cache
