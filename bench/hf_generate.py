@@ -33,13 +33,17 @@ Figures, the worst rank's:
   every variant decodes the same sequence through the graphs that are timed; max abs error of the
   logits of every step against eager's (flagged `!`, exit status 1, above max(5 x Inductor's, 1e-2, 4 ulps at the largest logit):
   bench/model_tp.py's rule);
-- generated tokens equal to eager's (greedy on random weights: near-ties may flip; information only).
+- generated tokens equal to eager's (greedy on random weights: near-ties may flip; information only);
+- for reduce-overhead and cuda_graphs, the graphs run without a CUDA graph over all those calls
+  (Inductor's cudagraph skips: a graph writing an input that is not static, as the decode step
+  writes a cache that a compiled prefill allocated; commfuse's warnings).
 
 Ratios are speed-ups, other's time / this one's (above 1: the commfuse variant is faster).
 """
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import os
 import sys
@@ -47,8 +51,8 @@ import tempfile
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
-from bench.model_tp import (_why, add_size_args, compile_options, error_limit, fill_sizes, ratio,  # noqa: E402
-                            worst_over_ranks)  # (model_tp sets NCCL's environment first)
+from bench.model_tp import (SELF_GRAPHED, _why, add_size_args, compile_options, error_limit, fill_sizes,  # noqa: E402
+                            ratio, worst_over_ranks)  # (model_tp sets NCCL's environment first)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -133,6 +137,21 @@ class Forced:
         return torch.full_like(scores, -math.inf).scatter_(1, token[:, None], 0.0)
 
 
+class Ungraphed(logging.Handler):
+    """Counts graphs that a self-graphing variant runs without a CUDA graph: Inductor's cudagraph
+    skips (a graph writing an input that is not static, a CPU one) and commfuse's warnings."""
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.warnings = 0
+        logging.getLogger("commfuse").addHandler(self)
+
+    def emit(self, record):
+        self.warnings += "runs without a CUDA graph" in record.getMessage()
+
+    def __call__(self) -> int:
+        return self.warnings + torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
+
+
 def max_error(got, want) -> float:
     if len(got) != len(want):
         raise RuntimeError(f"{len(got)} steps' logits, eager had {len(want)}")
@@ -153,10 +172,11 @@ def run(a, dev, variants, options) -> tuple[dict, dict, float]:
         with torch.no_grad():
             return model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=a.new_tokens,
                                   min_new_tokens=a.new_tokens, do_sample=False, **kw)
-    res, failed, tokens, ref = {v: {} for v in variants}, {}, {}, None
+    res, failed, tokens, ref, ungraphed = {v: {} for v in variants}, {}, {}, None, Ungraphed()
     for name in variants:
         try:
             model.forward, kw = calls[name]
+            before = ungraphed()
             first = []
             res[name]["first generate s"] = timing.wall_time_s(lambda: first.append(generate(**kw)), dev)
             tokens[name] = first[0][:, a.prompt:]
@@ -170,6 +190,8 @@ def run(a, dev, variants, options) -> tuple[dict, dict, float]:
             res[name]["err logits"] = max_error(forcing.logits, ref)
             if "eager" in tokens:
                 res[name]["tokens equal %"] = 100 * (tokens[name] == tokens["eager"]).float().mean().item()
+            if name in SELF_GRAPHED:
+                res[name]["ungraphed"] = ungraphed() - before
         except Exception as e:  # report, go on with the others
             failed[name] = _why(e)
     scale = max(t.abs().max().item() for t in ref) if ref is not None else 0.0
@@ -182,11 +204,14 @@ def run(a, dev, variants, options) -> tuple[dict, dict, float]:
     for r, name in order:
         try:
             model.forward, kw = calls[name]
+            before = ungraphed()
             if dev.type == "cuda":
                 t = timing.median_us(lambda: generate(**kw), 1, 1) / 1e3
                 times[name] += [t] if r else []
             else:
                 times[name].append(timing.wall_time_s(lambda: generate(**kw), dev) * 1e3)
+            if name in SELF_GRAPHED:
+                res[name]["ungraphed"] += ungraphed() - before
         except Exception as e:
             failed[f"{name}, timing"] = _why(e)
     for name, t in times.items():
@@ -205,6 +230,7 @@ ROWS = (  # (key, label, fmt, higher is better)
     ("first generate s", "first generate: s (compiles)", "{:.1f}", False),
     ("err logits", "teacher forcing: max abs logit error vs eager", "{:.2e}", None),
     ("tokens equal %", "generated tokens equal to eager's, % (information)", "{:.0f}", None),
+    ("ungraphed", "graphs run without a CUDA graph (Inductor's cudagraph skips, commfuse's warnings)", "{:.0f}", None),
 )
 
 
