@@ -546,6 +546,24 @@ def floor_ratios(res, variants, keys) -> None:
                 r[f"{key} / {floor}"] = t / r[f"{key} {floor} µs"]
 
 
+def error_limit(res, key, dtype, scale) -> float:
+    """The most a commfuse variant's error `key` may be: 5 x Inductor's (else eager's own
+    run-to-run difference), 1e-2, and 4 ulps of the dtype at the largest reference value `scale`."""
+    base = res.get("inductor", {}).get(key) or res.get("eager", {}).get(key) or 0
+    return max(5 * base, 1e-2, 4 * torch.finfo(dtype).eps * scale)
+
+
+def worst_over_ranks(res, variants, dev) -> dict:
+    """{variant: {key: figure}}, each figure the largest over the ranks (times, errors): every
+    rank measured its own."""
+    keys = sorted({k for r in res.values() for k in r})
+    vals = torch.tensor([[res[v].get(k, math.nan) for k in keys] for v in variants], dtype=torch.float64, device=dev)
+    gathered = [torch.empty_like(vals) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, vals)
+    worst = torch.stack(gathered).nan_to_num(-1.0).amax(0)
+    return {v: {k: worst[i, j].item() for j, k in enumerate(keys) if worst[i, j] >= 0} for i, v in enumerate(variants)}
+
+
 def table(a, res, world, device_name, variants) -> tuple[str, bool]:
     flagged = False
     variants = [v for v in variants if res.get(v)]  # (async-TP runs in sequence-parallel training only)
@@ -566,10 +584,7 @@ def table(a, res, world, device_name, variants) -> tuple[str, bool]:
             val = res[v].get(key)
             text = "—" if val is None else fmt.format(val)
             if key.startswith("err") and v.startswith("commfuse") and val is not None:
-                # yardstick: Inductor's error, else eager's own run-to-run difference, and the dtype's rounding
-                base = res.get("inductor", {}).get(key) or res.get("eager", {}).get(key) or 0
-                limit = max(5 * base, 1e-2, 4 * torch.finfo(a.dtype).eps * a.scales.get(key, 0))
-                if val > limit:
+                if val > error_limit(res, key, a.dtype, a.scales.get(key, 0)):
                     text, flagged = text + " !", True
             cells.append(text)
         if all(c == "—" for c in cells):
@@ -596,12 +611,7 @@ def report(a, res, failed, variants, dev, final) -> int:
     """The table over every rank (each measured its own: the worst rank's figure), printed when
     final and written to --out every time; rank 0's exit status."""
     world = dist.get_world_size()
-    keys = sorted({k for r in res.values() for k in r})
-    vals = torch.tensor([[res[v].get(k, math.nan) for k in keys] for v in variants], dtype=torch.float64, device=dev)
-    gathered = [torch.empty_like(vals) for _ in range(world)]
-    dist.all_gather(gathered, vals)
-    worst = torch.stack(gathered).nan_to_num(-1.0).amax(0)
-    res = {v: {k: worst[i, j].item() for j, k in enumerate(keys) if worst[i, j] >= 0} for i, v in enumerate(variants)}
+    res = worst_over_ranks(res, variants, dev)
     failures = [None] * world
     dist.all_gather_object(failures, failed)
     if dist.get_rank() != 0:
@@ -633,12 +643,23 @@ def report(a, res, failed, variants, dev, final) -> int:
 
 
 # ------------------------------------------------------------------------------------------- main
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_size_args(ap, full, tiny) -> None:
+    """--cpu, --tiny and an int option per size in `full` (None: `full`'s, or `tiny`'s with --tiny)."""
     ap.add_argument("--cpu", action="store_true", help="gloo ranks on CPU, commfuse in Triton's interpreter (checks the script)")
     ap.add_argument("--tiny", action="store_true", help="tiny dimensions and one round (with --cpu: the smoke test)")
-    for k, v in FULL.items():
-        ap.add_argument(f"--{k.replace('_', '-')}", type=int, default=None, help=f"default {v} ({TINY[k]} with --tiny)")
+    for k, v in full.items():
+        ap.add_argument(f"--{k.replace('_', '-')}", type=int, default=None, help=f"default {v} ({tiny[k]} with --tiny)")
+
+
+def fill_sizes(a, full, tiny) -> None:
+    for k, v in (tiny if a.tiny else full).items():
+        if getattr(a, k) is None:
+            setattr(a, k, v)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_size_args(ap, FULL, TINY)
     ap.add_argument("--dtype", choices=("bfloat16", "float16", "float32"),
                     help="default bfloat16; float32 with --cpu, where Triton's interpreter truncates casts to "
                          "bf16 that a GPU rounds (the mm template's store): fp32 errors there are exact checks")
@@ -670,9 +691,7 @@ def main(argv=None) -> int:
                          "bench/profile_model.py does")
     a = ap.parse_args(argv)
     a.profiles, a.host_profiles, a.scales, a.kernel_tables = {}, {}, {}, {}
-    for k, v in (TINY if a.tiny else FULL).items():
-        if getattr(a, k) is None:
-            setattr(a, k, v)
+    fill_sizes(a, FULL, TINY)
     a.pos_arg = a.pos
     a.pos = a.cache // 2 if a.pos is None else a.pos
     try:

@@ -187,9 +187,15 @@ class Choices:
         return kernel.op.overloadpacket in MATMULS and sizevars.equal(slice_layout.stride[-1], 1)
 
     def cuda_graph_captures(self) -> int:
-        """Captures of a graph in CUDA-graph mode before it runs without one: each follows moved
-        parameters (reloaded weights; layers sharing compiled code, or FSDP2's, move every call)."""
+        """Captures in a row, each replayed fewer than `cuda_graph_paid_replays` times, of a graph
+        in CUDA-graph mode before it runs without one: each follows moved parameters (reloaded
+        weights; layers sharing compiled code, or FSDP2's, move every call)."""
         return 3
+
+    def cuda_graph_paid_replays(self) -> int:
+        """Replays (the capturing call's included) that pay for a capture (a warm run and a capture):
+        a KV cache allocated anew per generated sequence is captured again at each, replayed per token."""
+        return 8
 
     def cuda_graph_copy_limit(self, launches: int) -> int:
         """Bytes a replay copies (inputs into the graph's static copies, outputs out of its own)

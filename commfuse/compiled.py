@@ -64,8 +64,9 @@ class CompiledGraph(OutputCode):
         self.ran, self.aten_gm = False, None  # the backend gives the aten graph a failed first run may rerun
         if self.roles is not None:  # CUDA-graph mode, and the graph is all on CUDA
             launches = len(gen.summary["kernels"]) + len(gen.summary["extern_calls"])
-            self.call = CudaGraphed(self.call, gen.graph_id, self.roles, choices.current().cuda_graph_captures(),
-                                    choices.current().cuda_graph_copy_limit(launches))
+            policy = choices.current()
+            self.call = CudaGraphed(self.call, gen.graph_id, self.roles, policy.cuda_graph_captures(),
+                                    policy.cuda_graph_copy_limit(launches), policy.cuda_graph_paid_replays())
         seconds = time.time() - started
         self._time_taken_ns = int(seconds * 1e9)
         self.summary = {"graph_id": gen.graph_id, **gen.summary, "compile_seconds": round(seconds, 3),

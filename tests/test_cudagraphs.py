@@ -102,7 +102,7 @@ def test_a_graph_whose_parameters_keep_moving_stops_capturing(monkeypatch, caplo
         self.captured_signature, self.out_bytes = None, 0
     monkeypatch.setattr(CudaGraphed, "_capture", capture)
     graphed = CudaGraphed(lambda args: calls.append(1) or [], "g", InputRoles(frozenset({0}), frozenset(), False),
-                          max_captures=2, copy_limit=1 << 30)
+                          max_captures=2, copy_limit=1 << 30, paid_replays=8)
     weights = [torch.randn(4) for _ in range(6)]  # all alive: six addresses
     with caplog.at_level("WARNING", logger="commfuse"):
         for w in weights:
@@ -112,6 +112,36 @@ def test_a_graph_whose_parameters_keep_moving_stops_capturing(monkeypatch, caplo
     assert "runs without a CUDA graph" in caplog.text
     graphed([weights[-1]])
     assert len(calls) == 5 and captures == [1, 1]
+
+
+@pytest.mark.parametrize("marked_static", [False, True])
+def test_a_cache_allocated_per_sequence_is_captured_in_place_once_per_sequence(monkeypatch, caplog, marked_static):
+    """transformers' generate() allocates a new StaticCache for each sequence and the decode step
+    writes it: a graph input that moves once per sequence and stays put for its tokens. Marked
+    static (the prefill ran eagerly) or not (a compiled prefill allocated it), it is captured in
+    place, never copied in or back, captured again at each sequence, and the graph keeps being
+    replayed: captures that served a sequence's tokens do not count towards the limit."""
+    captures, calls = [], []
+
+    def capture(self, args):
+        self._plan(args)
+        captures.append((self.calls, self.copy_in, self.copy_back, [p for _, p in self.static_ptrs]))
+        self.graph, self.outputs, self.aliases, self.cloned, self.out_bytes = _FakeCapture(), [], {}, set(), 0
+    monkeypatch.setattr(CudaGraphed, "_capture", capture)
+    roles = InputRoles(frozenset({0, 1} if marked_static else {0}), frozenset({1}), False)
+    graphed = CudaGraphed(lambda args: calls.append(1) or [], "g", roles, max_captures=2, copy_limit=1 << 30,
+                          paid_replays=8)
+    weight, tokens = torch.randn(4), 10
+    caches = [torch.zeros(8) for _ in range(5)]  # all alive: five addresses
+    with caplog.at_level("WARNING", logger="commfuse"):
+        for cache in caches:
+            for _ in range(tokens):
+                graphed([weight, cache, torch.randn(1)])  # (token ids: a new tensor each call)
+    # the 1st call runs plainly; a written input is kept in place once seen twice at one address
+    assert [c[0] for c in captures] == [2] + [tokens * k + 1 for k in range(1, 5)], captures
+    assert all(c[1] == [2] and c[2] == [] for c in captures), "the cache is neither copied in nor back"
+    assert [c[3] for c in captures] == [[weight.data_ptr(), c.data_ptr()] for c in caches]
+    assert len(calls) == 1 and "runs without a CUDA graph" not in caplog.text
 
 
 @pytest.mark.parametrize("size,out_bytes,replayed", [(64, 0, 7), (4096, 0, 2), (64, 1 << 20, 2)])
@@ -130,7 +160,7 @@ def test_a_graph_whose_copies_cost_more_than_its_launches_stops_replaying(monkey
         self.graph.replay = lambda: replays.append(1)
     monkeypatch.setattr(CudaGraphed, "_capture", capture)
     graphed = CudaGraphed(lambda args: calls.append(1) or [], "g", InputRoles(frozenset(), frozenset(), False),
-                          max_captures=3, copy_limit=1024 * 4)
+                          max_captures=3, copy_limit=1024 * 4, paid_replays=8)
     with caplog.at_level("WARNING", logger="commfuse"):
         for _ in range(8):
             graphed([torch.randn(size)])  # a new tensor each call
@@ -241,3 +271,36 @@ def test_replays_draw_new_random_numbers():
     for i, out in enumerate(outs):
         assert 0.45 < (out >= 1).float().mean() < 0.55  # dropout kept about half
         assert all(not torch.equal(out, other) for other in outs[i + 1:])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("how", ["forward", "generate"])
+def test_hf_generate_keeps_its_graph_over_a_new_cache_per_call(how, caplog):
+    """transformers' generate() with a static cache allocates a new cache at each call, which the
+    decode step writes (marked static where generate() compiles the step, a compiled prefill's
+    output where the forward is compiled): each call's logits are eager's, and the graph is captured
+    again for each call's cache rather than given up after a few calls."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa",
+                                   eos_token_id=None, pad_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).cuda().eval()
+    model.generation_config.cache_implementation = "static"
+    ids = torch.randint(1, 128, (2, 5), device="cuda")
+
+    def generate(**kw):
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False, output_logits=True,
+                                 return_dict_in_generate=True, **kw)
+        return torch.stack(out.logits)
+    want = generate(disable_compile=True)
+    if how == "forward":
+        model.forward, kw = torch.compile(model.forward, backend="commfuse", mode="reduce-overhead"), {"disable_compile": True}
+    else:
+        kw = {"compile_config": transformers.CompileConfig(backend="commfuse", mode="reduce-overhead")}
+    with caplog.at_level("INFO", logger="commfuse"):
+        for _ in range(6):
+            torch.testing.assert_close(generate(**kw), want, atol=1e-3, rtol=1e-3)
+    assert "runs without a CUDA graph" not in caplog.text
+    assert caplog.text.count("in a CUDA graph") >= 5  # the decode step's graph, captured for each new cache

@@ -2,10 +2,11 @@
 
 The first call runs normally (it allocates and rendezvouses the comm pools, checks plans across
 ranks, compiles the kernels); the second captures the call into a graph. Inputs are of two kinds:
-- static (parameters and module buffers, as AOTAutograd reports them): captured as they are, at
-  their own address, so a replay reads and writes them in place: a KV cache or a BatchNorm's running
-  stats updated by the graph are updated for the caller, with no copy. Should one move, the graph
-  is captured again, up to `Choices.cuda_graph_captures()` times (then it runs without one).
+- static (parameters and module buffers, as AOTAutograd reports them, and inputs the graph writes
+  that came at one address on two calls in a row: a caller's KV cache, as transformers' StaticCache):
+  captured at their own address, so a replay reads and writes them in place, with no copy. Should
+  one move, the graph is captured again; after `Choices.cuda_graph_captures()` captures in a row,
+  each replayed fewer than `Choices.cuda_graph_paid_replays()` times, it runs without one.
 - the others (activations, token ids, positions): copied into a static copy before each replay
   when their address differs from it, and copied back after it when the graph writes them. A
   graph that copies more than `Choices.cuda_graph_copy_limit` bytes (these inputs, and its
@@ -41,11 +42,14 @@ class InputRoles:
 
 
 class CudaGraphed:
-    def __init__(self, call, graph_id: str, roles: InputRoles, max_captures: int, copy_limit: int):
+    def __init__(self, call, graph_id: str, roles: InputRoles, max_captures: int, copy_limit: int,
+                 paid_replays: int):
         self.call, self.graph_id, self.roles, self.max_captures = call, graph_id, roles, max_captures
-        self.copy_limit = copy_limit
-        self.calls = self.captures = self.costly = 0
+        self.copy_limit, self.paid_replays = copy_limit, paid_replays
+        self.calls = self.captures = self.costly = self.replays = 0
         self.graph = None
+        self.last_ptrs, self.kept = {}, set()  # written inputs' addresses; those seen twice in a row
+        self.in_place = frozenset()  # inputs the capture uses at their own address
 
     def _stop(self, why: str):
         self.captures = self.max_captures + 1
@@ -54,13 +58,19 @@ class CudaGraphed:
 
     def __call__(self, args):
         self.calls += 1
+        for i in self.roles.mutated - self.roles.static:
+            if isinstance(args[i], torch.Tensor):
+                p = args[i].data_ptr()
+                if self.last_ptrs.get(i) == p:
+                    self.kept.add(i)
+                self.last_ptrs[i] = p
         if self.calls == 1 or self.captures > self.max_captures:
             return self.call(args)
-        if self.graph is None or not self._static_in_place(args):
-            self.captures += 1
+        if self.graph is None or not self._static_in_place(args) or not self.kept <= self.in_place:
+            self.captures = 1 + (self.captures if self.replays < self.paid_replays else 0)
             if self.captures > self.max_captures:
-                self._stop(f"its parameters or buffers moved at {self.max_captures} captures (one compiled "
-                           "code run by several layers, or FSDP's gathered parameters)")
+                self._stop(f"its parameters or buffers moved at {self.max_captures} captures in a row, each "
+                           f"replayed < {self.paid_replays} times (one compiled code run by several layers, FSDP)")
                 return self.call(args)
             self._capture(args)
         if self.roles.dynamic and self._signature(args) != self.captured_signature:
@@ -78,6 +88,7 @@ class CudaGraphed:
         caller = {j: args[j] for j in set(self.aliases.values())}
         args.clear()
         self.graph.replay()
+        self.replays += 1
         for a, static in back:
             if a.data_ptr() != static.data_ptr():
                 a.copy_(static)
@@ -90,18 +101,26 @@ class CudaGraphed:
     def _signature(self, args):
         return [(tuple(a.shape), tuple(a.stride())) if isinstance(a, torch.Tensor) else a for a in args]
 
-    def _capture(self, args):
+    def _plan(self, args):
+        """The inputs a capture uses in place, and those it copies in before a replay and back after."""
+        self.replays = 0
+        self.in_place = frozenset(self.roles.static | self.kept)
         self.captured_signature = self._signature(args)
-        self.copy_in = [i for i in self.roles.copy_in(len(args)) if isinstance(args[i], torch.Tensor)]
-        self.copy_back = [i for i in self.roles.copy_back() if isinstance(args[i], torch.Tensor)]
+        self.copy_in = [i for i in self.roles.copy_in(len(args)) if isinstance(args[i], torch.Tensor)
+                        and i not in self.in_place]
+        self.copy_back = [i for i in self.roles.copy_back() if isinstance(args[i], torch.Tensor)
+                          and i not in self.in_place]
         self.inputs = [a.clone() if i in self.copy_in else a for i, a in enumerate(args)]
-        self.static_ptrs = [(i, args[i].data_ptr()) for i in sorted(self.roles.static)
+        self.static_ptrs = [(i, args[i].data_ptr()) for i in sorted(self.in_place)
                             if isinstance(args[i], torch.Tensor)]
+
+    def _capture(self, args):
+        self._plan(args)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         # one more warm run on the capture stream, writing copies of the caller's tensors it
         # mutates (this call's update is the replay's)
-        warm = [a.clone() if i in self.roles.mutated and i in self.roles.static else a
+        warm = [a.clone() if i in self.roles.mutated and i in self.in_place else a
                 for i, a in enumerate(self.inputs)]
         with torch.cuda.stream(stream):
             self.call(warm)
@@ -113,7 +132,7 @@ class CudaGraphed:
         except Exception as e:
             raise RuntimeError(f"commfuse: graph {self.graph_id} cannot be captured in a CUDA graph: {e}. "
                                "Run it with options={'cuda_graphs': False}") from e
-        self.aliases = static_aliases(self.outputs, self.inputs, self.roles.static)
+        self.aliases = static_aliases(self.outputs, self.inputs, self.in_place)
         self.cloned = {i for i, o in enumerate(self.outputs) if isinstance(o, torch.Tensor)} - set(self.aliases)
         self.out_bytes = sum(self.outputs[i].nbytes for i in self.cloned)
         log.info("commfuse: captured graph %s in a CUDA graph", self.graph_id)
