@@ -279,7 +279,8 @@ def test_hf_generate_keeps_its_graph_over_a_new_cache_per_call(how, caplog):
     """transformers' generate() with a static cache allocates a new cache at each call, which the
     decode step writes (marked static where generate() compiles the step, a compiled prefill's
     output where the forward is compiled): each call's logits are eager's, and the graph is captured
-    again for each call's cache rather than given up after a few calls."""
+    again for each call's cache rather than given up after a few calls (11 decode steps a call: more
+    replays than `Choices.cuda_graph_paid_replays`, so a capture pays for itself)."""
     transformers = pytest.importorskip("transformers")
     cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa",
@@ -291,7 +292,7 @@ def test_hf_generate_keeps_its_graph_over_a_new_cache_per_call(how, caplog):
 
     def generate(**kw):
         with torch.no_grad():
-            out = model.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False, output_logits=True,
+            out = model.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False, output_logits=True,
                                  return_dict_in_generate=True, **kw)
         return torch.stack(out.logits)
     want = generate(disable_compile=True)
