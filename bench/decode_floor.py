@@ -142,7 +142,9 @@ def kernel_table(call, steps, dev, bandwidth_gbs, elem=2) -> str:
     dist.barrier()
     gpu = dev.type == "cuda"
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else []), record_shapes=True) as prof:
-        for _ in range(steps):
+        for _ in range(steps):  # each step from a barrier: where launching is slower than the GPU, the
+            dist.barrier()      # ranks drift apart and the drift would show as waiting in the all-reduces
+            timing.sync(dev)
             call()
         timing.sync(dev)
     events = prof.events()
@@ -150,6 +152,7 @@ def kernel_table(call, steps, dev, bandwidth_gbs, elem=2) -> str:
     per: dict[str, list] = {}
     for e in events:  # on CPU (the script's check) aten's ops stand in for kernels
         if e.device_type == (DeviceType.CUDA if gpu else DeviceType.CPU) and (gpu or e.name.startswith("aten::")) \
+                and "nccl" not in e.name.lower() \
                 and not getattr(e, "is_user_annotation", False) and not re.fullmatch(r"[\w.]+:[\w.]+", e.name):
             t = per.setdefault(e.name, [0.0, 0.0])
             t[0] += e.time_range.elapsed_us() / steps

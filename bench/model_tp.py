@@ -12,7 +12,9 @@ tensor-parallel over the ranks with DTensor's parallelize_module (torchtitan's p
 column-parallel q/k/v and gate/up, row-parallel o and down, whose outputs are all-reduced).
 Variants: eager, Inductor, Inductor mode="reduce-overhead", Inductor async-TP (options
 {"_micro_pipeline_tp": True}, symmetric memory enabled for the TP group; sequence-parallel training
-only, skipped on CPU and at world 1), commfuse, commfuse with options={"cuda_graphs": True}; all
+only, skipped on CPU and at world 1), commfuse, commfuse with options={"cuda_graphs": True},
+commfuse unhidden (options {"comm.hide_behind_compute": False}: each collective by the tuned table
+alone, for an A/B of the c10d-where-hidden choice; not run by default); all
 share one model per workload (its weights and its KV cache). On one rank (torchrun
 --nproc-per-node 1) the model is the plain one, no DTensor: the single-GPU row.
 
@@ -103,7 +105,8 @@ from commfuse import backend  # noqa: E402
 from bench import decode_floor, timing, trace_summary  # noqa: E402
 
 ASYNC_TP = "inductor async-TP"  # Inductor with _micro_pipeline_tp: sequence-parallel training only
-VARIANTS = ("eager", "inductor", "inductor reduce-overhead", ASYNC_TP, "commfuse", "commfuse cuda_graphs")
+UNHIDDEN = "commfuse unhidden"  # comm.hide_behind_compute off: every collective by the table alone
+VARIANTS = ("eager", "inductor", "inductor reduce-overhead", ASYNC_TP, "commfuse", "commfuse cuda_graphs", UNHIDDEN)
 SELF_GRAPHED = ("inductor reduce-overhead", "commfuse cuda_graphs")
 WORKLOADS = ("decode", "train", "sp", "fsdp")
 FULL = dict(hidden=4096, heads=32, kv_heads=8, ffn=14336, layers=4, batch=8, cache=2048, train_batch=2, seq=1024)
@@ -129,7 +132,8 @@ def compile_options(name) -> dict | None:
             "inductor reduce-overhead": dict(mode="reduce-overhead", dynamic=False),
             ASYNC_TP: dict(dynamic=False, options={"_micro_pipeline_tp": True}),
             "commfuse": dict(backend="commfuse", dynamic=False),
-            "commfuse cuda_graphs": dict(backend="commfuse", dynamic=False, options={"cuda_graphs": True})}[name]
+            "commfuse cuda_graphs": dict(backend="commfuse", dynamic=False, options={"cuda_graphs": True}),
+            UNHIDDEN: dict(backend="commfuse", dynamic=False, options={"comm.hide_behind_compute": False})}[name]
 
 
 def compiled(model, name):
@@ -524,7 +528,8 @@ def ratio(other, ours) -> str:
     return f"{other / ours:.2f}×" if other and ours else "—"
 
 
-RATIOS = (("inductor", "commfuse"), ("inductor reduce-overhead", "commfuse cuda_graphs"), (ASYNC_TP, "commfuse"))
+RATIOS = (("inductor", "commfuse"), ("inductor reduce-overhead", "commfuse cuda_graphs"), (ASYNC_TP, "commfuse"),
+          (UNHIDDEN, "commfuse"))
 
 
 SWEEP_ROWS = (  # per --sweep configuration
@@ -667,7 +672,7 @@ def main(argv=None) -> int:
     ap.add_argument("--graph-steps", type=int, default=10, help="decode steps per captured CUDA graph")
     ap.add_argument("--fsdp-shape", default="", metavar="KEY=N,...",
                     help="fsdp: override its shape (keys: " + ", ".join(FSDP_FULL) + "), e.g. hidden=2048,ffn=5632,seq=1024")
-    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of: " + ", ".join(VARIANTS))
+    ap.add_argument("--variants", default=",".join(v for v in VARIANTS if v != UNHIDDEN), help="comma-separated subset of: " + ", ".join(VARIANTS))
     ap.add_argument("--workloads", default="decode,train,sp,fsdp", help="comma-separated subset of: " + ", ".join(WORKLOADS))
     ap.add_argument("--pos", type=int, default=None,
                     help="decode: the position each timed step writes (default: the cache's middle); the prefix "
