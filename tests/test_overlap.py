@@ -3,9 +3,12 @@ allow and waited at the first use of its result, never later than the program pl
 across an op we cannot see into or another collective; the ranks check the collectives' order.
 
 One spawn of two ranks: rank 0 compiles the ordering programs over a group of its own (c10d, as
-for any group of one rank), then both ranks compile a program whose collectives they order
-differently (the order is part of the plan they check where the graph has symmetric pools)."""
+for any group of one rank); both ranks then compile an all-gather that goes to c10d because
+independent matmuls hide it (Choices.hidden_behind_compute), and a program whose collectives they
+order differently (the order is part of the plan they check where the graph has symmetric pools)."""
 from __future__ import annotations
+
+import json
 
 import torch
 import torch.distributed as dist
@@ -71,6 +74,29 @@ def _swapped(rank: int, group: str):
     return f
 
 
+def _hidden(rank, world, tmp):
+    """An all-gather that the (made-up) table runs faster as our kernel, beside matmuls it does not
+    feed or need that outlast c10d's time: it goes to c10d, issued before them and waited after."""
+    group = dist.group.WORLD.group_name
+
+    def fn(x, a, b):
+        y = c10d.all_gather_into_tensor(x * 2, world, group)
+        h = torch.relu(a @ b) @ b  # 2 x 2 x 256^3 flops: about 2 µs at the policy's fp32 rate
+        return c10d.wait_tensor(y) + 1, h
+    table = {"host": {"gpu": "cpu", "world": world}, "measurements": [],
+             "all_gather": [{"bytes": 2048, "symm_all_gather": 1.0, "c10d": 1.5}]}
+    path = f"{tmp}/table{rank}.json"
+    with open(path, "w") as f:
+        json.dump(table, f)
+    torch.manual_seed(0)
+    args = [torch.randn(8, 32, device=device()), *(torch.randn(256, 256, device=device()) for _ in range(2))]
+    got, dumps = compile_and_run(fn, *args, tmp_path=f"{tmp}/hidden{rank}", **{"comm.table": path})
+    for w, v in zip(fn(*args), got):
+        torch.testing.assert_close(v, w, rtol=1e-4, atol=1e-3)
+    [graph] = dumps.graphs(rank)
+    return dumps.summary(graph)["comm_plans"], _call(dumps.code(graph))
+
+
 def _ranks(rank, world, tmp):
     own = [dist.new_group([r]) for r in range(world) for _ in range(2)]  # every rank creates every group
     out = {}
@@ -92,6 +118,7 @@ def _ranks(rank, world, tmp):
             summary, code = dumps.only()
             out[name] = (summary, code, g1, g2)
     dist.barrier()  # rank 1 waits here, not at the plan check (its timeout is shorter than rank 0's compiles)
+    out["hidden"] = _hidden(rank, world, tmp)
     f = _swapped(rank, dist.group.WORLD.group_name)
     try:
         compile_and_run(f, torch.ones(8, device=device()), torch.ones(8, dtype=torch.float64, device=device()),
@@ -145,6 +172,12 @@ def test_overlap_orders(tmp_path):
     assert summary["c10d_overlap"][0]["placed"].startswith("kept in the memory order"), summary["c10d_overlap"]
     summary, code, *_ = res["late_loose"]  # ... as it may, under a looser bound: waited after them
     FileCheck().check(ar).check_count(mm, 2).check(wait).run(_call(code))
+
+    # c10d where the independent matmuls outlast it, though the table has our kernel faster alone
+    for plans, code in (o["hidden"] for o in out):
+        [plan] = plans
+        assert plan["algorithm"] == "c10d" and "hides behind about 2 µs" in plan["reason"], plan
+        FileCheck().check("_c10d_functional.all_gather_into_tensor").check_count(mm, 2).check(wait).run(code)
 
     # the ranks ordered their collectives differently: both stop at the first call, naming them
     for r, o in enumerate(out):
