@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import operator
+import weakref
 
 import torch
 
@@ -130,15 +131,14 @@ def independent_flops(node) -> int:
     need its result, between the collectives (or opaque ops) before and after it in program order:
     the work the overlap order can run while a c10d collective is in flight (its issue moves up
     past them, its wait sinks below them)."""
-    nodes = list(node.graph.nodes)
-    pos = {n: k for k, n in enumerate(nodes)}
+    nodes, pos = _positions(node.graph)
     i = pos[node]
-    lo = max((k for k in range(i) if _fx_meets_ranks(nodes[k])), default=-1)
+    lo = next((k for k in range(i - 1, -1, -1) if _fx_meets_ranks(nodes[k])), -1)
     hi = next((k for k in range(i + 1, len(nodes)) if _fx_meets_ranks(nodes[k])), len(nodes))
     related, todo = {node}, list(node.all_input_nodes) + list(node.users)
-    while todo:  # ancestors through inputs, descendants through users, as far as the window
+    while todo:  # ancestors through inputs, descendants through users, within the window
         n = todo.pop()
-        if n not in related:
+        if n not in related and lo < pos[n] < hi:
             related.add(n)
             todo.extend(n.all_input_nodes if pos[n] < i else n.users)
     flops = 0
@@ -148,3 +148,15 @@ def independent_flops(node) -> int:
         if n not in related and count is not None and all(isinstance(v, torch.Tensor) for v in vals):
             flops += 2 * int(count(*[v.shape for v in vals]))
     return flops
+
+
+_POSITIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _positions(graph) -> tuple[list, dict]:
+    """The graph's nodes and each one's place, once per graph (lowering asks for every collective)."""
+    cached = _POSITIONS.get(graph)
+    if cached is None or len(cached[0]) != len(graph.nodes):
+        nodes = list(graph.nodes)
+        cached = _POSITIONS[graph] = (nodes, {n: k for k, n in enumerate(nodes)})
+    return cached
