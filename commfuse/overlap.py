@@ -118,8 +118,7 @@ def _opaque(g) -> bool:
 
 
 # ------------------------------------------------- what a collective can hide behind (FX, lowering)
-_MATMULS = {"mm": lambda a, b, *_: a[0] * a[1] * b[-1], "addmm": lambda c, a, b, *_: a[0] * a[1] * b[-1],
-            "bmm": lambda a, b, *_: a[0] * a[1] * a[2] * b[-1], "baddbmm": lambda c, a, b, *_: a[0] * a[1] * a[2] * b[-1]}
+_MATMULS = {"mm": 0, "bmm": 0, "addmm": 1, "baddbmm": 1}  # which argument is `a` (its last dim: K)
 
 
 def _fx_meets_ranks(n) -> bool:
@@ -127,10 +126,9 @@ def _fx_meets_ranks(n) -> bool:
 
 
 def independent_flops(node) -> int:
-    """Multiply-adds x 2 of the matmuls that neither feed the collective `node` (an FX node) nor
-    need its result, between the collectives (or opaque ops) before and after it in program order:
-    the work the overlap order can run while a c10d collective is in flight (its issue moves up
-    past them, its wait sinks below them)."""
+    """FLOPs of the matmuls that neither feed the collective `node` (FX) nor need its result, between
+    the collectives (or opaque ops) before and after it: what the overlap order can run while a c10d
+    collective is in flight (its issue moves up past them, its wait sinks below them)."""
     nodes, pos = _positions(node.graph)
     i = pos[node]
     lo = next((k for k in range(i - 1, -1, -1) if _fx_meets_ranks(nodes[k])), -1)
@@ -142,21 +140,20 @@ def independent_flops(node) -> int:
             related.add(n)
             todo.extend(n.all_input_nodes if pos[n] < i else n.users)
     flops = 0
-    for n in nodes[lo + 1: hi]:
-        count = _MATMULS.get(getattr(n.target, "_opname", None))
-        vals = [a.meta.get("val") for a in n.args if isinstance(a, torch.fx.Node)]
-        if n not in related and count is not None and all(isinstance(v, torch.Tensor) for v in vals):
-            flops += 2 * int(count(*[v.shape for v in vals]))
+    for n in nodes[lo + 1: hi]:  # 2 x the output's elements x K
+        a = _MATMULS.get(getattr(n.target, "_opname", None))
+        out, a = n.meta.get("val"), a is not None and getattr(n.args[a], "meta", {}).get("val")
+        if n not in related and isinstance(out, torch.Tensor) and isinstance(a, torch.Tensor):
+            flops += 2 * out.numel() * a.shape[-1]
     return flops
 
 
-_POSITIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_POSITIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # graph -> (its nodes, {node: place})
 
 
 def _positions(graph) -> tuple[list, dict]:
-    """The graph's nodes and each one's place, once per graph (lowering asks for every collective)."""
     cached = _POSITIONS.get(graph)
-    if cached is None or len(cached[0]) != len(graph.nodes):
+    if cached is None or len(cached[0]) != len(graph.nodes):  # once per graph: lowering asks per collective
         nodes = list(graph.nodes)
         cached = _POSITIONS[graph] = (nodes, {n: k for k, n in enumerate(nodes)})
     return cached
