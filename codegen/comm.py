@@ -18,9 +18,9 @@ import dataclasses
 
 import torch
 
-from commfuse.sizevars import next_pow2
+from commfuse.runtime.barrier import BARRIER_STEP, barrier_lines, standalone_params  # noqa: F401  (the wrapper counts BARRIER_STEPs)
 from commfuse.runtime.loader import interpreting
-from commfuse.runtime.symm import group_of, signal_stride, timeout_word
+from commfuse.runtime.symm import group_of, signal_stride
 
 from .common import IndentedBuffer
 from .triton_ops import store_text
@@ -28,56 +28,6 @@ from .triton_ops import store_text
 # max / min propagate NaN, as torch.maximum does (tl.maximum drops it: a rank's NaN vanished)
 COMBINE = {"sum": "{a} + {b}", "avg": "{a} + {b}", "max": "triton_helpers.max_nan({a}, {b})",
            "min": "triton_helpers.min_nan({a}, {b})"}
-
-
-BARRIER_STEP = "epoch += 1"  # one per barrier in a kernel's source (the plan check counts them)
-
-# On the GPU the barrier's lanes are one per thread (no thread holds a copy of another's lane, so
-# each signal is sent once) and the memory order is spelled out in PTX; Triton's interpreter has
-# no inline PTX and takes the same steps with atomics.
-LANES = 1024  # >= the threads of any kernel (32 warps)
-_SIGNAL = ("{{ .reg .pred p; setp.ne.b32 p, $2, 0; @p st.{sem}.sys.global.b32 [$1], $3; "
-           "mov.b32 $0, 0; }}")
-_POLL = "{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.b32 $0, 0; @p ld.acquire.sys.global.b32 $0, [$1]; }"
-
-
-def barrier_lines(world: int, params: dict, release: bool, inline_ptx: bool) -> list[str]:
-    """One barrier of program `slot`: bump the epoch, store it in every peer's slot, wait until every
-    peer's entry in our slot has reached it. `release`: this program's earlier writes must be
-    visible to the peers once they pass (otherwise they only learn that it got here)."""
-    own, rank, w = params["@sig_own"], params["@rank"], world
-    dst = params[f"@sig{w - 1}"]
-    for p in reversed(range(w - 1)):  # lane p points at peer p's pad
-        dst = f"tl.where(peer == {p}, {params[f'@sig{p}']}, {dst})"
-    lanes = LANES if inline_ptx else max(2, next_pow2(w))
-    lines = ["tl.debug_barrier()  # every thread's loads and stores come before the signal",
-             BARRIER_STEP,
-             f"peer = tl.arange(0, {lanes})",
-             f"live = (peer != {rank}) & (peer < {w})"]
-    sem = "release" if release else "relaxed"
-    if inline_ptx:
-        lines += [f"tl.inline_asm_elementwise({_SIGNAL.format(sem=sem)!r}, \"=r,l,r,r\", "
-                  f"[{dst} + slot + {rank}, live.to(tl.int32), epoch + tl.zeros_like(peer)], "
-                  "dtype=tl.int32, is_pure=False, pack=1)"]
-        poll = (f"tl.inline_asm_elementwise({_POLL!r}, \"=r,l,r\", [{own} + slot + peer, live.to(tl.int32)], "
-                "dtype=tl.int32, is_pure=False, pack=1)")
-    else:
-        lines += [f"tl.atomic_xchg({dst} + slot + {rank}, epoch + tl.zeros_like(peer), live, "
-                  f"sem=\"{sem}\", scope=\"sys\")"]
-        poll = f"tl.load({own} + slot + peer, live, other=0, volatile=True)"
-    # the wait is bounded, at no cost where no peer is missing: the clock starts in the loop, and a
-    # wait that gives up (deadline -1: a peer gone or late, runtime/triton_helpers.py) leaves it
-    hdr = timeout_word(w)
-    lines += [f"seen = {poll}",
-              "deadline = tl.full([], 0, tl.int64)",
-              "while (tl.min(tl.where(live, seen - epoch, 0)) < 0) & (deadline >= 0):",
-              f"    deadline = triton_helpers.barrier_deadline(deadline, {own} + {hdr}, {dst} + {hdr}, "
-              "tl.where(live & (seen < epoch), peer, -1))",
-              f"    seen = {poll}"]
-    if not inline_ptx:  # the volatile polls carry no order: one acquire on what they saw
-        lines.append(f"tl.atomic_add({own} + slot + peer, 0, live, sem=\"acquire\", scope=\"sys\")")
-    lines.append("tl.debug_barrier()  # and every thread's reads of the peers come after it")
-    return lines
 
 
 @dataclasses.dataclass
@@ -112,11 +62,6 @@ class KernelComm:
             code.writeline(line)
 
 
-def _standalone_params(world: int) -> dict:
-    """The standalone kernels' own parameter names for the barrier's arguments."""
-    return {f"@sig{r}": f"sig{r}" for r in range(world)} | {"@sig_own": "sig_own", "@rank": "rank"}
-
-
 def _reduce_peers(code: IndentedBuffer, world: int, reduce_op: str) -> None:
     """acc = every peer's `offs` elements, combined in fp32."""
     code.writeline(f"acc = {combine([f'tl.load(in{p} + offs, mask, other=0).to(tl.float32)' for p in range(world)], reduce_op, world)}")
@@ -131,7 +76,7 @@ def _signature(name: str, world: int) -> tuple[IndentedBuffer, KernelComm, dict]
                    "BLOCK: tl.constexpr, NPROG: tl.constexpr):")
     with code.indent():
         code.writeline("pid = tl.program_id(0)")
-    return code, KernelComm("", world), _standalone_params(world)
+    return code, KernelComm("", world), standalone_params(world)
 
 
 def one_shot_all_reduce(name: str, world: int, reduce_op: str, dtype: torch.dtype, inplace: bool) -> str:

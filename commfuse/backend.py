@@ -23,6 +23,7 @@ from commfuse.codegen.wrapper import WrapperCodegen
 
 from . import choices, config, dump, graph_cache, ir, sizevars
 from .compiled import AtenGraph, CompiledGraph, aot_caching, next_graph_id, serializable, summaries  # noqa: F401
+from .passes.async_tp import async_tp
 from .passes.attention import contiguous_masks, use_decode_attention, use_sdpa_gqa
 from .passes.bucketing import bucket_collectives
 from .passes.comm_sums import all_reduce_sums
@@ -205,6 +206,7 @@ def _compile(gm, example_inputs, graph_id, kind="inference", donated=frozenset()
     reinplace_input_updates(gm)
     sum_one_hot(gm)
     all_reduce_sums(gm)
+    async_tp(gm)
     bucket_collectives(gm)
     key, description, gen, skipped = _cached(gm, example_inputs, graph_id, kind, donated, saved)
     hit = gen is not None

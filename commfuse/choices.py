@@ -40,6 +40,12 @@ ATTENTION_BIAS_ALIGN = 16
 # Empty until measured: aten's attention runs.
 DECODE_ATTENTION_WINS: list = []
 DEFAULT_SMS = 132  # H100 / H200
+# async-TP (Choices.async_tp): what chunking costs (two barriers, a launch per chunk and matmul),
+# the transfer bandwidth assumed without a tuned table (an H100's NVLink all-gather at 16 MiB,
+# nvidia_h100_x4.json, is about 225 GB/s), and the fewest rows per chunk worth a matmul of their own
+ASYNC_TP_COST_US = 20.0
+ASYNC_TP_ASSUMED_GBPS = 200.0
+ASYNC_TP_MIN_CHUNK_ROWS = 64
 # matmul throughput assumed per SM, TFLOP/s: about half of an H100's dense peak (tensor cores for
 # 16-bit, plain fp32 without TF32), so that the work a collective is said to hide behind is there
 MATMUL_TFLOPS_PER_SM = {2: 3.5, 4: 0.25}
@@ -66,6 +72,11 @@ def _pads_rows(device) -> bool:
 def _aligned_elements(itemsize: int) -> int:
     """Elements of this size in 16 bytes (cuBLAS's and vector loads' alignment)."""
     return 16 // math.gcd(16, itemsize)
+
+
+def micro_pipeline_tp() -> bool:
+    """torch's switch for async-TP (`torch._inductor.config._micro_pipeline_tp`), which turns ours on."""
+    return bool(getattr(getattr(torch._inductor, "config", None), "_micro_pipeline_tp", False))
 
 
 def group_size(group_name: str) -> int:
@@ -458,6 +469,33 @@ class Choices:
         except Exception as e:  # unknown group: c10d will report it properly
             return f"cannot resolve group {request.group}: {e}"
         return ""
+
+    def async_tp(self, request: CommRequest, world: int, chunk_rows: int, flops: int) -> str:
+        """Why an all-gather that feeds matmuls (a matmul that feeds a reduce-scatter) stays as it is,
+        or "" to run it as async-TP's chunked op (passes/async_tp.py). `comm.async_tp` "on" (or torch's
+        `_inductor.config._micro_pipeline_tp`) chunks wherever symmetric memory can; "auto" only on a
+        GPU, where no independent matmuls hide the collective already and what chunking can hide, the
+        shorter of the transfer and all matmuls but the first chunk's, outweighs the two barriers and
+        the chunks' launches it costs (ASYNC_TP_COST_US). The transfer's time is the tuned table's
+        (its fastest algorithm), else its bytes at ASYNC_TP_ASSUMED_GBPS."""
+        mode, micro = config.comm.async_tp, micro_pipeline_tp()
+        if mode == "off" or (mode == "auto" and not micro and request.device.type != "cuda"):
+            return "config.comm.async_tp" if mode == "off" else "auto: on CUDA only"
+        why = self.comm_ineligible(request) or (request.reduce_op not in ("", "sum", "avg") and
+                                                f"reduce op {request.reduce_op}")
+        if why or mode == "on" or micro:
+            return why or ""
+        if chunk_rows < ASYNC_TP_MIN_CHUNK_ROWS:
+            return f"chunks of {chunk_rows} rows are too few for a matmul each"
+        full = request.nbytes * (world if request.collective == "all_gather_into_tensor" else 1)
+        if self.hidden_behind_compute(request, world, full):
+            return "independent matmuls hide the collective already"
+        comm_us = min(measured_us(world, full, request.device, request.collective).values(),
+                      default=full / ASYNC_TP_ASSUMED_GBPS / 1e3)
+        mm_us = self.matmul_us(flops, request.dtype, request.device) * (world - 1) / world
+        hidden = min(comm_us, mm_us)
+        return "" if hidden > ASYNC_TP_COST_US else \
+            f"hides {hidden:.0f} µs ({comm_us:.0f} µs of transfer, {mm_us:.0f} µs of later chunks' matmuls)"
 
     def bucket_member(self, request: CommRequest) -> bool:
         """Whether a collective may join a bucket (passes/bucketing.py): a small one, whose latency,

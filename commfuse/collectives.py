@@ -120,5 +120,8 @@ register_algorithm(CommAlgorithm("c10d", collective="", symmetric=False))
 # rank * shard + i. Each rank pulls from every peer between the fused kernel's barriers.
 register_algorithm(CommAlgorithm("symm_all_gather", collective="all_gather_into_tensor", fused=True))
 register_algorithm(CommAlgorithm("symm_reduce_scatter", collective="reduce_scatter_tensor", fused=True))
+# async-TP (passes/async_tp.py): the collective and its matmuls as one op of runtime/async_tp.py,
+# chunk by chunk over a workspace of its own
+register_algorithm(CommAlgorithm("async_tp", collective="", symmetric=False))
 # what config.comm.algorithm may be: "auto" (policy's choice), "torch" (torch_one_shot), or it forces an all-reduce's
 config.one_of("comm.algorithm", lambda: {"auto", "torch"} | {n for n, a in ALGORITHMS.items() if a.collective in ("all_reduce", "")})

@@ -118,6 +118,9 @@ class comm:
     # rank's shard (larger: c10d); a conservative guess, not a measurement
     gather_scatter_max_bytes = 1 << 20
     hide_behind_compute = True     # c10d (own stream) where independent matmuls outlast it, not a faster kernel
+    # all-gather -> matmul and matmul -> reduce-scatter chunked per rank, transfers overlapping the
+    # matmuls (passes/async_tp.py): auto (Choices.async_tp) | on | off
+    async_tp = "auto"
     table: str | None = None       # a `commfuse.tune` JSON table (None: the shipped one for this host)
     groups: list | None = None     # only these group names (None: all)
     sum_before_all_reduce = True   # all_reduce(a) + all_reduce(b) as all_reduce(a + b) (comm_sums.py)
@@ -163,7 +166,8 @@ _RULES = (
 )
 # the values an enumerated option may take; comm.algorithm's are the algorithm registry's, from the
 # time it has loaded (collectives.py, during `import commfuse`: `one_of`)
-_ONE_OF: dict[str, Callable[[], set]] = {"comm.gather_scatter": lambda: {"auto", "symmetric", "c10d"}}
+_ONE_OF: dict[str, Callable[[], set]] = {"comm.gather_scatter": lambda: {"auto", "symmetric", "c10d"},
+                                         "comm.async_tp": lambda: {"auto", "on", "off"}}
 # COMMFUSE_ variables of the project's own that are not options (tests, examples, benchmarks)
 _NOT_OPTIONS = ("COMMFUSE_TEST_", "COMMFUSE_EXAMPLE_", "COMMFUSE_BENCH_", "COMMFUSE_OPINFO_")
 

@@ -33,7 +33,7 @@ import uuid
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from . import config
+from . import choices, config
 
 log = logging.getLogger("commfuse")
 FORMAT = 1
@@ -198,6 +198,7 @@ def _config() -> dict:
     for name, value in config.snapshot().items():
         if name not in NOT_KEYED:
             out[name] = _plain(value, name)
+    out["_micro_pipeline_tp"] = choices.micro_pipeline_tp()  # turns async-TP on (Choices.async_tp)
     if config.comm.table:
         try:
             with open(config.comm.table, "rb") as f:

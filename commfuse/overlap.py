@@ -157,3 +157,9 @@ def _positions(graph) -> tuple[list, dict]:
         nodes = list(graph.nodes)
         cached = _POSITIONS[graph] = (nodes, {n: k for k, n in enumerate(nodes)})
     return cached
+
+
+def forget_positions(graph) -> None:
+    """After a rewrite of `graph` (passes/): its cached node positions are stale."""
+    _POSITIONS.pop(graph, None)
+

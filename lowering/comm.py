@@ -25,6 +25,7 @@ from commfuse.choices import group_size_or_0
 from commfuse.collectives import CommPlan, CommRequest, algorithm
 from commfuse.ir import Pointwise, TensorBox
 from commfuse.sizevars import FloorDiv, Mod
+from commfuse.runtime import async_tp
 from commfuse.virtualized import V, ops
 
 from . import register
@@ -200,6 +201,21 @@ def _through_c10d(name: str):
         V.graph.comm_plans.append(CommPlan(name, group, group_size_or_0(group), reduce_op, algorithm("c10d"), why))
         raise ir.Declined(why)
     return lower
+
+
+def _async_tp(collective: str, reduce_op_arg: int | None):
+    """The chunked ops of runtime/async_tp.py run as they are; their plan says so."""
+    def lower(*args):
+        world, group = args[-1], args[-2]
+        reduce_op = args[reduce_op_arg] if reduce_op_arg is not None else ""
+        V.graph.comm_plans.append(CommPlan(collective, group, world, reduce_op, algorithm("async_tp"),
+                                           "chunked with its matmuls (Choices.async_tp)"))
+        raise ir.Declined("async-TP's op runs as it is")
+    return lower
+
+
+register(async_tp.all_gather_mm._opoverload)(_async_tp("all_gather_into_tensor", None))
+register(async_tp.mm_reduce_scatter._opoverload)(_async_tp("reduce_scatter_tensor", 2))
 
 
 for _name in ("all_gather_into_tensor_out", "all_gather_into_tensor_coalesced",

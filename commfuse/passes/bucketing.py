@@ -19,7 +19,7 @@ import torch.fx
 
 from .. import choices, config, ir
 from ..collectives import CommRequest
-from .fx_rewrite import finish
+from .fx_rewrite import call, finish
 
 aten, c10d = torch.ops.aten, torch.ops._c10d_functional
 # op -> (kind, index of the group name, of the reduce op, of the group size) in its arguments
@@ -89,16 +89,6 @@ def _find_bucket(graph: torch.fx.Graph):
     return (min(full, key=lambda b: pos[b["members"][0]]), nodes) if full else None
 
 
-def _call(graph, target, *args):
-    """A node computing target(*args), with its fake value."""
-    node = graph.call_function(target, args)
-    vals = torch.fx.node.map_arg(args, lambda n: n.meta["val"])
-    mode = torch._guards.detect_fake_mode(torch.utils._pytree.tree_leaves(vals))
-    with mode:
-        node.meta["val"] = target(*vals)
-    return node
-
-
 def _merge(graph: torch.fx.Graph, bucket: dict, nodes: list) -> None:
     name, _, _, world, _, _ = bucket["key"]
     members = bucket["members"]
@@ -107,23 +97,23 @@ def _merge(graph: torch.fx.Graph, bucket: dict, nodes: list) -> None:
     total, offsets = sum(sizes), [sum(sizes[:i]) for i in range(len(sizes))]
     with graph.inserting_before(nodes[bucket["start"]].next):  # after the last member's input
         if name == "reduce_scatter":  # rank r's share of every member, side by side
-            parts = [_call(graph, aten.view.default, x, [world, n]) for x, n in zip(xs, sizes)]
-            packed = _call(graph, aten.view.default, _call(graph, aten.cat.default, parts, 1), [world * total])
+            parts = [call(graph, aten.view.default, x, [world, n]) for x, n in zip(xs, sizes)]
+            packed = call(graph, aten.view.default, call(graph, aten.cat.default, parts, 1), [world * total])
         else:
-            packed = _call(graph, aten.cat.default, [_call(graph, aten.view.default, x, [-1]) for x in xs])
-        merged = _call(graph, members[0].target, packed, *members[0].args[1:])
+            packed = call(graph, aten.cat.default, [call(graph, aten.view.default, x, [-1]) for x in xs])
+        merged = call(graph, members[0].target, packed, *members[0].args[1:])
         merged.meta["bucket"] = len(members)
     first_use = nodes[bucket["use"]]
     with graph.inserting_before(first_use):  # waited before any member's result is read
-        done = _call(graph, c10d.wait_tensor.default, merged)
-        rows = _call(graph, aten.view.default, done, [world, total]) if name == "all_gather" else None
+        done = call(graph, c10d.wait_tensor.default, merged)
+        rows = call(graph, aten.view.default, done, [world, total]) if name == "all_gather" else None
         for m, n, off in zip(members, sizes, offsets):
             shape = list(next(iter(m.users)).meta["val"].shape)
             if rows is None:
-                out = _call(graph, aten.view.default, _call(graph, aten.slice.Tensor, done, 0, off, off + n), shape)
+                out = call(graph, aten.view.default, call(graph, aten.slice.Tensor, done, 0, off, off + n), shape)
             else:  # every rank's columns of this member, copied out in the gathered order
-                cols = _call(graph, aten.slice.Tensor, rows, 1, off, off + n)
-                out = _call(graph, aten.view.default, _call(graph, aten.clone.default, cols), shape)
+                cols = call(graph, aten.slice.Tensor, rows, 1, off, off + n)
+                out = call(graph, aten.view.default, call(graph, aten.clone.default, cols), shape)
             (wait,) = m.users
             wait.replace_all_uses_with(out)
             graph.erase_node(wait)

@@ -1,8 +1,10 @@
-"""What the FX-graph rewrites (attention.py, reinplace.py, one_hot.py, host_scalars.py) share."""
+"""What the FX-graph rewrites (attention.py, async_tp.py, bucketing.py, reinplace.py, ...) share."""
 from __future__ import annotations
 
 import torch
 import torch.fx
+
+from ..overlap import forget_positions
 
 
 def erase_unused(graph: torch.fx.Graph, nodes) -> None:
@@ -32,9 +34,19 @@ def give_example_values(gm: torch.fx.GraphModule, old) -> None:
             continue
 
 
+def call(graph: torch.fx.Graph, target, *args) -> torch.fx.Node:
+    """A node computing target(*args), with its fake value (`val`), at the graph's insertion point."""
+    node = graph.call_function(target, args)
+    vals = torch.fx.node.map_arg(args, lambda n: n.meta["val"])
+    with torch._guards.detect_fake_mode(torch.utils._pytree.tree_leaves(vals)):
+        node.meta["val"] = target(*vals)
+    return node
+
+
 def finish(gm: torch.fx.GraphModule, changed: int) -> int:
     """After `changed` rewrites of gm's graph: check it and regenerate its code; returns changed."""
     if changed:
+        forget_positions(gm.graph)
         gm.graph.lint()
         gm.recompile()
     return changed

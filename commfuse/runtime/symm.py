@@ -244,8 +244,9 @@ class SharedPools:
         self.pools: dict = {}
         self.generation: dict = {}
 
-    def get(self, group_name: str, device, nbytes: int) -> SymmPool:
-        key = (group_name, str(torch.device(device)))
+    def get(self, group_name: str, device, nbytes: int, tag: str = "") -> SymmPool:
+        """`tag`: a pool of its own beside the graphs' (runtime/async_tp.py's workspace)."""
+        key = (group_name, str(torch.device(device))) + ((tag,) if tag else ())
         pool = self.pools.get(key)
         if pool is None or pool.nbytes < nbytes:
             if pool is not None and torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -262,8 +263,8 @@ class SharedPools:
     def report(self) -> dict:
         """{group: {device: bytes}} of the pools allocated in this process."""
         out: dict = {}
-        for (group, device), pool in self.pools.items():
-            out.setdefault(group, {})[device] = pool.nbytes
+        for (group, device, *tag), pool in self.pools.items():
+            out.setdefault(group, {})[device + "".join(f" ({t})" for t in tag)] = pool.nbytes
         return out
 
 

@@ -1,0 +1,111 @@
+"""Async-TP (passes/async_tp.py, runtime/async_tp.py): all-gather → matmuls and matmuls →
+reduce-scatter run as chunked ops; values against eager, forward and backward, and the rewrite in
+the plan and the generated code; the policy's reasons."""
+import glob
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.testing import FileCheck
+
+from commfuse import choices as choices_mod, config
+from commfuse.collectives import CommRequest
+from tests.dist_utils import device, run_ranks
+
+
+def _blocks(rank, world, dump_dir, dtype):
+    """A sequence-parallel SwiGLU MLP (gathered along the sequence dim, scattered back: DTensor's
+    reordering around dim 0) and an all-gather along dim 0 that feeds two matmuls, with an avg
+    reduce-scatter of one matmul; forward and backward against eager."""
+    import torch.distributed._functional_collectives as funcol
+    g = dist.group.WORLD
+    torch.manual_seed(0)
+    h, f = 16, 8 * world
+    params = [(torch.randn(*s, device=device(), dtype=dtype) / 4).requires_grad_()
+              for s in ((f // world, h), (f // world, h), (h, f // world), (6, h), (5, h), (h, 6))]
+    w1, w3, w2, wq, wk, wo = params
+
+    def fn(x, y):
+        full = funcol.all_gather_tensor_autograd(x, 1, g)
+        mlp = funcol.reduce_scatter_tensor_autograd(
+            (torch.nn.functional.silu(full @ w1.t()) * (full @ w3.t())) @ w2.t(), "sum", 1, g)
+        rows = funcol.all_gather_tensor_autograd(y, 0, g)
+        q, k = rows @ wq.t(), rows @ wk.t()
+        attn = funcol.reduce_scatter_tensor_autograd(torch.tanh(q) @ wo.t(), "sum", 0, g)
+        return mlp, attn, k
+
+    torch.manual_seed(rank + 1)
+    x = torch.randn(2, 3, h, device=device(), dtype=dtype, requires_grad=True)
+    y = torch.randn(4, h, device=device(), dtype=dtype, requires_grad=True)
+    want = fn(x, y)
+    sum(o.float().sum() for o in want).backward()
+    grads = [t.grad for t in (x, y, *params)]
+    for t in (x, y, *params):
+        t.grad = None
+    torch._dynamo.reset()
+    with config.patch({"dump_dir": dump_dir, "comm.async_tp": "on"}):
+        got = torch.compile(fn, backend="commfuse", dynamic=False)(x, y)
+        sum(o.float().sum() for o in got).backward()
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    for o, r in zip(got, want):
+        torch.testing.assert_close(o, r, atol=tol, rtol=tol)
+    for t, r in zip((x, y, *params), grads):
+        torch.testing.assert_close(t.grad, r, atol=tol, rtol=tol)
+    return True
+
+
+def test_sequence_parallel_blocks_match_eager_two_ranks(tmp_path):
+    run_ranks(_blocks, 2, args=(str(tmp_path), torch.float32))
+    for kind in ("forward", "backward"):
+        (path,) = glob.glob(f"{tmp_path}/rank0/*_{kind}_*/summary.json")
+        s = json.load(open(path))
+        plans = [(p["collective"], p["algorithm"]) for p in s["comm_plans"]]
+        # every collective runs with its matmuls: none is left to c10d or to a kernel of its own
+        assert plans and all(a == "async_tp" for _, a in plans), plans
+        assert {c for c, _ in plans} == {"all_gather_into_tensor", "reduce_scatter_tensor"}, plans
+        code = open(os.path.join(os.path.dirname(path), "output_code.py")).read()
+        assert "_c10d_functional" not in code
+        if kind == "forward":  # the two gathers feed three matmuls; the scatters follow their matmuls
+            FileCheck().check("commfuse_comm.all_gather_mm").check("commfuse_comm.mm_reduce_scatter") \
+                .check("commfuse_comm.all_gather_mm").check("commfuse_comm.mm_reduce_scatter").run(code)
+            assert code.count("aten.mm") == 0, "a matmul of the forward ran apart from its collective"
+
+
+def test_bfloat16_four_ranks(tmp_path):
+    run_ranks(_blocks, 4, args=(str(tmp_path), torch.bfloat16))
+
+
+def test_policy(monkeypatch):
+    """auto chunks on a GPU where it hides more than it costs; never where chunks are too small,
+    where matmuls beside it hide it already, or with the option off; `on` or torch's
+    _micro_pipeline_tp chunk wherever symmetric memory can run the collective."""
+    policy = choices_mod.Choices()
+    monkeypatch.setattr(choices_mod.Choices, "comm_ineligible", lambda self, r: "")
+    monkeypatch.setattr(choices_mod, "measured_us", lambda *a, **k: {})
+    monkeypatch.setattr(choices_mod, "sm_count", lambda device=None: 132)  # an H100 without one
+
+    def why(rows=2048, k=4096, dev="cuda", flops=None, independent=0, op=""):
+        r = CommRequest("all_gather_into_tensor", op, "0", torch.bfloat16, torch.device(dev), (rows // 4, k),
+                        independent_flops=independent)
+        return policy.async_tp(r, 4, rows // 4, 2 * rows * k * 4096 if flops is None else flops)
+    assert why() == ""
+    assert "too few" in why(rows=128)
+    assert "hides" in why(flops=2 * 2048 * 4096 * 16)  # a few µs of matmuls hide little
+    assert "CUDA" in why(dev="cpu")
+    with config.patch({"comm.hide_behind_compute": True, "overlap_collectives": True}):
+        monkeypatch.setattr(choices_mod, "measured_us", lambda *a, **k: {"c10d": 50.0})
+        assert "hide the collective" in why(independent=2 * 4096 ** 3)
+    with config.patch({"comm.async_tp": "off"}):
+        assert why() == "config.comm.async_tp"
+    with config.patch({"comm.async_tp": "on"}):
+        assert why(rows=128, dev="cpu") == ""
+        assert "reduce op" in why(op="max")
+    monkeypatch.setattr(torch._inductor.config, "_micro_pipeline_tp", True)
+    assert why(rows=128, dev="cpu") == ""
+
+
+def test_option_is_checked():
+    with pytest.raises(ValueError, match="async_tp"):
+        config.parse("comm.async_tp", "sometimes", "COMMFUSE_COMM_ASYNC_TP")
