@@ -114,50 +114,95 @@ BYTES_OPS = re.compile(r"aten::(mm|addmm|bmm|_?scaled_dot_product\w*|_flash_atte
 ELEMENT = {"c10::BFloat16": 2, "c10::Half": 2, "float": 4, "double": 8, "bool": 1, "int": 4, "long int": 8}
 
 
-def aten_bytes(events, elem: int) -> dict:
+def aten_bytes(events, elem: int, cpu=False) -> dict:
     """{kernel: bytes of its aten op's tensor inputs} for the ops whose kernels read all of their
-    inputs (matmuls, attention); an op's bytes go to its longest kernel. Dtypes from the profiler
-    where it records them, else `elem` bytes each."""
+    inputs (matmuls, attention); an op's bytes go to its longest kernel (`cpu`: to the op itself,
+    which stands in for its kernel there). Dtypes from the profiler where it records them, else
+    `elem` bytes each."""
     out: dict[str, float] = {}
     for e in events:
-        if not (e.kernels and BYTES_OPS.match(e.name)):
+        if not ((e.kernels or cpu) and BYTES_OPS.match(e.name)):
             continue
         dtypes = list(getattr(e, "input_dtypes", None) or [])
         b = sum(math.prod(shape) * ELEMENT.get(dtypes[i] if i < len(dtypes) else "", elem)
                 for i, shape in enumerate(e.input_shapes) if shape and all(isinstance(d, int) for d in shape))
-        k = max(e.kernels, key=lambda k: k.duration).name
+        k = max(e.kernels, key=lambda k: k.duration).name if e.kernels else e.name
         out[k] = out.get(k, 0) + b
     return out
 
 
-def kernel_table(call, steps, dev, bandwidth_gbs, elem=2) -> str:
-    """Markdown: each kernel of `call()` (one decode step) by GPU time per step (torch.profiler over
-    `steps` steps), with the bytes it moved (a generated kernel's tensor arguments; a matmul's or
-    attention's aten inputs), its GB/s and its share of the measured read bandwidth, under 80% flagged."""
-    from torch.autograd import DeviceType
+def _profiled(run, gpu, shapes=False):
+    """torch.profiler's events of `run()`, GPU kernels included on a GPU."""
     from torch.profiler import ProfilerActivity, profile
-    moved = kernel_bytes(call)
-    call()
-    timing.sync(dev)
-    dist.barrier()
-    gpu = dev.type == "cuda"
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else []), record_shapes=True) as prof:
-        for _ in range(steps):  # each step from a barrier: where launching is slower than the GPU, the
-            dist.barrier()      # ranks drift apart and the drift would show as waiting in the all-reduces
-            timing.sync(dev)
-            call()
-        timing.sync(dev)
-    events = prof.events()
-    moved.update({k: v / steps for k, v in aten_bytes(events, elem).items()})
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else []), record_shapes=shapes) as prof:
+        run()
+    return prof.events()
+
+
+def per_kernel(events, steps, gpu) -> dict:
+    """{kernel: [µs, launches]} per step over `steps` steps' events: GPU kernels (on CPU, the
+    script's check, aten's ops stand in), NCCL's (the barriers) and annotations left out."""
+    from torch.autograd import DeviceType
     per: dict[str, list] = {}
-    for e in events:  # on CPU (the script's check) aten's ops stand in for kernels
+    for e in events:
         if e.device_type == (DeviceType.CUDA if gpu else DeviceType.CPU) and (gpu or e.name.startswith("aten::")) \
                 and "nccl" not in e.name.lower() \
                 and not getattr(e, "is_user_annotation", False) and not re.fullmatch(r"[\w.]+:[\w.]+", e.name):
             t = per.setdefault(e.name, [0.0, 0.0])
             t[0] += e.time_range.elapsed_us() / steps
             t[1] += 1 / steps
-    lines = [f"| kernel | µs per step | launches per step | MB per step | GB/s | of {bandwidth_gbs:.0f} GB/s |",
+    return per
+
+
+def graph_kernels(call, dev, graph_steps, replays) -> dict:
+    """per_kernel() of `replays` replays of a CUDA graph of `graph_steps` calls, each replay started
+    when every rank has passed a barrier and the GPU is idle."""
+    graph = timing.capture(call, graph_steps)
+
+    def replayed():
+        for _ in range(replays):
+            timing.sync(dev)
+            dist.barrier()
+            timing.sync(dev)
+            graph.replay()
+        timing.sync(dev)
+    return per_kernel(_profiled(replayed, True), replays * graph_steps, True)
+
+
+def kernel_table(call, steps, dev, bandwidth_gbs, elem=2, graph_steps=10, replays=5) -> str:
+    """Markdown: each kernel of `call()` (one decode step) by GPU time per step, with the bytes it
+    moved (a generated kernel's tensor arguments; a matmul's or attention's aten inputs), its GB/s
+    and its share of the measured read bandwidth, under 80% flagged. On a GPU the times are from
+    `replays` replays of a CUDA graph of `graph_steps` steps, each after a barrier: launched op by op
+    the step is host-bound, the ranks drift apart within it and the all-reduces would hold the
+    drift. Else (on CPU; a torch whose profiler sees no kernels in a graph's replays) from `steps`
+    plain calls, each after a barrier. A heading line says which."""
+    gpu = dev.type == "cuda"
+    moved = kernel_bytes(call)
+    call()
+    timing.sync(dev)
+    dist.barrier()
+
+    def plain():
+        for _ in range(steps):
+            dist.barrier()
+            timing.sync(dev)
+            call()
+        timing.sync(dev)
+    events = _profiled(plain, gpu, shapes=True)  # also the aten ops' shapes, for their bytes
+    moved.update({k: v / steps for k, v in aten_bytes(events, elem, cpu=not gpu).items()})
+    per = per_kernel(events, steps, gpu)
+    how = f"{steps} steps called one by one, each after a barrier" + ("" if gpu else " (CPU: no CUDA graphs)")
+    try:
+        in_graph = graph_kernels(call, dev, graph_steps, replays) if gpu else None
+    except Exception as e:  # (a step that cannot be captured)
+        in_graph, how = None, how + f" (capturing a CUDA graph failed: {type(e).__name__})"
+    if in_graph is not None and sum(n for _, n in in_graph.values()) >= 0.5 * sum(n for _, n in per.values()):
+        per, how = in_graph, f"{replays} replays of a CUDA graph of {graph_steps} steps, each replay after a barrier"
+    elif in_graph is not None:  # this torch's profiler does not see the kernels a graph launches
+        how += " (the profiler saw no kernels inside CUDA graph replays: host-bound, the all-reduces hold the ranks' drift)"
+    lines = [f"Profiled: {how}; per step.", "",
+             f"| kernel | µs per step | launches per step | MB per step | GB/s | of {bandwidth_gbs:.0f} GB/s |",
              "|---|---|---|---|---|---|"]
     total = 0.0
     for name, (us, n) in sorted(per.items(), key=lambda kv: -kv[1][0]):

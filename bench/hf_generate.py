@@ -22,11 +22,15 @@ Variants: eager, Inductor mode="reduce-overhead", Inductor, commfuse, commfuse o
   generate() runs the prefill eagerly and compiles the decode steps (also on CPU here). The static
   cache is then allocated eagerly, its tensors marked static (torch._dynamo.mark_static_address).
 
+Each variant in turn, all its figures before the next (eager first: its logits are the reference):
+a progress line when it finishes, and the table so far written to --out (with its JSON), so that a
+run cut by a time limit keeps the variants done. The default run's time is mostly the variants' cold
+compiles (a prefill and a decode graph each); N=64 new tokens and 3 timed calls keep the rest small.
 Figures, the worst rank's:
 - generate: `model.generate(prompt, max_new_tokens=N, min_new_tokens=N, do_sample=False)` with
   `cache_implementation="static"` (B prompts of P tokens): ms per call (CUDA events; the median of
-  --rounds calls, the variants interleaved, after the first call and one more), new tokens per second (B x N over
-  it) and ms per new token; on CPU one timed call, a smoke figure;
+  --rounds calls, after the first call and the teacher-forced one), new tokens per second (B x N
+  over it) and ms per new token; on CPU one timed call, a smoke figure;
 - first generate: the first call's seconds (the compiles of the prefill and the decode step);
 - teacher forcing: generate() again, a logits processor recording each step's logits (the prefill's
   last position, then each decode step's) and making greedy search pick fixed random tokens, so that
@@ -36,7 +40,9 @@ Figures, the worst rank's:
 - generated tokens equal to eager's (greedy on random weights: near-ties may flip; information only);
 - for reduce-overhead and cuda_graphs, the graphs run without a CUDA graph over all those calls
   (Inductor's cudagraph skips: a graph writing an input that is not static, as the decode step
-  writes a cache that a compiled prefill allocated; commfuse's warnings).
+  writes a cache that a compiled prefill allocated; commfuse's warnings);
+- graphs: how many Dynamo compiled for the variant over all its calls (a prefill and a decode step:
+  2; more, a recompile).
 
 Ratios are speed-ups, other's time / this one's (above 1: the commfuse variant is faster).
 """
@@ -48,6 +54,7 @@ import math
 import os
 import sys
 import tempfile
+import time
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
@@ -63,7 +70,7 @@ from bench.common import add_run_args, commfuse_options, run_meta, write_results
 VARIANTS = ("eager", "inductor reduce-overhead", "inductor", "commfuse", "commfuse cuda_graphs")
 RATIOS = (("eager", "commfuse"), ("eager", "commfuse cuda_graphs"), ("inductor reduce-overhead", "commfuse"),
           ("inductor reduce-overhead", "commfuse cuda_graphs"), ("inductor", "commfuse"))
-FULL = dict(hidden=4096, heads=32, kv_heads=8, ffn=14336, layers=4, vocab=32000, batch=8, prompt=32, new_tokens=128)
+FULL = dict(hidden=4096, heads=32, kv_heads=8, ffn=14336, layers=4, vocab=32000, batch=8, prompt=32, new_tokens=64)
 TINY = dict(hidden=64, heads=4, kv_heads=2, ffn=128, layers=2, vocab=128, batch=2, prompt=5, new_tokens=4)
 
 
@@ -159,7 +166,9 @@ def max_error(got, want) -> float:
 
 
 # ------------------------------------------------------------------------------------------- main
-def run(a, dev, variants, options) -> tuple[dict, dict, float]:
+def run(a, dev, variants, options, report) -> None:
+    """Each variant in turn, all its figures before the next (its compiles, the teacher-forced check,
+    --rounds timed calls); report(res, failed, scale, name, seconds) after each, on every rank."""
     from transformers import LogitsProcessorList
     world = dist.get_world_size()
     model = build(a, world, dev)
@@ -172,54 +181,40 @@ def run(a, dev, variants, options) -> tuple[dict, dict, float]:
         with torch.no_grad():
             return model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=a.new_tokens,
                                   min_new_tokens=a.new_tokens, do_sample=False, **kw)
-    res, failed, tokens, ref, ungraphed = {v: {} for v in variants}, {}, {}, None, Ungraphed()
+    res, failed, tokens, ref, ungraphed, scale = {v: {} for v in variants}, {}, {}, None, Ungraphed(), 0.0
     for name in variants:
+        start, r = time.perf_counter(), res[name]
         try:
             model.forward, kw = calls[name]
-            before = ungraphed()
+            before, graphs = ungraphed(), torch._dynamo.utils.counters["stats"]["unique_graphs"]
             first = []
-            res[name]["first generate s"] = timing.wall_time_s(lambda: first.append(generate(**kw)), dev)
+            r["first generate s"] = timing.wall_time_s(lambda: first.append(generate(**kw)), dev)
             tokens[name] = first[0][:, a.prompt:]
-            forcing = Forced(forced, a.prompt)
+            forcing = Forced(forced, a.prompt)  # (also the warm-up call of the timed ones)
             if not torch.equal(generate(logits_processor=LogitsProcessorList([forcing]), **kw)[:, a.prompt:], forced):
                 raise RuntimeError("teacher forcing: generate() did not emit the forced tokens")
             if name == "eager":
                 ref = forcing.logits
+                scale = max(t.abs().max().item() for t in ref)
             if ref is None:
                 raise RuntimeError("eager's logits are the reference: add eager to --variants")
-            res[name]["err logits"] = max_error(forcing.logits, ref)
+            r["err logits"] = max_error(forcing.logits, ref)
             if "eager" in tokens:
-                res[name]["tokens equal %"] = 100 * (tokens[name] == tokens["eager"]).float().mean().item()
+                r["tokens equal %"] = 100 * (tokens[name] == tokens["eager"]).float().mean().item()
+            times = []
+            for _ in range(a.rounds):
+                if dev.type == "cuda":
+                    times.append(timing.median_us(lambda: generate(**kw), 1, 1) / 1e3)
+                else:
+                    times.append(timing.wall_time_s(lambda: generate(**kw), dev) * 1e3)
+            ms = sorted(times)[len(times) // 2]
+            r.update({"ms/generate": ms, "tokens/s": a.batch * a.new_tokens / ms * 1e3, "ms/token": ms / a.new_tokens})
+            r["graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
             if name in SELF_GRAPHED:
-                res[name]["ungraphed"] = ungraphed() - before
+                r["ungraphed"] = ungraphed() - before
         except Exception as e:  # report, go on with the others
             failed[name] = _why(e)
-    scale = max(t.abs().max().item() for t in ref) if ref is not None else 0.0
-    timed = [v for v in variants if v not in failed]
-    times = {v: [] for v in timed}
-    rounds = range(a.rounds + (dev.type == "cuda"))  # (on a GPU, round 0 is a warm-up call)
-    # interleaved where each variant is its own compiled forward (the variants see the same drift);
-    # generate() keeps one compiled call, recompiled at each change of CompileConfig: one at a time
-    order = [(r, v) for r in rounds for v in timed] if a.compile == "forward" else [(r, v) for v in timed for r in rounds]
-    for r, name in order:
-        try:
-            model.forward, kw = calls[name]
-            before = ungraphed()
-            if dev.type == "cuda":
-                t = timing.median_us(lambda: generate(**kw), 1, 1) / 1e3
-                times[name] += [t] if r else []
-            else:
-                times[name].append(timing.wall_time_s(lambda: generate(**kw), dev) * 1e3)
-            if name in SELF_GRAPHED:
-                res[name]["ungraphed"] += ungraphed() - before
-        except Exception as e:
-            failed[f"{name}, timing"] = _why(e)
-    for name, t in times.items():
-        if t:
-            ms = sorted(t)[len(t) // 2]
-            res[name].update({"ms/generate": ms, "tokens/s": a.batch * a.new_tokens / ms * 1e3,
-                              "ms/token": ms / a.new_tokens})
-    return res, failed, scale
+        report(res, failed, scale, name, time.perf_counter() - start)
 
 
 ROWS = (  # (key, label, fmt, higher is better)
@@ -227,6 +222,7 @@ ROWS = (  # (key, label, fmt, higher is better)
     ("ms/generate", "generate: ms per call", "{:.1f}", False),
     ("ms/token", "generate: ms per new token (the call / N)", "{:.2f}", False),
     ("first generate s", "first generate: s (compiles)", "{:.1f}", False),
+    ("graphs", "graphs Dynamo compiled (over all its calls: above 2, a recompile)", "{:.0f}", None),
     ("err logits", "teacher forcing: max abs logit error vs eager", "{:.2e}", None),
     ("tokens equal %", "generated tokens equal to eager's, % (information)", "{:.0f}", None),
     ("ungraphed", "graphs run without a CUDA graph (Inductor's cudagraph skips, commfuse's warnings)", "{:.0f}", None),
@@ -272,7 +268,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_size_args(ap, FULL, TINY)
     ap.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), help="default bfloat16; float32 with --cpu")
-    ap.add_argument("--rounds", type=int, default=None, help="timed generate calls per variant (default 5; 1 with --tiny)")
+    ap.add_argument("--rounds", type=int, default=None, help="timed generate calls per variant (default 3; 1 with --tiny)")
     ap.add_argument("--compile", choices=("forward", "generate"), default="forward",
                     help="forward: model.forward = torch.compile(model.forward, ...) (default); generate: "
                          "generate(compile_config=CompileConfig(...)), transformers compiling its decode steps")
@@ -280,7 +276,7 @@ def main(argv=None) -> int:
     add_run_args(ap, "decode_attention=True")
     a = ap.parse_args(argv)
     fill_sizes(a, FULL, TINY)
-    a.rounds = a.rounds or (1 if a.tiny else 5)
+    a.rounds = a.rounds or (1 if a.tiny else 3)
     a.dtype_name = a.dtype or ("float32" if a.cpu else "bfloat16")
     a.dtype = getattr(torch, a.dtype_name)
     variants = [v.strip() for v in a.variants.split(",") if v.strip()]
@@ -307,19 +303,32 @@ def main(argv=None) -> int:
         ap.error(f"heads, KV heads, F and the vocabulary must divide among {world} ranks")
     # one code object (the forward) holds every variant's graphs: a prefill and a decode step each
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(VARIANTS))
-    res, failed, scale = run(a, dev, variants, options)
-    res = worst_over_ranks(res, variants, dev)
-    failures = [None] * world
-    dist.all_gather_object(failures, failed)
+    dev_name = torch.cuda.get_device_name() if dev.type == "cuda" else "CPU (gloo, Triton interpreter)"
     status = 0
-    if dist.get_rank() == 0:
+
+    def report(res, failed, scale, variant, seconds):
+        """After each variant: the worst rank's figures, a progress line and the table so far
+        (written to --out each time: a run cut by a time limit keeps the variants done)."""
+        nonlocal status
+        res = worst_over_ranks(res, variants, dev)
+        failures = [None] * world
+        dist.all_gather_object(failures, failed)
+        if dist.get_rank() != 0:
+            return
         failed = {f"rank {r}: {k}": v for r, f in enumerate(failures) for k, v in f.items()}
-        name = torch.cuda.get_device_name() if dev.type == "cuda" else "CPU (gloo, Triton interpreter)"
-        text, flagged = table(a, res, failed, variants, world, name, scale)
+        done = variants[: variants.index(variant) + 1]
+        r, final = res[variant], done == variants
+        why = next((v for k, v in failed.items() if k.endswith(f": {variant}")), None)
+        print(f"[{len(done)}/{len(variants)}] {variant}: " + (f"failed ({why})" if why else
+              f"first generate {r.get('first generate s', 0):.1f} s, {r.get('graphs', 0):.0f} graphs, {r.get('ms/generate', 0):.1f} ms per call, "
+              f"logit error {r.get('err logits', 0):.2e}") + f"; {seconds:.1f} s in all", flush=True)
+        text, flagged = table(a, res, failed, done, world, dev_name, scale)
+        text += "" if final else f"\n(so far: {len(done)} of the {len(variants)} variants)\n"
         config = {k: v for k, v in vars(a).items() if k != "dtype"}
-        write_results(a.out, text, {"meta": run_meta(name, a.commit), "config": config, "world": world,
-                                    "results": res, "failed": failed, "logit scale": scale})
+        write_results(a.out, text, {"meta": run_meta(dev_name, a.commit), "config": config, "world": world, "results": res,
+                                    "failed": failed, "logit scale": scale, "complete": final}, partial=not final)
         status = 1 if failed or flagged else 0
+    run(a, dev, variants, options, report)
     status_t = torch.tensor([status], device=dev)
     dist.broadcast(status_t, 0)
     dist.destroy_process_group()

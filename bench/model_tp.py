@@ -31,9 +31,11 @@ Workloads:
   parameter and buffer shapes) over the read bandwidth measured in the run (torch.sum over 1 GiB),
   plus the row-parallel all-reduces times torch symm_mem's one-shot latency at the step's size; the
   prefix floor reads the cache only up to the position; each variant's GPU time per step (per call
-  where self-graphing) over both. --kernels: commfuse's step per kernel (5 steps profiled, rank 0),
-  with the bytes it moved (a generated kernel's tensor arguments; a matmul's or attention's aten
-  inputs; other aten kernels without) and its GB/s against the measured bandwidth, under 80% flagged.
+  where self-graphing) over both. --kernels: commfuse's step per kernel (rank 0; on GPUs, 5 replays
+  of a CUDA graph of --graph-steps steps, each after a barrier, so that the ranks start together
+  and host time does not show as waiting in the all-reduces; on CPU 5 plain calls), with the bytes
+  it moved (a generated kernel's tensor arguments; a matmul's or attention's aten inputs; other aten
+  kernels without) and its GB/s against the measured bandwidth, under 80% flagged.
   --sweep B:C,...: after the workloads, decode again at each batch B and cache length C (position
   C/2 unless --pos), each on a model of its own, the --sweep-variants only (default Inductor and
   commfuse): GPU time, per call, floors and ratios, error.
@@ -263,7 +265,8 @@ def decode(model, a, dev, variants, res, failed, check_steps=4, key="decode"):
         if main and a.kernels and "commfuse" in step:
             try:
                 bw = res[variants[0]].get("decode floor read GB/s") or decode_floor.read_bandwidth(dev) / 1e9
-                a.kernel_tables["decode, commfuse"] = decode_floor.kernel_table(step["commfuse"], 5, dev, bw, a.dtype.itemsize)
+                a.kernel_tables["decode, commfuse"] = decode_floor.kernel_table(
+                    step["commfuse"], 5, dev, bw, a.dtype.itemsize, graph_steps=a.graph_steps)
             except Exception as e:
                 failed["commfuse, decode kernels"] = _why(e)
         if main and "decode" in a.trace:
@@ -629,7 +632,7 @@ def report(a, res, failed, variants, dev, final) -> int:
     if merged:
         text += "\n\nFailed:\n" + "\n".join(f"- {k}: {v}" for k, v in merged.items())
     for what, t in a.kernel_tables.items():
-        text += f"\n\nPer kernel, {what} (rank 0, 5 steps profiled; bytes: a generated kernel's tensor arguments, " \
+        text += f"\n\nPer kernel, {what} (rank 0; bytes: a generated kernel's tensor arguments, " \
                 f"a matmul's or attention's aten inputs, each once; other aten kernels without):\n\n" + t
     if final:
         print(text, flush=True)

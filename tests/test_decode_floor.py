@@ -1,16 +1,24 @@
 """bench/decode_floor.py: the decode floor's bytes and all-reduce count read from a TP model's
-shapes (2 gloo ranks, no compile) equal the counts written out by hand."""
+shapes (2 gloo ranks, no compile) equal the counts written out by hand; the per-kernel table (on
+CPU, plain calls, aten's ops standing in for kernels) gives each matmul its inputs' bytes."""
+import torch
+
 from bench.llama import Config
-from tests.dist_utils import device, run_ranks
+from tests.dist_utils import device, run_ranks, use_cuda
 
 CFG = Config(dim=32, n_heads=4, n_kv_heads=2, ffn=64, n_layers=2, max_batch=3, max_seq=16)
 
 
 def _floors(rank, world):
     from bench import decode_floor
-    from bench.llama import tp_llama
+    from bench.llama import llama, tp_llama
     model = tp_llama(CFG, world, device())
-    return decode_floor.floors(model, CFG.max_batch, CFG.dim, pos=11, dtype=next(model.parameters()).dtype, dev=device())
+    f = decode_floor.floors(model, CFG.max_batch, CFG.dim, pos=11, dtype=next(model.parameters()).dtype, dev=device())
+    plain = llama(CFG, 1, device())  # (DTensor's ops would show twice: its own and the local one)
+    x, pos = torch.randn(CFG.max_batch, 1, CFG.dim, device=device()), torch.tensor([11], device=device())
+    with torch.no_grad():
+        f["table"] = decode_floor.kernel_table(lambda: plain(x, pos), 2, device(), bandwidth_gbs=1.0, elem=4)
+    return f
 
 
 def test_floor_terms_from_the_model_shapes():
@@ -27,3 +35,14 @@ def test_floor_terms_from_the_model_shapes():
         bw = f["floor read GB/s"] * 1e3  # bytes per µs
         assert abs(f["floor µs"] - ((weights + cache) / bw + 4 * f["floor all-reduce µs"])) < 1e-6 * f["floor µs"]
         assert f["prefix floor µs"] < f["floor µs"]
+        table = f.pop("table")
+        if use_cuda(2):  # replays of a CUDA graph (or plain calls, the heading says why)
+            assert "CUDA graph" in table.splitlines()[0] and "| total |" in table, table
+            continue
+        assert table.startswith("Profiled: 2 steps called one by one") and "| total |" in table, table
+        # per layer 7 matmuls (q, k, v, o, gate, up, down), each step; fp32 inputs: rows x K + K x N
+        mm = next(line for line in table.splitlines() if line.startswith("| `aten::mm` |")).split(" | ")
+        assert float(mm[2]) == 7 * CFG.n_layers, mm
+        k_n = [(CFG.dim, CFG.dim), (CFG.dim, CFG.n_kv_heads * hd), (CFG.dim, CFG.n_kv_heads * hd),
+               (CFG.dim, CFG.dim), (CFG.dim, CFG.ffn), (CFG.dim, CFG.ffn), (CFG.ffn, CFG.dim)]
+        assert mm[3] == f"{CFG.n_layers * sum(4 * (CFG.max_batch * k + k * n) for k, n in k_n) / 1e6:.2f}", mm  # MB per step
