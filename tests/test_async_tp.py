@@ -23,11 +23,10 @@ def _blocks(rank, world, dump_dir, dtype):
     g = dist.group.WORLD
     torch.manual_seed(0)
     h, f = 16, 8 * world
-    params = [(torch.randn(*s, device=device(), dtype=dtype) / 4).requires_grad_()
+    params = [torch.randn(*s, device=device(), dtype=dtype) / 4
               for s in ((f // world, h), (f // world, h), (h, f // world), (6, h), (5, h), (h, 6))]
-    w1, w3, w2, wq, wk, wo = params
 
-    def fn(x, y):
+    def fn(x, y, w1, w3, w2, wq, wk, wo):
         full = funcol.all_gather_tensor_autograd(x, 1, g)
         mlp = funcol.reduce_scatter_tensor_autograd(
             (torch.nn.functional.silu(full @ w1.t()) * (full @ w3.t())) @ w2.t(), "sum", 1, g)
@@ -36,23 +35,22 @@ def _blocks(rank, world, dump_dir, dtype):
         attn = funcol.reduce_scatter_tensor_autograd(torch.tanh(q) @ wo.t(), "sum", 0, g)
         return mlp, attn, k
 
+    def run(f, args, cast):  # outputs and gradients, in fp32
+        args = [a.detach().to(cast).requires_grad_() for a in args]
+        out = f(*args)
+        sum(o.float().pow(2).sum() for o in out).backward()  # (NCCL wants contiguous gradients)
+        return [t.float() for t in (*out, *(a.grad for a in args))]
+
     torch.manual_seed(rank + 1)
-    x = torch.randn(2, 3, h, device=device(), dtype=dtype, requires_grad=True)
-    y = torch.randn(4, h, device=device(), dtype=dtype, requires_grad=True)
-    want = fn(x, y)
-    sum(o.float().sum() for o in want).backward()
-    grads = [t.grad for t in (x, y, *params)]
-    for t in (x, y, *params):
-        t.grad = None
+    args = [torch.randn(2, 3, h, device=device(), dtype=dtype), torch.randn(4, h, device=device(), dtype=dtype), *params]
+    exact, eager = run(fn, args, torch.float32), run(fn, args, dtype)
     torch._dynamo.reset()
     with config.patch({"dump_dir": dump_dir, "comm.async_tp": "on"}):
-        got = torch.compile(fn, backend="commfuse", dynamic=False)(x, y)
-        sum(o.float().sum() for o in got).backward()
-    tol = 1e-5 if dtype == torch.float32 else 3e-2
-    for o, r in zip(got, want):
-        torch.testing.assert_close(o, r, atol=tol, rtol=tol)
-    for t, r in zip((x, y, *params), grads):
-        torch.testing.assert_close(t.grad, r, atol=tol, rtol=tol)
+        got = run(torch.compile(fn, backend="commfuse", dynamic=False), args, dtype)
+    for i, (o, e, r) in enumerate(zip(got, eager, exact)):  # as close to fp32 as eager is, in its dtype
+        scale = max(1.0, r.abs().max().item())
+        bound = 2 * (e - r).abs().max().item() + (1e-5 if dtype == torch.float32 else 1e-2) * scale
+        assert (o - r).abs().max().item() <= bound, (i, (o - r).abs().max().item(), bound)
     return True
 
 

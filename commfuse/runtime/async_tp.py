@@ -20,12 +20,17 @@ from __future__ import annotations
 import torch
 
 from .barrier import barrier_kernel
+from .launch import Site
 from .loader import interpreting, load_module
 from .symm import shared_pools
 
 TAG = "async_tp"
+# Host time matters: an op's GPU work is about 100 µs at a Llama-8B layer's sequence-parallel sizes,
+# so what can be made once is (the barrier's bound launcher, events, the pool's views per shape).
 _barriers: dict = {}
 _side_streams: dict = {}
+_events: dict = {}
+_views: dict = {}
 
 
 def _workspace(group_name: str, device, nbytes: int):
@@ -43,11 +48,14 @@ def _check(pool, group_name: str, start: bool) -> None:
 
 
 def _barrier(pool, group_name: str) -> None:
-    world = pool.world_size
-    if world not in _barriers:
-        _barriers[world] = load_module(barrier_kernel(world, inline_ptx=not interpreting()), {})[0].cf_barrier
-    _barriers[world][(1,)](*pool.signals, pool.signals[pool.rank], pool.rank, num_warps=1)
-    if pool.device.type != "cuda":  # the interpreter knows at once
+    key = (pool.world_size, pool.device)
+    if key not in _barriers:
+        source = barrier_kernel(pool.world_size, inline_ptx=not interpreting())
+        _barriers[key] = Site(load_module(source, {})[0].cf_barrier, {"num_warps": 1})
+    cuda = pool.device.type == "cuda"
+    stream = torch._C._cuda_getCurrentRawStream(pool.device.index) if cuda else None
+    _barriers[key](stream, (1, 1, 1), *pool.signals, pool.signals[pool.rank], pool.rank)
+    if not cuda:  # the interpreter knows at once
         _check(pool, group_name, start=False)
 
 
@@ -57,8 +65,19 @@ def _side_stream(device: torch.device):
     return _side_streams[device]
 
 
-def _peer_rows(pool, peer: int, rows: int, k: int, dtype) -> torch.Tensor:
-    return pool.peer_views(0, rows * k, dtype)[peer].view(rows, k)
+def _event(device: torch.device, peer: int):
+    """One event per peer, reused: a wait already issued keeps the record it was issued after."""
+    if (device, peer) not in _events:
+        _events[device, peer] = torch.cuda.Event()
+    return _events[device, peer]
+
+
+def _pool_views(pool, key: tuple, make):
+    """The views `make(pool)` of this pool for `key`, made once (again after the pool grew)."""
+    hit = _views.get(key)
+    if hit is None or hit[0] is not pool:
+        hit = _views[key] = (pool, make(pool))
+    return hit[1]
 
 
 @torch.library.custom_op("commfuse_comm::all_gather_mm", mutates_args=())
@@ -73,26 +92,24 @@ def all_gather_mm(shard: torch.Tensor, weights: list[torch.Tensor], group_name: 
     outs = [shard.new_empty((world, rows, w.shape[1])) for w in weights]
     pool = _workspace(group_name, shard.device, shard.nbytes)
     rank = pool.rank
+    mine, theirs = _pool_views(pool, ("ag", rows, k, shard.dtype), lambda p: (
+        p.view(0, (rows, k), (k, 1), shard.dtype), [v.view(rows, k) for v in p.peer_views(0, rows * k, shard.dtype)]))
     _barrier(pool, group_name)  # no peer still copies our previous shard
-    pool.view(0, (rows, k), (k, 1), shard.dtype).copy_(shard.reshape(rows, k))
-    chunks[rank].copy_(shard.reshape(rows, k))
+    mine.copy_(shard.reshape(rows, k))
+    chunks[rank].copy_(mine)
     _barrier(pool, group_name)  # every shard is in place
     order = [(rank + i) % world for i in range(world)]
     cuda = shard.device.type == "cuda"
     if cuda:
         current, side = torch.cuda.current_stream(shard.device), _side_stream(shard.device)
         side.wait_stream(current)
-        arrived = {}
         with torch.cuda.stream(side):
             for j in order[1:]:
-                chunks[j].copy_(_peer_rows(pool, j, rows, k, shard.dtype))
-                arrived[j] = torch.cuda.Event()
-                arrived[j].record(side)
+                chunks[j].copy_(theirs[j])
+                _event(shard.device, j).record(side)
     for j in order:
-        if not cuda and j != rank:
-            chunks[j].copy_(_peer_rows(pool, j, rows, k, shard.dtype))
-        elif cuda and j != rank:
-            current.wait_event(arrived[j])
+        if j != rank:
+            current.wait_event(_event(shard.device, j)) if cuda else chunks[j].copy_(theirs[j])
         for w, out in zip(weights, outs):
             torch.mm(chunks[j], w, out=out[j])
     if cuda:
@@ -123,8 +140,10 @@ def mm_reduce_scatter(a: list[torch.Tensor], weights: list[torch.Tensor], reduce
     pool = _workspace(group_name, a[0].device, world * m * n * dtype.itemsize)
     rank = pool.rank
     chunks = [x.view(world, m, x.shape[1]) for x in a]
-    slots = pool.view(0, (world, m, n), (m * n, n, 1), dtype)  # slot p: peer p's partial of our rows
-    peer_slot = lambda j: pool.peer_views(0, world * m * n, dtype)[j].view(world, m, n)[rank]  # noqa: E731
+    # slots[p]: peer p's partial of our rows; theirs[j]: our slot in peer j's workspace
+    slots, theirs = _pool_views(pool, ("rs", world, m, n, dtype), lambda p: (
+        p.view(0, (world, m, n), (m * n, n, 1), dtype),
+        [v.view(world, m, n)[rank] for v in p.peer_views(0, world * m * n, dtype)]))
     order = [(rank + i) % world for i in range(1, world)]  # the peers' chunks, then the own
     _barrier(pool, group_name)  # every peer has added up its slots of the previous op
     partial = a[0].new_empty((world, m, n))
@@ -134,12 +153,12 @@ def mm_reduce_scatter(a: list[torch.Tensor], weights: list[torch.Tensor], reduce
             _products(chunks, weights, j, partial[j])
             side.wait_stream(current)
             with torch.cuda.stream(side):
-                peer_slot(j).copy_(partial[j])
+                theirs[j].copy_(partial[j])
         _products(chunks, weights, rank, slots[rank])
         current.wait_stream(side)
     else:
         for j in order:
-            peer_slot(j).copy_(_products(chunks, weights, j, partial[j]))
+            theirs[j].copy_(_products(chunks, weights, j, partial[j]))
         _products(chunks, weights, rank, slots[rank])
     _barrier(pool, group_name)  # every partial has arrived
     out = slots.sum(0, dtype=torch.float32)
