@@ -109,8 +109,10 @@ from bench import decode_floor, timing, trace_summary  # noqa: E402
 ASYNC_TP = "inductor async-TP"  # Inductor with _micro_pipeline_tp: sequence-parallel training only
 UNHIDDEN = "commfuse unhidden"  # comm.hide_behind_compute off: every collective by the table alone
 UNCHUNKED = "commfuse no async-TP"  # comm.async_tp off: every all-gather / reduce-scatter apart from its matmuls
-VARIANTS = ("eager", "inductor", "inductor reduce-overhead", ASYNC_TP, "commfuse", "commfuse cuda_graphs", UNHIDDEN, UNCHUNKED)
-SELF_GRAPHED = ("inductor reduce-overhead", "commfuse cuda_graphs")
+UNCHUNKED_GRAPHED = "commfuse cuda_graphs no async-TP"
+VARIANTS = ("eager", "inductor", "inductor reduce-overhead", ASYNC_TP, "commfuse", "commfuse cuda_graphs", UNHIDDEN,
+            UNCHUNKED, UNCHUNKED_GRAPHED)
+SELF_GRAPHED = ("inductor reduce-overhead", "commfuse cuda_graphs", UNCHUNKED_GRAPHED)
 WORKLOADS = ("decode", "train", "sp", "fsdp")
 FULL = dict(hidden=4096, heads=32, kv_heads=8, ffn=14336, layers=4, batch=8, cache=2048, train_batch=2, seq=1024)
 TINY = dict(hidden=64, heads=4, kv_heads=2, ffn=128, layers=2, batch=2, cache=16, train_batch=2, seq=8)
@@ -137,7 +139,8 @@ def compile_options(name) -> dict | None:
             "commfuse": dict(backend="commfuse", dynamic=False),
             "commfuse cuda_graphs": dict(backend="commfuse", dynamic=False, options={"cuda_graphs": True}),
             UNHIDDEN: dict(backend="commfuse", dynamic=False, options={"comm.hide_behind_compute": False}),
-            UNCHUNKED: dict(backend="commfuse", dynamic=False, options={"comm.async_tp": "off"})}[name]
+            UNCHUNKED: dict(backend="commfuse", dynamic=False, options={"comm.async_tp": "off"}),
+            UNCHUNKED_GRAPHED: dict(backend="commfuse", dynamic=False, options={"cuda_graphs": True, "comm.async_tp": "off"})}[name]
 
 
 def compiled(model, name):
@@ -534,7 +537,7 @@ def ratio(other, ours) -> str:
 
 
 RATIOS = (("inductor", "commfuse"), ("inductor reduce-overhead", "commfuse cuda_graphs"), (ASYNC_TP, "commfuse"),
-          (UNHIDDEN, "commfuse"), (UNCHUNKED, "commfuse"))
+          (UNHIDDEN, "commfuse"), (UNCHUNKED, "commfuse"), (UNCHUNKED_GRAPHED, "commfuse cuda_graphs"))
 
 
 SWEEP_ROWS = (  # per --sweep configuration
@@ -677,7 +680,7 @@ def main(argv=None) -> int:
     ap.add_argument("--graph-steps", type=int, default=10, help="decode steps per captured CUDA graph")
     ap.add_argument("--fsdp-shape", default="", metavar="KEY=N,...",
                     help="fsdp: override its shape (keys: " + ", ".join(FSDP_FULL) + "), e.g. hidden=2048,ffn=5632,seq=1024")
-    ap.add_argument("--variants", default=",".join(v for v in VARIANTS if v not in (UNHIDDEN, UNCHUNKED)), help="comma-separated subset of: " + ", ".join(VARIANTS))
+    ap.add_argument("--variants", default=",".join(v for v in VARIANTS if v not in (UNHIDDEN, UNCHUNKED, UNCHUNKED_GRAPHED)), help="comma-separated subset of: " + ", ".join(VARIANTS))
     ap.add_argument("--workloads", default="decode,train,sp,fsdp", help="comma-separated subset of: " + ", ".join(WORKLOADS))
     ap.add_argument("--pos", type=int, default=None,
                     help="decode: the position each timed step writes (default: the cache's middle); the prefix "

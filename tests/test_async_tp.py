@@ -88,13 +88,16 @@ def test_policy(monkeypatch):
         r = CommRequest("all_gather_into_tensor", op, "0", torch.bfloat16, torch.device(dev), (rows // 4, k),
                         independent_flops=independent)
         return policy.async_tp(r, 4, rows // 4, 2 * rows * k * 4096 if flops is None else flops)
-    assert why() == ""
+    assert "host time" in why()  # plain launches: the op's host time outweighs what it hides
+    with config.patch({"cuda_graphs": True}):  # replayed: only its barriers count
+        assert why() == ""
+        assert "hides" in why(flops=2 * 2048 * 4096 * 16)  # a few µs of matmuls hide little
+    assert why(rows=16384) == ""  # 128 MiB gathered: hides more than the host takes
     assert "too few" in why(rows=128)
-    assert "hides" in why(flops=2 * 2048 * 4096 * 16)  # a few µs of matmuls hide little
     assert "CUDA" in why(dev="cpu")
     with config.patch({"comm.hide_behind_compute": True, "overlap_collectives": True}):
         monkeypatch.setattr(choices_mod, "measured_us", lambda *a, **k: {"c10d": 50.0})
-        assert "hide the collective" in why(independent=2 * 4096 ** 3)
+        assert "hide the collective" in why(rows=16384, independent=2 * 4096 ** 3)
     with config.patch({"comm.async_tp": "off"}):
         assert why() == "config.comm.async_tp"
     with config.patch({"comm.async_tp": "on"}):
