@@ -40,16 +40,6 @@ ATTENTION_BIAS_ALIGN = 16
 # Empty until measured: aten's attention runs.
 DECODE_ATTENTION_WINS: list = []
 DEFAULT_SMS = 132  # H100 / H200
-# async-TP (Choices.async_tp): what chunking costs on the GPU (two barriers of about 4 µs, a launch
-# per chunk and matmul), and on the host where no CUDA graph replays it (its op issues about 15
-# launches and copies from Python: 300-500 µs per op measured on 4x H100, against about 85 µs of
-# GPU time per op at Llama-8B's sequence-parallel sizes); the transfer bandwidth assumed without a
-# tuned table (an H100's NVLink all-gather at 16 MiB, nvidia_h100_x4.json, is about 225 GB/s); the
-# fewest rows per chunk worth a matmul of their own
-ASYNC_TP_COST_US = 10.0
-ASYNC_TP_HOST_US = 300.0
-ASYNC_TP_ASSUMED_GBPS = 200.0
-ASYNC_TP_MIN_CHUNK_ROWS = 64
 # matmul throughput assumed per SM, TFLOP/s: about half of an H100's dense peak (tensor cores for
 # 16-bit, plain fp32 without TF32), so that the work a collective is said to hide behind is there
 MATMUL_TFLOPS_PER_SM = {2: 3.5, 4: 0.25}
@@ -474,33 +464,17 @@ class Choices:
             return f"cannot resolve group {request.group}: {e}"
         return ""
 
-    def async_tp(self, request: CommRequest, world: int, chunk_rows: int, flops: int) -> str:
+    def async_tp(self, request: CommRequest) -> str:
         """Why an all-gather that feeds matmuls (a matmul that feeds a reduce-scatter) stays as it is,
-        or "" to run it as async-TP's chunked op (passes/async_tp.py). `comm.async_tp` "on" (or torch's
-        `_inductor.config._micro_pipeline_tp`) chunks wherever symmetric memory can; "auto" only on a
-        GPU, where no independent matmuls hide the collective already and what chunking can hide, the
-        shorter of the transfer and all matmuls but the first chunk's, outweighs the two barriers and
-        the chunks' launches it costs (ASYNC_TP_COST_US), and the op's host time (ASYNC_TP_HOST_US)
-        unless `cuda_graphs` replays it. The transfer's time is the tuned table's (its fastest
-        algorithm), else its bytes at ASYNC_TP_ASSUMED_GBPS."""
-        mode, micro = config.comm.async_tp, micro_pipeline_tp()
-        if mode == "off" or (mode == "auto" and not micro and request.device.type != "cuda"):
-            return "config.comm.async_tp" if mode == "off" else "auto: on CUDA only"
-        why = self.comm_ineligible(request) or (request.reduce_op not in ("", "sum", "avg") and
-                                                f"reduce op {request.reduce_op}")
-        if why or mode == "on" or micro:
-            return why or ""
-        if chunk_rows < ASYNC_TP_MIN_CHUNK_ROWS:
-            return f"chunks of {chunk_rows} rows are too few for a matmul each"
-        full = request.nbytes * (world if request.collective == "all_gather_into_tensor" else 1)
-        if self.hidden_behind_compute(request, world, full):
-            return "independent matmuls hide the collective already"
-        comm_us = min(measured_us(world, full, request.device, request.collective).values(),
-                      default=full / ASYNC_TP_ASSUMED_GBPS / 1e3)
-        mm_us = self.matmul_us(flops, request.dtype, request.device) * (world - 1) / world
-        hidden, cost = min(comm_us, mm_us), ASYNC_TP_COST_US + (0 if config.cuda_graphs else ASYNC_TP_HOST_US)
-        return "" if hidden > cost else (f"hides {hidden:.0f} µs ({comm_us:.0f} µs of transfer, {mm_us:.0f} µs of "
-                                         f"later chunks' matmuls) for {cost:.0f} µs of barriers and host time")
+        or "" to run it as async-TP's chunked op (passes/async_tp.py). `comm.async_tp` "on", or torch's
+        `_inductor.config._micro_pipeline_tp` under "auto", chunks wherever symmetric memory can run it.
+        "auto" does not chunk: on 4x H100 the op alone is faster (1.10-1.36x under a CUDA graph, at a
+        Llama-8B layer's sequence-parallel sizes), but the sequence-parallel training steps it was
+        measured in ran slower chunked, with CUDA graphs and without (docs/results.md)."""
+        mode = "on" if config.comm.async_tp == "auto" and micro_pipeline_tp() else config.comm.async_tp
+        if mode != "on":
+            return f"comm.async_tp is {mode}" + (": not measured to win in a training step" if mode == "auto" else "")
+        return self.comm_ineligible(request) or (f"reduce op {request.reduce_op}" if request.reduce_op not in ("", "sum", "avg") else "")
 
     def bucket_member(self, request: CommRequest) -> bool:
         """Whether a collective may join a bucket (passes/bucketing.py): a small one, whose latency,

@@ -18,7 +18,7 @@ import operator
 import torch
 import torch.fx
 
-from .. import choices, overlap
+from .. import choices
 from ..collectives import CommRequest
 from ..runtime import async_tp as runtime
 from .fx_rewrite import call, erase_unused, finish
@@ -112,11 +112,8 @@ def _gather_mm(graph: torch.fx.Graph, ag: torch.fx.Node) -> bool:
            and _weight_chain(u.args[1]) is not None]
     if not mms:
         return False
-    flops = sum(2 * rows * k * _val(u).shape[1] for u in mms)
-    request = CommRequest("all_gather_into_tensor", "", str(group), g.dtype, g.device, tuple(_val(x).shape),
-                          independent_flops=overlap.independent_flops(ag))
-    why_not = choices.current().async_tp(request, world, rows // world, flops)
-    if why_not:
+    if choices.current().async_tp(CommRequest("all_gather_into_tensor", "", str(group), g.dtype, g.device,
+                                              tuple(_val(x).shape))):
         return False
     pos = {n: i for i, n in enumerate(graph.nodes)}
     for u in mms:  # the weights' views that come later move up to where the collective waited
@@ -165,9 +162,8 @@ def _mm_scatter(graph: torch.fx.Graph, rs: torch.fx.Node) -> bool:
     rows, n = _val(mms[0]).shape
     if (d is not None and d == ys.dim() - 1) or (d is None and (ys.numel() // world) % n):
         return False
-    request = CommRequest("reduce_scatter_tensor", reduce_op, str(group), ys.dtype, ys.device, tuple(_val(x).shape),
-                          independent_flops=overlap.independent_flops(rs))
-    if choices.current().async_tp(request, world, rows // world, sum(2 * _val(mm).numel() * _val(mm.args[0]).shape[1] for mm in mms)):
+    if choices.current().async_tp(CommRequest("reduce_scatter_tensor", reduce_op, str(group), ys.dtype, ys.device,
+                                              tuple(_val(x).shape))):
         return False
     with graph.inserting_before(rs):
         a = [mm.args[0] for mm in mms]
@@ -201,7 +197,5 @@ def async_tp(gm: torch.fx.GraphModule) -> int:
     changed = 0
     for node in list(gm.graph.nodes):
         rewrite = {c10d.all_gather_into_tensor.default: _gather_mm, c10d.reduce_scatter_tensor.default: _mm_scatter}.get(node.target)
-        if rewrite is not None and rewrite(gm.graph, node):
-            overlap.forget_positions(gm.graph)  # the next one's independent_flops walks the new graph
-            changed += 1
+        changed += bool(rewrite and rewrite(gm.graph, node))
     return finish(gm, changed)
