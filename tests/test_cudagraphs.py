@@ -100,6 +100,7 @@ def test_a_graph_whose_parameters_keep_moving_stops_capturing(monkeypatch, caplo
         self.static_ptrs = [(0, args[0].data_ptr())]
         self.copy_in, self.copy_back, self.aliases, self.cloned = [], [], {}, set()
         self.captured_signature, self.out_bytes = None, 0
+        return True
     monkeypatch.setattr(CudaGraphed, "_capture", capture)
     graphed = CudaGraphed(lambda args: calls.append(1) or [], "g", InputRoles(frozenset({0}), frozenset(), False),
                           max_captures=2, copy_limit=1 << 30, paid_replays=8)
@@ -112,6 +113,30 @@ def test_a_graph_whose_parameters_keep_moving_stops_capturing(monkeypatch, caplo
     assert "runs without a CUDA graph" in caplog.text
     graphed([weights[-1]])
     assert len(calls) == 5 and captures == [1, 1]
+
+
+def test_a_graph_that_cannot_be_captured_runs_as_compiled(monkeypatch, caplog):
+    """A capture that fails (an op that synchronizes, say) costs the graph, not the call: it runs
+    without a CUDA graph from then on, with a warning that says why."""
+    import contextlib
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    def refused(*a, **k):
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+    for name, value in (("Stream", Stream), ("current_stream", Stream), ("CUDAGraph", object),
+                        ("stream", lambda s: contextlib.nullcontext()), ("graph", refused)):
+        monkeypatch.setattr(torch.cuda, name, value)
+    calls = []
+    graphed = CudaGraphed(lambda args: calls.append(list(args)) or [args[0] + 1], "g",
+                          InputRoles(frozenset(), frozenset(), False), max_captures=2, copy_limit=1 << 30, paid_replays=8)
+    with caplog.at_level("WARNING", logger="commfuse"):
+        outs = [graphed([torch.full((2,), float(i))])[0] for i in range(3)]
+    assert [o.tolist() for o in outs] == [[1.0, 1.0], [2.0, 2.0], [3.0, 3.0]]
+    assert len(calls) == 4, "the 1st call, the warm run before the capture, then each call plainly"
+    assert "cannot be captured in a CUDA graph (RuntimeError: CUDA error: operation not permitted" in caplog.text
 
 
 @pytest.mark.parametrize("marked_static", [False, True])
@@ -127,6 +152,7 @@ def test_a_cache_allocated_per_sequence_is_captured_in_place_once_per_sequence(m
         self._plan(args)
         captures.append((self.calls, self.copy_in, self.copy_back, [p for _, p in self.static_ptrs]))
         self.graph, self.outputs, self.aliases, self.cloned, self.out_bytes = _FakeCapture(), [], {}, set(), 0
+        return True
     monkeypatch.setattr(CudaGraphed, "_capture", capture)
     roles = InputRoles(frozenset({0, 1} if marked_static else {0}), frozenset({1}), False)
     graphed = CudaGraphed(lambda args: calls.append(1) or [], "g", roles, max_captures=2, copy_limit=1 << 30,
@@ -158,6 +184,7 @@ def test_a_graph_whose_copies_cost_more_than_its_launches_stops_replaying(monkey
         self.static_ptrs, self.copy_in, self.copy_back, self.aliases, self.cloned = [], [0], [], {}, set()
         self.captured_signature, self.out_bytes = None, out_bytes
         self.graph.replay = lambda: replays.append(1)
+        return True
     monkeypatch.setattr(CudaGraphed, "_capture", capture)
     graphed = CudaGraphed(lambda args: calls.append(1) or [], "g", InputRoles(frozenset(), frozenset(), False),
                           max_captures=3, copy_limit=1024 * 4, paid_replays=8)

@@ -16,6 +16,8 @@ Outputs are returned as copies, since the next replay rewrites the graph's own (
 or a logits tensor may outlive it), except views of static inputs: taken on this call's input (an
 address is reused: FSDP2's next layer's weights land where the last one's were). A graph with
 symbolic sizes runs without the graph when a call's shapes or scalars differ from the captured.
+A graph that cannot be captured (an op that synchronizes, one torch refuses to capture) runs
+without one from then on, with a warning that says why.
 """
 from __future__ import annotations
 
@@ -72,7 +74,8 @@ class CudaGraphed:
                 self._stop(f"its parameters or buffers moved at {self.max_captures} captures in a row, each "
                            f"replayed < {self.paid_replays} times (one compiled code run by several layers, FSDP)")
                 return self.call(args)
-            self._capture(args)
+            if not self._capture(args):
+                return self.call(args)
         if self.roles.dynamic and self._signature(args) != self.captured_signature:
             return self.call(args)
         moved = [i for i in self.copy_in if args[i].data_ptr() != self.inputs[i].data_ptr()]
@@ -114,7 +117,9 @@ class CudaGraphed:
         self.static_ptrs = [(i, args[i].data_ptr()) for i in sorted(self.in_place)
                             if isinstance(args[i], torch.Tensor)]
 
-    def _capture(self, args):
+    def _capture(self, args) -> bool:
+        """Capture this call's graph; False where it cannot be (it runs without one from then on: the
+        warm run wrote only copies of the caller's tensors, so the plain call that follows is this call)."""
         self._plan(args)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -129,13 +134,14 @@ class CudaGraphed:
         try:
             with torch.cuda.graph(self.graph, stream=stream):
                 self.outputs = self.call(list(self.inputs))
-        except Exception as e:
-            raise RuntimeError(f"commfuse: graph {self.graph_id} cannot be captured in a CUDA graph: {e}. "
-                               "Run it with options={'cuda_graphs': False}") from e
+        except Exception as e:  # an op that syncs, a capture torch refuses: the graph runs as compiled
+            self._stop(f"it cannot be captured in a CUDA graph ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
+            return False
         self.aliases = static_aliases(self.outputs, self.inputs, self.in_place)
         self.cloned = {i for i, o in enumerate(self.outputs) if isinstance(o, torch.Tensor)} - set(self.aliases)
         self.out_bytes = sum(self.outputs[i].nbytes for i in self.cloned)
         log.info("commfuse: captured graph %s in a CUDA graph", self.graph_id)
+        return True
 
 
 def static_aliases(outputs, inputs, static) -> dict:
