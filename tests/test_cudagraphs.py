@@ -139,6 +139,31 @@ def test_a_graph_that_cannot_be_captured_runs_as_compiled(monkeypatch, caplog):
     assert "cannot be captured in a CUDA graph (RuntimeError: CUDA error: operation not permitted" in caplog.text
 
 
+def test_a_graph_is_captured_again_when_a_symmetric_pool_moves(monkeypatch):
+    """Another graph's first call needed a larger pool: the comm buffers this graph captured were
+    freed, so its next call captures again at the new addresses."""
+    from commfuse.runtime.symm import shared_pools
+    captures = []
+
+    def capture(self, args):
+        captures.append(self.calls)
+        self.pools_replaced = shared_pools.replaced
+        self.graph, self.inputs, self.outputs, self.static_ptrs = _FakeCapture(), list(args), [], []
+        self.copy_in, self.copy_back, self.aliases, self.cloned = [], [], {}, set()
+        self.captured_signature, self.out_bytes = None, 0
+        return True
+    monkeypatch.setattr(CudaGraphed, "_capture", capture)
+    graphed = CudaGraphed(lambda args: [], "g", InputRoles(frozenset(), frozenset(), False), max_captures=2,
+                          copy_limit=1 << 30, paid_replays=8)
+    x = torch.randn(4)
+    for _ in range(3):
+        graphed([x])
+    monkeypatch.setattr(shared_pools, "replaced", shared_pools.replaced + 1)
+    for _ in range(2):
+        graphed([x])
+    assert captures == [2, 4]
+
+
 @pytest.mark.parametrize("marked_static", [False, True])
 def test_a_cache_allocated_per_sequence_is_captured_in_place_once_per_sequence(monkeypatch, caplog, marked_static):
     """transformers' generate() allocates a new StaticCache for each sequence and the decode step

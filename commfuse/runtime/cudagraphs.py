@@ -5,7 +5,8 @@ ranks, compiles the kernels); the second captures the call into a graph. Inputs 
 - static (parameters and module buffers, as AOTAutograd reports them, and inputs the graph writes
   that came at one address on two calls in a row: a caller's KV cache, as transformers' StaticCache):
   captured at their own address, so a replay reads and writes them in place, with no copy. Should
-  one move, the graph is captured again; after `Choices.cuda_graph_captures()` captures in a row,
+  one move, or a symmetric pool be reallocated larger (its comm buffers move: another graph's first
+  call needed more), the graph is captured again; after `Choices.cuda_graph_captures()` captures in a row,
   each replayed fewer than `Choices.cuda_graph_paid_replays()` times, it runs without one.
 - the others (activations, token ids, positions): copied into a static copy before each replay
   when their address differs from it, and copied back after it when the graph writes them. A
@@ -25,6 +26,8 @@ import dataclasses
 import logging
 
 import torch
+
+from .symm import shared_pools
 
 log = logging.getLogger("commfuse")
 
@@ -52,6 +55,7 @@ class CudaGraphed:
         self.graph = None
         self.last_ptrs, self.kept = {}, set()  # written inputs' addresses; those seen twice in a row
         self.in_place = frozenset()  # inputs the capture uses at their own address
+        self.pools_replaced = shared_pools.replaced
 
     def _stop(self, why: str):
         self.captures = self.max_captures + 1
@@ -68,7 +72,8 @@ class CudaGraphed:
                 self.last_ptrs[i] = p
         if self.calls == 1 or self.captures > self.max_captures:
             return self.call(args)
-        if self.graph is None or not self._static_in_place(args) or not self.kept <= self.in_place:
+        if self.graph is None or not self._static_in_place(args) or not self.kept <= self.in_place \
+                or self.pools_replaced != shared_pools.replaced:
             self.captures = 1 + (self.captures if self.replays < self.paid_replays else 0)
             if self.captures > self.max_captures:
                 self._stop(f"its parameters or buffers moved at {self.max_captures} captures in a row, each "
@@ -121,6 +126,7 @@ class CudaGraphed:
         """Capture this call's graph; False where it cannot be (it runs without one from then on: the
         warm run wrote only copies of the caller's tensors, so the plain call that follows is this call)."""
         self._plan(args)
+        self.pools_replaced = shared_pools.replaced  # the comm buffers' addresses it captures
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         # one more warm run on the capture stream, writing copies of the caller's tensors it

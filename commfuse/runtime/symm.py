@@ -243,6 +243,7 @@ class SharedPools:
     def __init__(self):
         self.pools: dict = {}
         self.generation: dict = {}
+        self.replaced = 0  # pools reallocated larger: a CUDA graph captured before uses freed memory
 
     def get(self, group_name: str, device, nbytes: int, tag: str = "") -> SymmPool:
         """`tag`: a pool of its own beside the graphs' (runtime/async_tp.py's workspace)."""
@@ -253,6 +254,7 @@ class SharedPools:
                 raise RuntimeError(
                     f"commfuse: the symmetric pool of group {group_name} must grow from {pool.nbytes} to "
                     f"{nbytes} bytes during CUDA-graph capture; run every compiled graph once before capturing")
+            self.replaced += pool is not None
             self.pools[key] = pool = SymmPool(group_name, device, max(nbytes, pool.nbytes if pool else 0))
             self.generation[key] = self.generation.get(key, 0) + 1
         return pool
