@@ -41,8 +41,8 @@ def _workspace(group_name: str, device, nbytes: int):
 
 def _check(pool, group_name: str, start: bool) -> None:
     """Raise the error of a barrier that gave up (on a GPU, learnt a call or two late)."""
-    what = f"an async-TP op (all-gather + matmul or matmul + reduce-scatter) of group {group_name}"
-    err = pool.failure(lambda: (what, what), start)
+    what = lambda: (f"an async-TP op (all-gather + matmul, or matmul + reduce-scatter) of group {group_name}",) * 2  # noqa: E731
+    err = pool.failure(what, start)
     if err is not None:
         raise err
 
