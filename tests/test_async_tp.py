@@ -54,8 +54,12 @@ def _blocks(rank, world, dump_dir, dtype):
     return True
 
 
+def _both_dtypes(rank, world, dump_dir):  # one spawn: fp32 dumped, then bf16
+    return _blocks(rank, world, dump_dir, torch.float32) and _blocks(rank, world, None, torch.bfloat16)
+
+
 def test_sequence_parallel_blocks_match_eager_two_ranks(tmp_path):
-    run_ranks(_blocks, 2, args=(str(tmp_path), torch.float32))
+    run_ranks(_both_dtypes, 2, args=(str(tmp_path),))
     for kind in ("forward", "backward"):
         (path,) = glob.glob(f"{tmp_path}/rank0/*_{kind}_*/summary.json")
         s = json.load(open(path))
@@ -71,8 +75,9 @@ def test_sequence_parallel_blocks_match_eager_two_ranks(tmp_path):
             assert code.count("aten.mm") == 0, "a matmul of the forward ran apart from its collective"
 
 
+@pytest.mark.world4
 def test_bfloat16_four_ranks(tmp_path):
-    run_ranks(_blocks, 4, args=(str(tmp_path), torch.bfloat16))
+    run_ranks(_blocks, 4, args=(None, torch.bfloat16))
 
 
 def test_policy(monkeypatch):
