@@ -54,7 +54,8 @@ def build(args, backend, world):
     parallelism = ParallelismConfig(tensor_parallel_degree=tp, data_parallel_shard_degree=world // tp,
                                     spmd_backend=args.spmd_backend)
     training = TrainingConfig(local_batch_size=args.batch, seq_len=args.seq, mixed_precision_param=args.param_dtype)
-    compile_config = CompileConfig(enable=backend != "eager", backend=backend, components=args.compile.split(","))
+    compile_config = CompileConfig(enable=backend != "eager", backend=backend, components=args.compile.split(","),
+                                   enable_async_tensor_parallel=args.async_tp and backend != "eager")
     # Decoder.Config.update_from_config for a Trainer.Config (importing the Trainer pulls in
     # datasets and tensorboard): RoPE tables of seq_len positions, then the sharding specs
     for layer in spec.model.layers:
@@ -132,6 +133,8 @@ def main():
     p.add_argument("--compile", default="model,loss", help="torchtitan's compile.components (its default)")
     p.add_argument("--param-dtype", default="bfloat16", help="FSDP2's compute dtype, torchtitan's "
                    "mixed_precision_param: bfloat16 (its default, also under TP alone) or float32")
+    p.add_argument("--async-tp", action="store_true", help="torchtitan's compile.enable_async_tensor_parallel "
+                   "(it sets torch._inductor.config._micro_pipeline_tp, which commfuse follows)")
     p.add_argument("--json", help="write the results here (rank 0)")
     args = p.parse_args()
     if args.backend == "commfuse":
