@@ -72,12 +72,12 @@ def main():
     gathered = torch.empty(b * args.seq, h, device=dev, dtype=torch.bfloat16)
     ops = torch.ops.commfuse_comm
     cases = {
-        "all-gather + matmul, chunked": lambda: ops.all_gather_mm(x, [wq.t()], group, world),
+        "all-gather + matmul, chunked": lambda: ops.all_gather_mm(x, [wq.t()], group, world, None),
         "c10d all-gather, then matmul": lambda: funcol.wait_tensor(funcol.all_gather_tensor(x, 0, group)) @ wq.t(),
         "the matmul alone": lambda: gathered @ wq.t(),
-        "matmul + reduce-scatter, chunked": lambda: ops.mm_reduce_scatter([a], [wo.t()], "sum", group, world),
+        "matmul + reduce-scatter, chunked": lambda: ops.mm_reduce_scatter([a], [wo.t()], "sum", group, world, None),
         "matmul, then c10d reduce-scatter": lambda: funcol.wait_tensor(funcol.reduce_scatter_tensor(a @ wo.t(), "sum", 0, group)),
-        "one barrier of the ops": lambda: async_tp._barrier(async_tp._workspace(group, dev, 1 << 20), group),
+        "one barrier of the ops": lambda: async_tp._barrier(async_tp._workspace(group, dev, 1 << 20, None), group),
     }
     for name, fn in cases.items():
         h_us, g_us = host_us(fn), graph_us(fn)

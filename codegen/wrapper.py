@@ -31,7 +31,7 @@ import math
 import torch
 from commfuse.runtime.support import empty_strided, reinterpret_tensor, cdiv, workspace, as_meta_layout
 from commfuse.runtime.launch import Launches, Site
-import commfuse.runtime.scatter, commfuse.runtime.attention  # noqa: F401,E401  (register torch.ops.commfuse.*: a graph from the cache runs first)
+import commfuse.runtime.scatter, commfuse.runtime.attention, commfuse.runtime.async_tp  # noqa: F401,E401  (register torch.ops.commfuse*.*: a graph from the cache runs first)
 aten = torch.ops.aten
 prims = torch.ops.prims
 constants = {}  # filled by the loader: tensor constants and non-tensor objects

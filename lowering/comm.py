@@ -206,7 +206,7 @@ def _through_c10d(name: str):
 def _async_tp(collective: str, reduce_op_arg: int | None):
     """The chunked ops of runtime/async_tp.py run as they are; their plan says so."""
     def lower(*args):
-        world, group = args[-1], args[-2]
+        group, world = args[-3], args[-2]
         reduce_op = args[reduce_op_arg] if reduce_op_arg is not None else ""
         V.graph.comm_plans.append(CommPlan(collective, group, world, reduce_op, algorithm("async_tp"),
                                            "chunked with its matmuls (Choices.async_tp)"))

@@ -169,6 +169,28 @@ def test_dead_rank_without_launcher(how):
     _record(f"rank 1 dies ({how}) after the first call, no launcher; rank 0 calls again", r0["message"], r0["seconds"])
 
 
+def _peer_dies_in_async_tp(rank, world, out):
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    w = torch.randn(6, 8)
+    fn = torch.compile(lambda x: funcol.all_gather_tensor(x, 0, dist.group.WORLD) @ w.t(), backend="commfuse",
+                       options={"comm.async_tp": "on", "comm.barrier_timeout_s": 30})
+    x = torch.randn(4, 8)
+    fn(x)  # every rank: the op's workspace made
+    if rank == 1:
+        return {"die": "os._exit"}
+    return _failing_call(fn, x)
+
+
+@cpu_pools
+def test_dead_rank_in_async_tp():
+    """Async-TP's op waits at the comm kernels' barrier: a peer's exit ends it, and the error names it."""
+    r0, _ = _run(_peer_dies_in_async_tp)
+    _assert_peer_error(r0, "rank 1", "async-TP op", "comm.barrier_timeout_s=30 s")
+    _record("rank 1 dies (os._exit) after the first call of an async-TP op; rank 0 calls again", r0["message"],
+            r0["seconds"])
+
+
 def _stops_calling(rank, world, out):
     fn = _all_reduce_fn({"comm.barrier_timeout_s": 2})
     x = torch.randn(32)

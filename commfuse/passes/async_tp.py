@@ -18,9 +18,9 @@ import operator
 import torch
 import torch.fx
 
-from .. import choices
+from .. import choices, config
 from ..collectives import CommRequest
-from ..runtime import async_tp as runtime
+from ..runtime import async_tp as _registers_the_ops  # noqa: F401
 from .fx_rewrite import call, erase_unused, finish
 
 aten, c10d = torch.ops.aten, torch.ops._c10d_functional
@@ -121,7 +121,8 @@ def _gather_mm(graph: torch.fx.Graph, ag: torch.fx.Node) -> bool:
             if pos[n] > pos[wait]:
                 wait.prepend(n)
     with graph.inserting_before(wait):
-        fused = call(graph, torch.ops.commfuse_comm.all_gather_mm.default, x, [u.args[1] for u in mms], str(group), world)
+        fused = call(graph, torch.ops.commfuse_comm.all_gather_mm.default, x, [u.args[1] for u in mms], str(group), world,
+                     config.comm.barrier_timeout_s)
         outs = [call(graph, operator.getitem, fused, i) for i in range(len(mms) + 1)]
     wait.replace_all_uses_with(outs[0])
     for u, y in zip(mms, outs[1:]):
@@ -170,7 +171,7 @@ def _mm_scatter(graph: torch.fx.Graph, rs: torch.fx.Node) -> bool:
         if d is not None:  # the rows as the scatter deals them: the product's reordering, on the inputs
             a = [_reordered(graph, t, [*ys.shape[:-1], _val(t).shape[1]], world, d, 0, rows) for t in a]
         fused = call(graph, torch.ops.commfuse_comm.mm_reduce_scatter.default, a, [mm.args[1] for mm in mms],
-                     reduce_op, str(group), world)
+                     reduce_op, str(group), world, config.comm.barrier_timeout_s)
         result = call(graph, aten.view.default, fused, list(out.shape))
     wait.replace_all_uses_with(result)
     graph.erase_node(wait)
@@ -193,7 +194,6 @@ def _chain_nodes(y: torch.fx.Node, mms: list) -> set:
 
 def async_tp(gm: torch.fx.GraphModule) -> int:
     """Rewrite every all-gather → matmuls and matmul → reduce-scatter that policy chunks; returns how many."""
-    assert runtime.TAG  # the ops are registered with torch by importing it
     changed = 0
     for node in list(gm.graph.nodes):
         rewrite = {c10d.all_gather_into_tensor.default: _gather_mm, c10d.reduce_scatter_tensor.default: _mm_scatter}.get(node.target)

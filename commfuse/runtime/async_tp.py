@@ -31,10 +31,14 @@ _barriers: dict = {}
 _side_streams: dict = {}
 _events: dict = {}
 _views: dict = {}
+_timeouts: dict = {}  # pool -> the comm.barrier_timeout_s its barriers were given
 
 
-def _workspace(group_name: str, device, nbytes: int):
+def _workspace(group_name: str, device, nbytes: int, timeout_s: float | None):  # (the compile's barrier_timeout_s)
     pool = shared_pools.get(group_name, device, nbytes, TAG)
+    if _timeouts.get(pool, "unset") != timeout_s:
+        pool.set_barrier_timeout(timeout_s)
+        _timeouts[pool] = timeout_s
     _check(pool, group_name, start=True)
     return pool
 
@@ -65,8 +69,7 @@ def _side_stream(device: torch.device):
     return _side_streams[device]
 
 
-def _event(device: torch.device, peer: int):
-    """One event per peer, reused: a wait already issued keeps the record it was issued after."""
+def _event(device: torch.device, peer: int):  # one per peer, reused: an issued wait keeps its record
     if (device, peer) not in _events:
         _events[device, peer] = torch.cuda.Event()
     return _events[device, peer]
@@ -81,8 +84,8 @@ def _pool_views(pool, key: tuple, make):
 
 
 @torch.library.custom_op("commfuse_comm::all_gather_mm", mutates_args=())
-def all_gather_mm(shard: torch.Tensor, weights: list[torch.Tensor], group_name: str,
-                  world: int) -> list[torch.Tensor]:
+def all_gather_mm(shard: torch.Tensor, weights: list[torch.Tensor], group_name: str, world: int,
+                  barrier_timeout_s: float | None) -> list[torch.Tensor]:
     """[gathered, gathered_2d @ w for w in weights]: `gathered` is all_gather_into_tensor(shard)
     (the ranks' shards along dim 0), gathered_2d its view as rows of its last dim."""
     k = shard.shape[-1]
@@ -90,7 +93,7 @@ def all_gather_mm(shard: torch.Tensor, weights: list[torch.Tensor], group_name: 
     gathered = shard.new_empty((world * shard.shape[0], *shard.shape[1:]))
     chunks = gathered.view(world, rows, k)
     outs = [shard.new_empty((world, rows, w.shape[1])) for w in weights]
-    pool = _workspace(group_name, shard.device, shard.nbytes)
+    pool = _workspace(group_name, shard.device, shard.nbytes, barrier_timeout_s)
     rank = pool.rank
     mine, theirs = _pool_views(pool, ("ag", rows, k, shard.dtype), lambda p: (
         p.view(0, (rows, k), (k, 1), shard.dtype), [v.view(rows, k) for v in p.peer_views(0, rows * k, shard.dtype)]))
@@ -118,7 +121,7 @@ def all_gather_mm(shard: torch.Tensor, weights: list[torch.Tensor], group_name: 
 
 
 @all_gather_mm.register_fake
-def _(shard, weights, group_name, world):
+def _(shard, weights, group_name, world, barrier_timeout_s):
     rows = world * shard.numel() // shard.shape[-1]
     return [shard.new_empty((world * shard.shape[0], *shard.shape[1:]))] + \
         [shard.new_empty((rows, w.shape[1])) for w in weights]
@@ -133,11 +136,11 @@ def _products(chunks: list, weights: list, j: int, out: torch.Tensor) -> torch.T
 
 @torch.library.custom_op("commfuse_comm::mm_reduce_scatter", mutates_args=())
 def mm_reduce_scatter(a: list[torch.Tensor], weights: list[torch.Tensor], reduce_op: str, group_name: str,
-                      world: int) -> torch.Tensor:
+                      world: int, barrier_timeout_s: float | None) -> torch.Tensor:
     """reduce_scatter_tensor(sum of a[i] @ weights[i]) along dim 0, "sum" or "avg": the rows of
     each a[i] in the order the scatter deals them, rank r's block r."""
     m, n, dtype = a[0].shape[0] // world, weights[0].shape[1], a[0].dtype
-    pool = _workspace(group_name, a[0].device, world * m * n * dtype.itemsize)
+    pool = _workspace(group_name, a[0].device, world * m * n * dtype.itemsize, barrier_timeout_s)
     rank = pool.rank
     chunks = [x.view(world, m, x.shape[1]) for x in a]
     # slots[p]: peer p's partial of our rows; theirs[j]: our slot in peer j's workspace
@@ -166,5 +169,5 @@ def mm_reduce_scatter(a: list[torch.Tensor], weights: list[torch.Tensor], reduce
 
 
 @mm_reduce_scatter.register_fake
-def _(a, weights, reduce_op, group_name, world):
+def _(a, weights, reduce_op, group_name, world, barrier_timeout_s):
     return a[0].new_empty((a[0].shape[0] // world, weights[0].shape[1]))
