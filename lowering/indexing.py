@@ -124,9 +124,11 @@ def index_put(x, indices, values, accumulate=False):
     fill kernel writes it): the out-of-place op would allocate and copy a second one. Values added
     at indices of adjacent dims (an embedding's, an upsample's backward) take runtime/scatter.py's
     atomic adds, others aten's op."""
+    lead = next((d for d, i in enumerate(indices) if i is not None), len(indices))
+    if (masked := _masked_fill(x, indices, values, accumulate, lead)) is not None:
+        return masked
     target = TensorBox(Pointwise(x.get_device(), x.get_dtype(), x.make_loader(), list(x.get_size())))
     target.realize()
-    lead = next((d for d, i in enumerate(indices) if i is not None), len(indices))
     given = list(indices[lead:])
     while given and given[-1] is None:
         given.pop()
@@ -138,6 +140,24 @@ def index_put(x, indices, values, accumulate=False):
     else:
         fallback(aten.index_put_.default, (target, indices, values, accumulate), {}, None)
     return target
+
+
+def _masked_fill(x, indices, value, accumulate, lead):
+    """`x[..., mask] = v` (a bool mask over dims lead.., one value: DTensor's vocab-parallel embedding
+    masks its ids and rows so) as a pointwise where(mask, v, x): aten's op would find the mask's
+    positions with nonzero, a sync with the host that a CUDA graph cannot capture."""
+    mask = indices[lead] if lead < len(indices) else None
+    if accumulate or mask is None or any(i is not None for i in indices[lead + 1:]) or mask.get_dtype() != torch.bool \
+            or not isinstance(value, TensorBox) or not sizevars.is_static(n := sizevars.product(value.get_size())) \
+            or int(n) != 1 or len({mask.get_device(), x.get_device(), value.get_device()}) != 1:
+        return None
+    k, size = len(mask.get_size()), list(x.get_size())
+    if lead + k > len(size) or not all(sizevars.equal(a, b) for a, b in zip(mask.get_size(), size[lead:])):
+        return None
+    lm, lx, lv, dtype = mask.make_loader(), x.make_loader(), value.make_loader(), x.get_dtype()
+    zero = [sympy.Integer(0)] * len(value.get_size())
+    return TensorBox(Pointwise(x.get_device(), dtype, lambda idx: ops.where(
+        lm(list(idx[lead:lead + k])), ops.to_dtype(lv(zero), dtype), lx(idx)), size))
 
 
 @register(aten.index_put_.default)

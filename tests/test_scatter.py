@@ -165,3 +165,24 @@ def test_a_graph_from_the_cache_runs_in_a_new_process(tmp_path):
                              capture_output=True, text=True, timeout=600)
         assert run.returncode == 0, run.stderr[-3000:]
         assert json.loads(run.stdout.strip().splitlines()[-1]) == [hit, True], run.stdout
+
+
+def masked_embedding(ids, table, lo: int, hi: int):
+    """DTensor's vocab-parallel embedding on one shard: ids outside [lo, hi) read row 0, then zeroed."""
+    mask = (ids < lo) | (ids >= hi)
+    local = ids - lo
+    local[mask] = 0
+    rows = table[local]
+    rows[mask] = 0.0
+    return rows * 2
+
+
+def test_a_bool_mask_and_one_value_is_a_pointwise_where(tmp_path):
+    """`x[mask] = v` with one value runs in a kernel of ours: aten's op finds the mask's positions with
+    nonzero, a sync with the host that a CUDA graph cannot capture (it failed HF generate's capture)."""
+    ids = torch.tensor([[3, 9, -1], [1, 12, 7]], device=DEVICE)
+    table = torch.randn(8, 4, device=DEVICE)
+    out, dumps = compile_and_run(masked_embedding, ids, table, 0, 8, tmp_path=tmp_path)
+    torch.testing.assert_close(out, masked_embedding(ids.clone(), table, 0, 8))
+    summary, code = dumps.only()
+    assert not [c for c in summary["extern_calls"] if "index_put" in c] and "index_put" not in code, summary["extern_calls"]
