@@ -142,7 +142,7 @@ def mm_reduce_scatter(a: list[torch.Tensor], weights: list[torch.Tensor], reduce
     m, n, dtype = a[0].shape[0] // world, weights[0].shape[1], a[0].dtype
     pool = _workspace(group_name, a[0].device, world * m * n * dtype.itemsize, barrier_timeout_s)
     rank = pool.rank
-    chunks = [x.view(world, m, x.shape[1]) for x in a]
+    chunks = [x.reshape(world, m, x.shape[1]) for x in a]  # (a transposed operand: copied)
     # slots[p]: peer p's partial of our rows; theirs[j]: our slot in peer j's workspace
     slots, theirs = _pool_views(pool, ("rs", world, m, n, dtype), lambda p: (
         p.view(0, (world, m, n), (m * n, n, 1), dtype),
