@@ -1,7 +1,7 @@
 """Async-TP's ops alone (commfuse/runtime/async_tp.py) against c10d's collective and the matmul, one
 after the other, at a Llama-3-8B layer's sequence-parallel sizes (B=2, H=4096, the column shard of
-4096 outputs), on GPUs only: host µs per call (launched back to back), GPU µs per call (replays of a
-CUDA graph of 10 calls), and with --profile rank 0's cProfile of the fused ops.
+4096 outputs), on GPUs only: host µs per call (launched back to back), GPU µs per call (the median of
+replays of a CUDA graph of 10 calls, after a barrier each), and with --profile rank 0's cProfile of the fused ops.
 
     torchrun --standalone --nproc-per-node 4 bench/async_tp_ops.py [--seq 1024] [--profile]
 """
@@ -39,20 +39,6 @@ def host_us(fn, n=30) -> float:
     return us
 
 
-def graph_us(fn, calls=10, replays=5) -> float:
-    dist.barrier()
-    graph = timing.capture(fn, calls)
-    torch.cuda.synchronize()
-    dist.barrier()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / (replays * calls) * 1e3
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seq", type=int, default=1024, help="sequence length over all ranks")
@@ -80,7 +66,7 @@ def main():
         "one barrier of the ops": lambda: async_tp._barrier(async_tp._workspace(group, dev, 1 << 20, None), group),
     }
     for name, fn in cases.items():
-        h_us, g_us = host_us(fn), graph_us(fn)
+        h_us, g_us = host_us(fn), timing.cuda_graph_time_us(fn, iters=10)
         if rank == 0:
             print(f"S={args.seq} W={world} {name}: host {h_us:.1f} µs/call; GPU (CUDA graph) {g_us:.1f} µs/call", flush=True)
     if args.profile:
