@@ -80,7 +80,7 @@ def main() -> int:
             r["ms/step"] = timing.loop_time_us(lambda: step(fn, model, x), iters=10, reps=3) / 1e3
         r["host ms/step"] = timing.host_time_us(lambda: step(fn, model, x), dev, iters=1, reps=5) / 1e3
         r.update(_profiled(lambda: step(fn, model, x), dev))
-    rows = sorted({k for r in res.values() for k in r}, key=lambda k: k != "error vs fp32")
+    rows = sorted({k for r in res.values() for k in r}, key=lambda k: (k != "error vs fp32", k))  # (one order on every rank)
     worst = torch.tensor([[r.get(k, float("nan")) for k in rows] for r in res.values()], dtype=torch.float64, device=dev)
     dist.all_reduce(worst.nan_to_num_(-1.0), dist.ReduceOp.MAX)  # (every figure: larger is worse)
     names = list(res)
