@@ -92,7 +92,8 @@ def describe(r: dict, key="decode") -> str:
 def kernel_bytes(call) -> dict:
     """{kernel name: bytes of its tensor arguments, summed over its launches} for one `call()` of
     commfuse-generated code (every launch goes through commfuse.runtime.launch.Site): each tensor
-    argument counted once, whole (what a kernel that reads or writes all of it moves)."""
+    argument counted once, whole (what a kernel that reads or writes all of it moves); arguments at
+    one address once (the few-row matmul passes its weight again where it needs no workspace)."""
     from commfuse.runtime import launch
     seen: dict[str, int] = {}
     plain = launch.Site.__call__
@@ -100,7 +101,11 @@ def kernel_bytes(call) -> dict:
     def counting(site, stream, grid, *args):
         k = site.kernel
         name = getattr(k, "__name__", None) or getattr(getattr(k, "fn", None), "__name__", str(k))
-        seen[name] = seen.get(name, 0) + sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))
+        per_ptr: dict[int, int] = {}  # a tensor passed twice (a placeholder argument) moves once
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                per_ptr[a.data_ptr()] = max(per_ptr.get(a.data_ptr(), 0), a.numel() * a.element_size())
+        seen[name] = seen.get(name, 0) + sum(per_ptr.values())
         return plain(site, stream, grid, *args)
     launch.Site.__call__ = counting
     try:

@@ -46,3 +46,17 @@ def test_floor_terms_from_the_model_shapes():
         k_n = [(CFG.dim, CFG.dim), (CFG.dim, CFG.n_kv_heads * hd), (CFG.dim, CFG.n_kv_heads * hd),
                (CFG.dim, CFG.dim), (CFG.dim, CFG.ffn), (CFG.dim, CFG.ffn), (CFG.ffn, CFG.dim)]
         assert mm[3] == f"{CFG.n_layers * sum(4 * (CFG.max_batch * k + k * n) for k, n in k_n) / 1e6:.2f}", mm  # MB per step
+
+
+def test_kernel_bytes_counts_a_tensor_passed_twice_once():
+    """The few-row matmul group passes a weight again in place of the workspace it does not need:
+    the grouped gate / up launch moves both weights, a and its output once, not the weight twice."""
+    from bench import decode_floor
+    torch._dynamo.reset()
+    w1, w3 = (torch.randn(64, 32, dtype=torch.bfloat16) for _ in range(2))
+    x = torch.randn(4, 32, dtype=torch.bfloat16)
+    f = torch.compile(lambda x: torch.nn.functional.silu(x @ w1.t()) * (x @ w3.t()), backend="commfuse")
+    f(x)
+    seen = decode_floor.kernel_bytes(lambda: f(x))
+    (name,) = [k for k in seen if k.startswith("cf_mm")]
+    assert seen[name] == (2 * 64 * 32 + 4 * 32 + 4 * 64) * 2, seen
