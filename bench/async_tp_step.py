@@ -10,7 +10,7 @@ Per variant, the worst rank's:
 - from torch.profiler over 3 steps: the GPU busy time per step, and the time in the ops' barriers
   (`cf_barrier`: a rank waiting there waits for a late peer) and peer copies.
 
-    torchrun --standalone --nproc-per-node 2 bench/async_tp_step.py [--out bench/results/x.md]
+    torchrun --standalone --nproc-per-node 2 bench/async_tp_step.py [--out bench/results/x.md] [--host-profile]
     torchrun --standalone --nproc-per-node 2 bench/async_tp_step.py --cpu   # smoke check (gloo, tiny)
 """
 from __future__ import annotations
@@ -40,6 +40,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cpu", action="store_true", help="gloo on CPU, tiny layers, fp32 (a smoke check)")
     ap.add_argument("--out", help="write the table here (and its .json beside)")
+    ap.add_argument("--host-profile", action="store_true",
+                    help="also print rank 0's torch.profiler rows of most self CPU time per step, for each variant")
     a = ap.parse_args()
     cuda = not a.cpu
     dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
@@ -80,6 +82,8 @@ def main() -> int:
             r["ms/step"] = timing.loop_time_us(lambda: step(fn, model, x, False), iters=10, reps=3) / 1e3
         r["host ms/step"] = timing.host_time_us(lambda: step(fn, model, x, False), dev, iters=1, reps=5) / 1e3
         r.update(_profiled(lambda: step(fn, model, x, False), dev))
+        if a.host_profile:
+            _host_profile(f"async-TP {name}", lambda: step(fn, model, x, False), dev, rank)
     rows = sorted({k for r in res.values() for k in r}, key=lambda k: (k != "error vs fp32", k))  # (one order on every rank)
     worst = torch.tensor([[r.get(k, float("nan")) for k in rows] for r in res.values()], dtype=torch.float64, device=dev)
     dist.all_reduce(worst.nan_to_num_(-1.0), dist.ReduceOp.MAX)  # (every figure: larger is worse)
@@ -113,6 +117,24 @@ def _profiled(step, dev) -> dict:
         return sum(e.device_time_total for e in events if pick(e.key)) / 3e3
     return {"GPU busy ms/step": ms(lambda k: True), "barrier ms/step": ms(lambda k: "cf_barrier" in k),
             "peer copies ms/step": ms(lambda k: "Memcpy PtoP" in k)}
+
+
+def _host_profile(title: str, step, dev, rank: int, rows: int = 16) -> None:
+    """Where the host's time goes: per step, the self CPU time of each op (an op's own Python
+    between its aten calls counts as its self time), over 3 profiled steps."""
+    from torch.profiler import ProfilerActivity, profile
+    timing.sync(dev)
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * (dev.type == "cuda")) as prof:
+        for _ in range(3):
+            step()
+        timing.sync(dev)
+    if rank == 0:
+        events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+        print(f"== {title}: self CPU ms per step {sum(e.self_cpu_time_total for e in events) / 3e3:.2f}")
+        for e in events[:rows]:
+            print(f"  {e.self_cpu_time_total / 3e3:7.3f} ms  x{e.count / 3:6.1f}  "
+                  f"{e.self_cpu_time_total / max(e.count, 1):8.1f} µs/call  {e.key[:90]}", flush=True)
 
 
 if __name__ == "__main__":
