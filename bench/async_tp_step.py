@@ -10,7 +10,7 @@ Per variant, the worst rank's:
 - from torch.profiler over 3 steps: the GPU busy time per step, and the time in the ops' barriers
   (`cf_barrier`: a rank waiting there waits for a late peer) and peer copies.
 
-    torchrun --standalone --nproc-per-node 2 bench/async_tp_step.py [--out bench/results/x.md] [--host-profile]
+    torchrun --standalone --nproc-per-node 2 bench/async_tp_step.py [--seq 1024] [--out bench/results/x.md] [--host-profile]
     torchrun --standalone --nproc-per-node 2 bench/async_tp_step.py --cpu   # smoke check (gloo, tiny)
 """
 from __future__ import annotations
@@ -40,6 +40,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cpu", action="store_true", help="gloo on CPU, tiny layers, fp32 (a smoke check)")
     ap.add_argument("--out", help="write the table here (and its .json beside)")
+    ap.add_argument("--seq", type=int, help="sequence length (default 1024; 8 with --cpu)")
     ap.add_argument("--host-profile", action="store_true",
                     help="also print rank 0's torch.profiler rows of most self CPU time per step, for each variant")
     a = ap.parse_args()
@@ -50,7 +51,8 @@ def main() -> int:
     dist.init_process_group("nccl" if cuda else "gloo", **({"device_id": dev} if cuda else {}))
     rank, world = dist.get_rank(), dist.get_world_size()
     shape = dict(TINY if a.cpu else FULL)
-    seq = shape.pop("seq")
+    seq = a.seq or shape["seq"]
+    del shape["seq"]
     cfg = Config(**shape, max_batch=1, max_seq=seq)
     dtype = torch.bfloat16 if cuda else torch.float32
     model = tp_llama(cfg, world, dev, dtype, sequence_parallel=True)
