@@ -11,6 +11,11 @@ Install (torchtitan pins torch nightlies and needs Python >= 3.11; its import de
 Run (2 ranks: tp or fsdp; 4 ranks: 2d, dp_shard 2 x tp 2):
     torchrun --standalone --nproc-per-node 2 bench/torchtitan_llama.py --parallel tp --backend commfuse --steps 3
 
+--ac selective is the Trainer's default activation checkpointing (per-op SAC). With torch 2.13 on
+CPU, TP (or 2d) with it fails in AOTAutograd's runtime wrapper for every backend, Inductor's too
+("expected all tensors_saved_with_vc_check to be Tensors": a DeviceMesh among the saved values);
+FSDP with it runs.
+
 Only torchtitan's CPU limits are set here: its device type (it picks "cuda" with no accelerator)
 and FSDP's sum reduction (gloo has no PREMUL_SUM). Attention is SDPA unless --attn flex."""
 from __future__ import annotations
@@ -35,7 +40,7 @@ def cpu_torchtitan():
 
 
 def build(args, backend, world):
-    """The debug model, parallelized and initialized as torchtitan's Trainer does (no PP, no AC)."""
+    """The debug model, parallelized and initialized as torchtitan's Trainer does (no PP)."""
     import dataclasses
     from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
     from torchtitan.components.optimizer import default_adamw
@@ -67,7 +72,7 @@ def build(args, backend, world):
     with torch.device("meta"):
         model = spec.model.build()
     model = spec.parallelize_fn(model, parallel_dims=dims, training=training, parallelism=parallelism,
-                                compile_config=compile_config, ac_config=None, dump_folder="/tmp")
+                                compile_config=compile_config, ac_config=ac_config(args.ac), dump_folder="/tmp")
     for m in model.modules():
         if isinstance(m, FSDPModule):  # gloo lacks PREMUL_SUM (FSDP's mean over ranks)
             m.set_force_sum_reduction_for_comms(True)
@@ -85,6 +90,11 @@ def build(args, backend, world):
     optim = default_adamw(lr=8e-4).build(model_parts=[model])
     ctx = dist_utils.get_spmd_context(parallel_dims=dims)
     return model, loss_fn, optim, ctx, dims
+
+
+def ac_config(name: str):
+    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+    return {"selective": SelectiveAC.Config, "full": FullAC.Config, "none": lambda: None}[name]()
 
 
 def batches(args, dims, steps, vocab=2048):
@@ -135,6 +145,8 @@ def main():
                    "mixed_precision_param: bfloat16 (its default, also under TP alone) or float32")
     p.add_argument("--async-tp", action="store_true", help="torchtitan's compile.enable_async_tensor_parallel "
                    "(it sets torch._inductor.config._micro_pipeline_tp, which commfuse follows)")
+    p.add_argument("--ac", choices=["selective", "full", "none"], default="none",
+                   help="torchtitan's activation_checkpoint (its Trainer's default: selective, per-op SAC)")
     p.add_argument("--json", help="write the results here (rank 0)")
     args = p.parse_args()
     if args.backend == "commfuse":
