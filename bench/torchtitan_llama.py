@@ -12,7 +12,7 @@ Run (2 ranks: tp or fsdp; 4 ranks: 2d, dp_shard 2 x tp 2):
     torchrun --standalone --nproc-per-node 2 bench/torchtitan_llama.py --parallel tp --backend commfuse --steps 3
 
 --ac selective is the Trainer's default activation checkpointing (per-op SAC). With torch 2.13 on
-CPU, TP (or 2d) with it fails in AOTAutograd's runtime wrapper for every backend, Inductor's too
+CPU, TP with it fails in AOTAutograd's runtime wrapper under Inductor as under commfuse
 ("expected all tensors_saved_with_vc_check to be Tensors": a DeviceMesh among the saved values);
 FSDP with it runs.
 
