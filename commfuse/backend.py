@@ -33,6 +33,7 @@ from .graph import GraphLowering
 from .passes.host_scalars import scalars_to_device
 from .passes.one_hot import sum_one_hot
 from .passes.reinplace import reinplace_input_updates
+from .passes.saved_order import saved_in_runtime_order
 from .remat import cross_kernel_bytes
 from .runtime import precompile
 from .runtime.cudagraphs import input_roles
@@ -118,7 +119,9 @@ def _cse_would_merge_sizes(gm: torch.fx.GraphModule) -> bool:
 
 def _partition(joint, inputs, **kwargs):
     with torch._functorch.config.patch(cse=not _cse_would_merge_draws(joint) and not _cse_would_merge_sizes(joint)):
-        return min_cut_rematerialization_partition(joint, inputs, **kwargs)
+        fw, bw = min_cut_rematerialization_partition(joint, inputs, **kwargs)
+    saved_in_runtime_order(fw, bw, kwargs["num_fwd_outputs"])
+    return fw, bw
 
 
 def compile_graph(gm: torch.fx.GraphModule, example_inputs, kind: str = "inference"):
