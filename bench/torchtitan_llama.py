@@ -11,10 +11,10 @@ Install (torchtitan pins torch nightlies and needs Python >= 3.11; its import de
 Run (2 ranks: tp or fsdp; 4 ranks: 2d, dp_shard 2 x tp 2):
     torchrun --standalone --nproc-per-node 2 bench/torchtitan_llama.py --parallel tp --backend commfuse --steps 3
 
---ac selective is the Trainer's default activation checkpointing (per-op SAC). With torch 2.13 on
-CPU, TP with it fails in AOTAutograd's runtime wrapper under Inductor as under commfuse
-("expected all tensors_saved_with_vc_check to be Tensors": a DeviceMesh among the saved values);
-FSDP with it runs.
+Activation checkpointing is the Trainer's default, per-op SAC (--ac selective; full or none). With
+torch 2.13, TP with it fails under Inductor and aot_eager in AOTAutograd's runtime ("expected all
+tensors_saved_with_vc_check to be Tensors"); commfuse puts the saved values back in the order the
+runtime reads them (commfuse/passes/saved_order.py) and trains.
 
 Only torchtitan's CPU limits are set here: its device type (it picks "cuda" with no accelerator)
 and FSDP's sum reduction (gloo has no PREMUL_SUM). Attention is SDPA unless --attn flex."""
@@ -145,7 +145,7 @@ def main():
                    "mixed_precision_param: bfloat16 (its default, also under TP alone) or float32")
     p.add_argument("--async-tp", action="store_true", help="torchtitan's compile.enable_async_tensor_parallel "
                    "(it sets torch._inductor.config._micro_pipeline_tp, which commfuse follows)")
-    p.add_argument("--ac", choices=["selective", "full", "none"], default="none",
+    p.add_argument("--ac", choices=["selective", "full", "none"], default="selective",
                    help="torchtitan's activation_checkpoint (its Trainer's default: selective, per-op SAC)")
     p.add_argument("--json", help="write the results here (rank 0)")
     args = p.parse_args()
