@@ -192,7 +192,9 @@ def test_tp_training_with_activation_checkpointing_matches_eager(shared):
     dirs, ranks = shared
     for rank, bad in enumerate(ranks.result(_train, str(dirs["checkpointed"]), False, True)):
         assert not bad, f"rank {rank}: loss or gradients differ from eager (max |diff|): {bad}"
-    assert all(s["compiled"] for _, s, _ in _graphs(dirs["checkpointed"]))
+    graphs = _graphs(dirs["checkpointed"])
+    assert [n.split("_")[1] for n, _, _ in graphs] == ["forward", "backward"], [n for n, _, _ in graphs]
+    assert all(s["compiled"] for _, s, _ in graphs)
 
 
 def test_tp_decode_static_kv_cache_matches_eager(decode_run):
