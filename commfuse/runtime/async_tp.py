@@ -31,14 +31,12 @@ _barriers: dict = {}
 _side_streams: dict = {}
 _events: dict = {}
 _views: dict = {}
-_timeouts: dict = {}  # pool -> the comm.barrier_timeout_s its barriers were given
 
 
 def _workspace(group_name: str, device, nbytes: int, timeout_s: float | None):  # (the compile's barrier_timeout_s)
     pool = shared_pools.get(group_name, device, nbytes, TAG)
-    if _timeouts.get(pool, "unset") != timeout_s:
+    if timeout_s is not None and pool.timeout_s != timeout_s:  # as a graph's pools (symm.CommState)
         pool.set_barrier_timeout(timeout_s)
-        _timeouts[pool] = timeout_s
     _check(pool, group_name, start=True)
     return pool
 
