@@ -102,40 +102,44 @@ def main() -> int:
     return 0
 
 
-def _profiled(step, dev) -> dict:
-    """GPU busy, barrier and peer-copy ms per step over 3 profiled steps, started together."""
-    if dev.type != "cuda":
-        return {}
-    from torch.profiler import ProfilerActivity, profile
+STEPS = 3  # profiled steps
+
+
+def _events(step, dev, activities: list):
+    """torch.profiler's averages over STEPS steps, started with the ranks together."""
+    from torch.profiler import profile
     timing.sync(dev)
     dist.barrier()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(3):
+    with profile(activities=activities) as prof:
+        for _ in range(STEPS):
             step()
         timing.sync(dev)
-    events = prof.key_averages()
+    return prof.key_averages()
+
+
+def _profiled(step, dev) -> dict:
+    """GPU busy, barrier and peer-copy ms per step."""
+    if dev.type != "cuda":
+        return {}
+    from torch.profiler import ProfilerActivity
+    events = _events(step, dev, [ProfilerActivity.CUDA])
 
     def ms(pick) -> float:
-        return sum(e.device_time_total for e in events if pick(e.key)) / 3e3
+        return sum(e.device_time_total for e in events if pick(e.key)) / (STEPS * 1e3)
     return {"GPU busy ms/step": ms(lambda k: True), "barrier ms/step": ms(lambda k: "cf_barrier" in k),
             "peer copies ms/step": ms(lambda k: "Memcpy PtoP" in k)}
 
 
 def _host_profile(title: str, step, dev, rank: int, rows: int = 16) -> None:
     """Where the host's time goes: per step, the self CPU time of each op (an op's own Python
-    between its aten calls counts as its self time), over 3 profiled steps."""
-    from torch.profiler import ProfilerActivity, profile
-    timing.sync(dev)
-    dist.barrier()
-    with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * (dev.type == "cuda")) as prof:
-        for _ in range(3):
-            step()
-        timing.sync(dev)
+    between its aten calls counts as its self time)."""
+    from torch.profiler import ProfilerActivity
+    events = _events(step, dev, [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * (dev.type == "cuda"))
     if rank == 0:
-        events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
-        print(f"== {title}: self CPU ms per step {sum(e.self_cpu_time_total for e in events) / 3e3:.2f}")
+        events = sorted(events, key=lambda e: -e.self_cpu_time_total)
+        print(f"== {title}: self CPU ms per step {sum(e.self_cpu_time_total for e in events) / (STEPS * 1e3):.2f}")
         for e in events[:rows]:
-            print(f"  {e.self_cpu_time_total / 3e3:7.3f} ms  x{e.count / 3:6.1f}  "
+            print(f"  {e.self_cpu_time_total / (STEPS * 1e3):7.3f} ms  x{e.count / STEPS:6.1f}  "
                   f"{e.self_cpu_time_total / max(e.count, 1):8.1f} µs/call  {e.key[:90]}", flush=True)
 
 
