@@ -4,9 +4,11 @@ Decode attention reads the whole K/V cache for a few FLOPs per byte, so it runs 
 stream from memory. Program (b, kv head, split) owns one K/V head and one contiguous chunk of the
 keys: it loads each [BLOCK_N, D] block of K and V once and applies it to all G query heads of the
 group at once (a [G, D] x [D, BLOCK_N] dot), keeping a running max, sum of exponentials and
-weighted sum of V per query head (online softmax). Keys the mask drops are not loaded: their
-loads are predicated off, so a cache masked beyond the current position is read up to there only
-(whatever the mask's pattern). With one split the program divides and stores the output; with
+weighted sum of V per query head (online softmax). With a mask, each program first finds the
+last key that any head of its group keeps (a scan of the mask row, a few KB) and the splits
+divide the keys up to there: a static cache masked beyond the current position is read up to it
+only, spread over all the programs (not idle programs beyond it and busy ones before). Inside that
+range the mask still drops keys from the scores. With one split the program divides and stores the output; with
 several each stores its unnormalized partial sums and (max, sum), and a second kernel combines the
 splits: out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s.
 
@@ -21,10 +23,11 @@ from commfuse.virtualized import V
 
 SPLIT = '''
 @triton.jit
-def {name}(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, part_acc, part_ml, S, chunk, scale,
+def {name}(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, part_acc, part_ml, S, scale,
         sqb, sqh, sqd, skb, skh, sks, skd, svb, svh, svs, svd, smb, smh, sms, sob, soh, sod,
         HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, GBLOCK: tl.constexpr, DBLOCK: tl.constexpr,
-        BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, MASK: tl.constexpr, F32: tl.constexpr):
+        BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, MASK: tl.constexpr, MASK_HEADS: tl.constexpr,
+        SCAN: tl.constexpr, F32: tl.constexpr):
     bh = tl.program_id(0).to(tl.int64)
     b, kvh = bh // HKV, bh % HKV
     split = tl.program_id(1)
@@ -32,16 +35,38 @@ def {name}(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, part_acc, part_ml, S, chunk, 
     d = tl.arange(0, DBLOCK)[None, :]
     gmask, dmask = g < G, d < D
     h = kvh * G + g
+    valid = S
+    if MASK != 0:  # the keys up to the last one kept (one mask row where it is the same for all heads)
+        last = tl.zeros([], tl.int32) - 1
+        for start in range(0, S, SCAN):
+            if MASK_HEADS:
+                n = start + tl.arange(0, SCAN)[None, :]
+                at, inside = mask_ptr + b * smb + h * smh + n * sms, (n < S) & gmask
+            else:
+                n = start + tl.arange(0, SCAN)
+                at, inside = mask_ptr + b * smb + n * sms, n < S
+            if MASK == 1:
+                kept = tl.load(at, inside, other=0) != 0
+            else:
+                kept = tl.load(at, inside, other=float("-inf")).to(tl.float32) > float("-inf")
+            if MASK_HEADS:
+                last = tl.maximum(last, tl.max(tl.max(tl.where(kept, n, -1), 1), 0))
+            else:
+                last = tl.maximum(last, tl.max(tl.where(kept, n, -1), 0))
+        valid = last + 1
+    chunk = tl.cdiv(tl.cdiv(valid, SPLITS), BLOCK_N) * BLOCK_N
+    n0 = split * chunk
+    end = tl.minimum(n0 + chunk, valid)
     q = tl.load(q_ptr + b * sqb + h * sqh + d * sqd, gmask & dmask, other=0)
     if F32:
         q = q.to(tl.float32)
     m_i = tl.full([GBLOCK], float("-inf"), tl.float32)
     l_i = tl.zeros([GBLOCK], tl.float32)
     acc = tl.zeros([GBLOCK, DBLOCK], tl.float32)
-    n0 = split * chunk
-    for start in range(n0, tl.minimum(n0 + chunk, S), BLOCK_N):
+    for start in range(n0, end, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
-        live = (n < S)[None, :] & gmask
+        inside = n < end
+        live = inside[None, :] & gmask
         if MASK == 1:    # bool: keys kept
             keep = tl.load(mask_ptr + b * smb + h * smh + n[None, :] * sms, live, other=0) != 0
             bias = tl.zeros([GBLOCK, BLOCK_N], tl.float32)
@@ -53,8 +78,7 @@ def {name}(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, part_acc, part_ml, S, chunk, 
             keep = live
             bias = tl.zeros([GBLOCK, BLOCK_N], tl.float32)
         keep = keep & live
-        need = tl.max(keep.to(tl.int32), 0) > 0  # a key some head of the group attends: loaded
-        kv = need[:, None] & dmask
+        kv = inside[:, None] & dmask
         k = tl.load(k_ptr + b * skb + kvh * skh + n[:, None] * sks + d * skd, kv, other=0)
         v = tl.load(v_ptr + b * svb + kvh * svh + n[:, None] * svs + d * svd, kv, other=0)
         if F32:
@@ -115,7 +139,9 @@ def launches(buf, value) -> tuple[dict, list[tuple]]:
     (b, hq, _, d), (_, hkv, s, _) = (map(int, x.layout.size) for x in (q, k))
     g, dtype = hq // hkv, buf.get_dtype()
     cfg = V.choices.decode_attention_config(q.get_device(), b, hkv, g, s, d)
-    splits, chunk = cfg["SPLITS"], cfg["chunk"]
+    splits = cfg["SPLITS"]
+    heads = bool(buf.mask_strides) and int(buf.mask_strides[1]) != 0  # a mask row per head: scanned per row
+    scan = max(16, cfg["SCAN"] // cfg["GBLOCK"]) if heads else cfg["SCAN"]
     rows = b * hkv * splits * g  # partial sums and (max, sum) per split: overwritten by every call
     scratch = [f"workspace(_workspaces, 'attn_{what}_{n}', {n}, torch.float32, {buf.name}.device)"
                for what, n in (("acc", rows * d), ("ml", rows * 2))] if splits > 1 else [buf.name] * 2
@@ -123,10 +149,10 @@ def launches(buf, value) -> tuple[dict, list[tuple]]:
     strides = [int(x) for t in (q, k, v) for x in _bhsd(t.layout.stride, t is q)]
     strides += [int(x) for x in buf.mask_strides or (0, 0, 0)] + [int(x) for x in _bhsd(buf.layout.stride, True)]
     ins = (q, k, v, mask[0] if mask else q)
-    args = [value(x) for x in ins] + [buf.name, *scratch, str(s), str(chunk), repr(buf.scale)] + list(map(str, strides))
-    specs = [x.get_dtype() for x in ins] + [dtype, *scratch_dtypes, s, chunk, buf.scale] + strides
+    args = [value(x) for x in ins] + [buf.name, *scratch, str(s), repr(buf.scale)] + list(map(str, strides))
+    specs = [x.get_dtype() for x in ins] + [dtype, *scratch_dtypes, s, buf.scale] + strides
     consts = (f"HKV={hkv}, G={g}, D={d}, GBLOCK={cfg['GBLOCK']}, DBLOCK={cfg['DBLOCK']}, BLOCK_N={cfg['BLOCK_N']}, "
-              f"SPLITS={splits}, MASK={_MASKS[buf.mask]}, F32={cfg['F32'] or dtype == torch.float32}, "
+              f"SPLITS={splits}, MASK={_MASKS[buf.mask]}, MASK_HEADS={heads}, SCAN={scan}, F32={cfg['F32'] or dtype == torch.float32}, "
               f"num_warps={cfg['num_warps']}, num_stages={cfg['num_stages']}")
     name = f"cf_attn_{buf.name}"
     out = [(name, SPLIT.format(name=name).lstrip("\n"), f"({b * hkv}, {splits})", args, specs, consts)]

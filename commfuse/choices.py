@@ -597,14 +597,15 @@ class Choices:
 
     def decode_attention_config(self, device, b: int, hkv: int, group: int, s: int, d: int) -> dict:
         """Blocks of the decode kernel: about two programs per SM, each split at least 256 keys
-        long (fewer, longer splits when B x Hkv alone fills the GPU); the query heads of a group
-        padded to 16 rows, tl.dot's least."""
+        long (fewer, longer splits when B x Hkv alone fills the GPU; the kernel divides the keys
+        up to the mask's last kept one among them); the query heads of a group padded to 16 rows,
+        tl.dot's least; the mask scanned 2048 keys a step."""
         block_n = 64 if d <= 128 else 32
         want = -(-2 * sm_count(device) // (b * hkv))
         splits = max(1, min(want, 64, -(-s // 256)))
         chunk = -(-(-(-s // splits)) // block_n) * block_n
         return {"BLOCK_N": block_n, "GBLOCK": max(16, next_pow2(group)), "DBLOCK": max(16, next_pow2(d)),
-                "SPLITS": -(-s // chunk), "chunk": chunk, "F32": device.type != "cuda",  # interpreted: fp32 dots
+                "SPLITS": -(-s // chunk), "SCAN": min(2048, next_pow2(s)), "F32": device.type != "cuda",  # interpreted: fp32 dots
                 "num_warps": 4, "num_stages": 2}
 
     # ------------------------------------------------------------------------- matmuls

@@ -1,6 +1,6 @@
 """The split-KV decode attention kernel (codegen/decode_attention.py) against eager SDPA: one query
 token per sequence over a cache, at odd cache lengths, GQA ratios 1 and 4, per-sequence positions
-(bool masks), a float mask, no mask, one split and several (the combine kernel), fp32 and bf16.
+(bool masks), a bool mask per head with holes, a float mask, no mask, one split and several (the combine kernel), fp32 and bf16.
 Compiled with `decode_attention=True`, so on CPU it runs in Triton's interpreter."""
 import pytest
 import torch
@@ -15,7 +15,7 @@ class FewKeysPerSplit(cf_choices.Choices):
 
     def decode_attention_config(self, device, b, hkv, group, s, d):
         return {**super().decode_attention_config(device, b, hkv, group, s, d), "BLOCK_N": 16,
-                "SPLITS": -(-s // 16), "chunk": 16}
+                "SPLITS": -(-s // 16)}
 
 
 def attend(q, k, v, mask):
@@ -27,6 +27,7 @@ CASES = [  # B, query heads, K/V heads, cache length, head dim, dtype, mask, spl
     (3, 2, 2, 21, 8, torch.float32, "positions", False),
     (1, 8, 2, 50, 16, torch.bfloat16, "float", True),
     (2, 4, 4, 19, 32, torch.float32, None, True),
+    (2, 4, 2, 45, 16, torch.float32, "heads", True),
 ]
 
 
@@ -39,6 +40,10 @@ def test_decode_attention_matches_sdpa(tmp_path, b, hq, hkv, s, d, dtype, mask, 
     if mask == "positions":  # each sequence at its own position; keys after it are not read
         pos = torch.arange(b, device=DEVICE) * 7 % s
         m = (keys[None, :] <= pos[:, None])[:, None, None, :]
+    elif mask == "heads":  # a mask per head, with holes: each head's own last key bounds the range read
+        m = torch.rand(b, hq, 1, s, device=DEVICE) < 0.5
+        m[..., 0] = True
+        m[:, 1::2, :, s // 3:] = False
     elif mask == "float":
         m = torch.randn(1, s, dtype=dtype, device=DEVICE).masked_fill(keys > s - 9, float("-inf"))
     else:
