@@ -151,7 +151,7 @@ def per_kernel(events, steps, gpu) -> dict:
     per: dict[str, list] = {}
     for e in events:
         if e.device_type == (DeviceType.CUDA if gpu else DeviceType.CPU) and (gpu or e.name.startswith("aten::")) \
-                and "nccl" not in e.name.lower() \
+                and not any(k in e.name.lower() for k in timing.RENDEZVOUS_KERNELS) \
                 and not getattr(e, "is_user_annotation", False) and not re.fullmatch(r"[\w.]+:[\w.]+", e.name):
             t = per.setdefault(e.name, [0.0, 0.0])
             t[0] += e.time_range.elapsed_us() / steps
@@ -161,14 +161,13 @@ def per_kernel(events, steps, gpu) -> dict:
 
 def graph_kernels(call, dev, graph_steps, replays) -> dict:
     """per_kernel() of `replays` replays of a CUDA graph of `graph_steps` calls, each replay started
-    when every rank has passed a barrier and the GPU is idle."""
+    on every rank at once (`timing.start_together`), the GPU idle before."""
     graph = timing.capture(call, graph_steps)
 
     def replayed():
         for _ in range(replays):
             timing.sync(dev)
-            dist.barrier()
-            timing.sync(dev)
+            timing.start_together()
             graph.replay()
         timing.sync(dev)
     return per_kernel(_profiled(replayed, True), replays * graph_steps, True)
@@ -178,7 +177,7 @@ def kernel_table(call, steps, dev, bandwidth_gbs, elem=2, graph_steps=10, replay
     """Markdown: each kernel of `call()` (one decode step) by GPU time per step, with the bytes it
     moved (a generated kernel's tensor arguments; a matmul's or attention's aten inputs), its GB/s
     and its share of the measured read bandwidth, under 80% flagged. On a GPU the times are from
-    `replays` replays of a CUDA graph of `graph_steps` steps, each after a barrier: launched op by op
+    `replays` replays of a CUDA graph of `graph_steps` steps, started together: launched op by op
     the step is host-bound, the ranks drift apart within it and the all-reduces would hold the
     drift. Else (on CPU; a torch whose profiler sees no kernels in a graph's replays) from `steps`
     plain calls, each after a barrier. A heading line says which."""
@@ -203,7 +202,7 @@ def kernel_table(call, steps, dev, bandwidth_gbs, elem=2, graph_steps=10, replay
     except Exception as e:  # (a step that cannot be captured)
         in_graph, how = None, how + f" (capturing a CUDA graph failed: {type(e).__name__})"
     if in_graph is not None and sum(n for _, n in in_graph.values()) >= 0.5 * sum(n for _, n in per.values()):
-        per, how = in_graph, f"{replays} replays of a CUDA graph of {graph_steps} steps, each replay after a barrier"
+        per, how = in_graph, f"{replays} replays of a CUDA graph of {graph_steps} steps, the ranks starting each together"
     elif in_graph is not None:  # this torch's profiler does not see the kernels a graph launches
         how += " (the profiler saw no kernels inside CUDA graph replays: host-bound, the all-reduces hold the ranks' drift)"
     lines = [f"Profiled: {how}; per step.", "",

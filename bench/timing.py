@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import time
 
-from commfuse.runtime.timing import median_us, barrier, capture, cuda_graph_time_us, interleaved_times_us, sync  # noqa: F401
+from commfuse.runtime.timing import (RENDEZVOUS_KERNELS, barrier, capture, cuda_graph_time_us, interleaved_times_us,  # noqa: F401
+                                      median_us, start_together, sync)
 
 
 def wall_time_s(fn, device) -> float:

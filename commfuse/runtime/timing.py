@@ -2,8 +2,8 @@
 
 GPU times are medians of repetitions, taken between CUDA events (`median_us`): of a CUDA graph of
 many calls replayed (GPU time, no host overhead); bench/timing.py adds loops of plain calls. When
-a process group is up, the ranks meet at a barrier before each repetition, so that collectives are
-timed together rather than waiting for a late rank."""
+a process group is up, the ranks start each repetition together (`start_together`), so that
+collectives are timed together rather than waiting for a late rank."""
 from __future__ import annotations
 
 import torch
@@ -20,12 +20,30 @@ def barrier() -> None:
         dist.barrier()
 
 
+# GPU cycles (about 50 µs) that every rank idles after the device rendezvous while its host queues
+# the timed work: all of it then starts when the sleep ends, at the same moment on every rank
+RENDEZVOUS_SLEEP_CYCLES = 100_000
+RENDEZVOUS_KERNELS = ("nccl", "spin_kernel")  # the names of its kernels, which profiles leave out
+
+
+def start_together() -> None:
+    """The ranks meet at a barrier and, under NCCL, on their GPUs too: a one-element all-reduce on
+    the current stream, then a short sleep kernel. Work queued next starts at the same moment on
+    every rank. After the host barrier alone the GPUs start as far apart as the hosts left it
+    (up to hundreds of µs), and the first collective of the timed work waits out that skew."""
+    barrier()
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_backend() != "nccl":
+        return
+    dist.all_reduce(torch.zeros(1, device=torch.cuda.current_device()))
+    torch.cuda._sleep(RENDEZVOUS_SLEEP_CYCLES)
+
+
 def median_us(run, iters: int, reps: int) -> float:
     """Median over `reps` of the µs per call of `run()`, which makes `iters` calls, between events."""
     times = []
     for _ in range(reps):
         torch.cuda.synchronize()
-        barrier()
+        start_together()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         run()
