@@ -6,9 +6,12 @@ bytes SDPA over the whole cache reads, over the time).
     python bench/decode_attention.py [--out bench/results/decode_attention.md]
     python bench/decode_attention.py --cpu      # a smoke run (Triton's interpreter, tiny sizes)
 
-Rows: B in {1, 8}, cache lengths 512 to 32k, Llama-3-8B heads (32 query / 8 KV, 128 wide) and one
-tensor-parallel rank's share at world 2 (16 / 4); the position is the cache's last (`full`) or its
-middle (`half`: keys after it masked; our kernel reads up to it, aten's read the whole cache).
+Rows: B in {1, 8}, cache lengths 512 to 32k, head dims 128 (Llama-3-8B) and 64 (Llama-3.2-1B),
+Llama-3-8B's heads (32 query / 8 KV) and one tensor-parallel rank's share at world 2 (16 / 4); the
+position is the cache's last (`full`) or its middle (`half`: keys after it masked; our kernel reads
+up to it, aten's read the whole cache). Under the table: per (head dim, GQA group), the batches and
+cache lengths at which commfuse beat aten's own choice at both positions, as entries for
+`commfuse.choices.DECODE_ATTENTION_WINS` (the policy's measured table).
 Variants: `aten` (SDPA's own choice, bool mask), `cudnn` / `efficient` (forced, with the mask),
 `flash` (no mask: over the cache's valid prefix as a slice, what an engine that knows the length
 runs), `commfuse` (torch.compile with decode_attention=True). Errors vs fp32 math print beside.
@@ -16,6 +19,8 @@ runs), `commfuse` (torch.compile with decode_attention=True). Errors vs fp32 mat
 from __future__ import annotations
 
 import argparse
+import itertools
+import math
 import os
 import sys
 
@@ -51,9 +56,8 @@ def variants(q, k, v, mask, pos, options):
             "commfuse": lambda: compiled(q, k, v, mask)}
 
 
-def row(b, hq, hkv, s, where, dev, dtype, options, timed):
+def row(b, hq, hkv, s, d, where, dev, dtype, options, timed):
     torch.manual_seed(0)
-    d = 128 if dev.type == "cuda" else 16
     q = torch.randn(b, hq, 1, d, device=dev, dtype=dtype)
     k, v = (torch.randn(b, hkv, s, d, device=dev, dtype=dtype) for _ in range(2))
     pos = s - 1 if where == "full" else s // 2
@@ -80,6 +84,7 @@ def main():
     ap.add_argument("--cpu", action="store_true", help="a smoke run on CPU (interpreter, tiny sizes)")
     ap.add_argument("--lengths", default="512,2048,8192,32768")
     ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--head-dims", default="128,64")
     ap.add_argument("--rounds", type=int, default=3)
     add_run_args(ap, "decode_attention=True")
     a = ap.parse_args()
@@ -88,6 +93,7 @@ def main():
     heads = [(32, 8), (16, 4)] if not a.cpu else [(4, 2)]
     lengths = [int(x) for x in a.lengths.split(",")] if not a.cpu else [37]
     batches = [int(x) for x in a.batches.split(",")] if not a.cpu else [2]
+    dims = [int(x) for x in a.head_dims.split(",")] if not a.cpu else [16]
 
     def timed(fns, failed):
         if dev.type != "cuda":
@@ -95,28 +101,46 @@ def main():
         from commfuse.runtime.timing import interleaved_times_us
         return interleaved_times_us(fns, rounds=a.rounds, failed=failed)
     name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
-    lines = [f"decode attention, bf16, head dim {128 if dev.type == 'cuda' else 16}, one query token; GPU µs per call (CUDA graph); "
+    lines = [f"decode attention, bf16, one query token; GPU µs per call (CUDA graph); "
              f"ratio = variant / commfuse; {name}", "",
-             "| B | heads q/kv | cache | pos | " + " | ".join(f"{v} µs (×)" for v in VARIANTS) +
+             "| B | heads q/kv | head dim | cache | pos | " + " | ".join(f"{v} µs (×)" for v in VARIANTS) +
              " | commfuse GB/s | max err commfuse / aten |",
-             "|" + "---|" * (len(VARIANTS) + 6)]
+             "|" + "---|" * (len(VARIANTS) + 7)]
     data = {"meta": run_meta(name, a.commit), "rows": []}
-    for b in batches:
-        for hq, hkv in heads:
-            for s in lengths:
-                for where in ("full", "half"):
-                    res, failed = row(b, hq, hkv, s, where, dev, torch.bfloat16, options, timed)
-                    ours = res.get("commfuse µs")
-                    cells = [f"{res[f'{v} µs']:.1f} ({res[f'{v} µs'] / ours:.2f})" if f"{v} µs" in res and ours
-                             else ("n/a" if v in failed else "-") for v in VARIANTS]
-                    gbs = f"{res['commfuse GB/s']:.0f}" if "commfuse GB/s" in res else "-"
-                    errs = f"{res.get('err commfuse', float('nan')):.1e} / {res.get('err aten', float('nan')):.1e}"
-                    lines.append(f"| {b} | {hq}/{hkv} | {s} | {where} | " + " | ".join(cells) + f" | {gbs} | {errs} |")
-                    data["rows"].append({"b": b, "hq": hq, "hkv": hkv, "s": s, "pos": where, **res,
-                                         "failed": failed})
-                    print(lines[-1], flush=True)
-                    write_results(a.out, "\n".join(lines) + "\n", data, partial=True)
+    for d, b, (hq, hkv), s, where in itertools.product(dims, batches, heads, lengths, ("full", "half")):
+        res, failed = row(b, hq, hkv, s, d, where, dev, torch.bfloat16, options, timed)
+        ours = res.get("commfuse µs")
+        cells = [f"{res[f'{v} µs']:.1f} ({res[f'{v} µs'] / ours:.2f})" if f"{v} µs" in res and ours
+                 else ("n/a" if v in failed else "-") for v in VARIANTS]
+        gbs = f"{res['commfuse GB/s']:.0f}" if "commfuse GB/s" in res else "-"
+        errs = f"{res.get('err commfuse', float('nan')):.1e} / {res.get('err aten', float('nan')):.1e}"
+        lines.append(f"| {b} | {hq}/{hkv} | {d} | {s} | {where} | " + " | ".join(cells) + f" | {gbs} | {errs} |")
+        data["rows"].append({"b": b, "hq": hq, "hkv": hkv, "d": d, "s": s, "pos": where, **res, "failed": failed})
+        print(lines[-1], flush=True)
+        write_results(a.out, "\n".join(lines) + "\n", data, partial=True)
+    data["wins"] = wins(data["rows"], name)
+    lines += ["", "Entries for `commfuse.choices.DECODE_ATTENTION_WINS` (commfuse faster than aten at both positions):", ""]
+    lines += [f"    {w}," for w in data["wins"]] or ["    (none)"]
+    print("\n".join(lines[-len(data["wins"] or [0]) - 2:]), flush=True)
     write_results(a.out, "\n".join(lines) + "\n", data)
+
+
+def wins(rows: list, gpu: str) -> list[dict]:
+    """Per (head dim, GQA group): the batches and the longest run of consecutive cache lengths at
+    which commfuse beat aten's own choice at both positions for every batch measured (the policy
+    takes the whole rectangle between)."""
+    out = []
+    for d, group in sorted({(r["d"], r["hq"] // r["hkv"]) for r in rows}):
+        mine = [r for r in rows if (r["d"], r["hq"] // r["hkv"]) == (d, group)]
+        won = {s: all(r.get("commfuse µs", math.inf) <= r.get("aten µs", 0) for r in mine if r["s"] == s)
+               for s in sorted({r["s"] for r in mine})}
+        runs = [list(g) for w, g in itertools.groupby(won, key=won.get) if w]
+        keys = max(runs, key=len, default=[])
+        if keys:
+            bs = [r["b"] for r in mine]
+            out.append({"gpu": gpu, "dtype": "torch.bfloat16", "head_dim": d, "group": group,
+                        "batch": (min(bs), max(bs)), "keys": (keys[0], keys[-1])})
+    return out
 
 
 if __name__ == "__main__":

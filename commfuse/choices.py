@@ -35,10 +35,14 @@ ATTENTION_BIAS_ARG = {torch.ops.aten._scaled_dot_product_efficient_attention.def
                       torch.ops.aten._scaled_dot_product_cudnn_attention.default: 3,
                       torch.ops.aten._scaled_dot_product_cudnn_attention_backward.default: 8}
 ATTENTION_BIAS_ALIGN = 16
-# Where the generated decode attention beat aten's SDPA on the GPU (bench/decode_attention.py):
-# {"dtype": "torch.bfloat16", "min_keys": cache length from which it wins, "shapes": {(B, group)}}.
-# Empty until measured: aten's attention runs.
-DECODE_ATTENTION_WINS: list = []
+# Where the generated decode attention beat aten's SDPA at the cache's last position and its
+# middle, for every batch measured (bench/decode_attention.py prints these entries): batches and
+# cache lengths are inclusive ranges. Elsewhere (other GPUs, head dims, groups) aten's attention runs.
+DECODE_ATTENTION_WINS: list = [
+    # bench/results/decode_attention_h200_2df6b78.md: 1.01-2.27x aten up to 8192 keys; at 32768,
+    # 0.88-0.93x with the whole cache valid
+    {"gpu": "NVIDIA H200", "dtype": "torch.bfloat16", "head_dim": 128, "group": 4, "batch": (1, 8), "keys": (512, 8192)},
+]
 DEFAULT_SMS = 132  # H100 / H200
 # matmul throughput assumed per SM, TFLOP/s: about half of an H100's dense peak (tensor cores for
 # 16-bit, plain fp32 without TF32), so that the work a collective is said to hide behind is there
@@ -585,15 +589,16 @@ class Choices:
     def use_decode_attention(self, device, dtype, b: int, hq: int, hkv: int, s: int, d: int) -> bool:
         """Our split-KV kernel (codegen/decode_attention.py) for one query token over a cache of
         `s` keys, instead of aten's SDPA: `config.decode_attention` if set, else where the measured
-        table (DECODE_ATTENTION_WINS) has the shape. The table is empty until bench/
-        decode_attention.py has measured it on the GPU: until then aten's attention runs."""
+        table (DECODE_ATTENTION_WINS) has this GPU and shape."""
         if dtype not in (torch.float32, torch.bfloat16, torch.float16) or device.type not in ("cuda", "cpu") \
                 or d > 256 or hq % hkv:
             return False
         if config.decode_attention is not None:
             return config.decode_attention
         return device.type == "cuda" and any(
-            w["dtype"] == str(dtype) and w["min_keys"] <= s and (b, hq // hkv) in w["shapes"] for w in DECODE_ATTENTION_WINS)
+            w["gpu"] == torch.cuda.get_device_name(device) and w["dtype"] == str(dtype) and w["head_dim"] == d
+            and w["group"] == hq // hkv and w["batch"][0] <= b <= w["batch"][1] and w["keys"][0] <= s <= w["keys"][1]
+            for w in DECODE_ATTENTION_WINS)
 
     def decode_attention_config(self, device, b: int, hkv: int, group: int, s: int, d: int) -> dict:
         """Blocks of the decode kernel: about two programs per SM, each split at least 256 keys

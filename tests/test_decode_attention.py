@@ -60,13 +60,22 @@ def test_decode_attention_matches_sdpa(tmp_path, b, hq, hkv, s, d, dtype, mask, 
     count(code, "def cf_attn_combine_buf", 1 if split else 0)
 
 
-def test_decode_attention_is_off_until_measured():
-    """Without `config.decode_attention`, the kernel runs only where choices' measured table says
-    it wins; that table is empty until bench/decode_attention.py has measured it on the GPU."""
+def test_decode_attention_only_where_measured(monkeypatch):
+    """Without `config.decode_attention`, the kernel runs only on a GPU and shape that choices'
+    measured table covers: its GPU, dtype, head dim and group, within its batches and cache lengths."""
     c = cf_choices.Choices()
-    assert not cf_choices.DECODE_ATTENTION_WINS
-    for dev in ("cuda", "cpu"):
-        assert not c.use_decode_attention(torch.device(dev), torch.bfloat16, 8, 32, 8, 2048, 128)
+    win = cf_choices.DECODE_ATTENTION_WINS[0]
+    b, keys, group, d = win["batch"][1], win["keys"][1], win["group"], win["head_dim"]
+    dtype, gpu = getattr(torch, win["dtype"].split(".")[1]), torch.device("cuda")
+    assert not c.use_decode_attention(torch.device("cpu"), dtype, b, 8 * group, 8, keys, d)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: win["gpu"])
+    assert c.use_decode_attention(gpu, dtype, b, 8 * group, 8, keys, d)
+    for other in [(b + 1, 8 * group, 8, keys, d), (b, 8 * group, 8, keys + 1, d), (b, 8 * group, 8, keys, d // 2),
+                  (b, 16 * group, 8, keys, d)]:
+        assert not c.use_decode_attention(gpu, dtype, *other), other
+    assert not c.use_decode_attention(gpu, torch.float32, b, 8 * group, 8, keys, d)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "another GPU")
+    assert not c.use_decode_attention(gpu, dtype, b, 8 * group, 8, keys, d)
 
 
 def test_decode_attention_leaves_training_to_aten(tmp_path):
