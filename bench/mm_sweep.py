@@ -1,8 +1,8 @@
 """The few-row matmul template's configurations against cuBLAS, per decode shape (one GPU).
 
-For M rows times each per-rank weight of Llama-3-8B's tensor-parallel decode at world 2 and 4
-(q, k and v, o, gate and up, down as bench/llama.py's Linears run them; `--fused`: qkv and gate+up
-concatenated), `a @ w.t()` (w stored [N, K], as nn.Linear's: what the model's matmuls
+For M rows times each per-rank weight of Llama-3-8B's (`--model 1b`: Llama-3.2-1B's)
+tensor-parallel decode at world 2 and 4 (`--worlds`; 1: one GPU) (q, k and v, o, gate and up,
+down as bench/llama.py's Linears run them; `--fused`: qkv and gate+up concatenated), `a @ w.t()` (w stored [N, K], as nn.Linear's: what the model's matmuls
 read) is compiled through commfuse once per candidate configuration (a `Choices` whose
 `mm_template_config` returns it) and timed under CUDA graphs, beside torch.mm (cuBLAS) and the
 configuration today's policy picks. Every call reads its weight from HBM, as the decode step does:
@@ -39,13 +39,14 @@ from commfuse.choices import Choices, sm_count  # noqa: E402
 from commfuse.runtime.timing import cuda_graph_time_us  # noqa: E402
 from commfuse.sizevars import next_pow2  # noqa: E402
 
-DIM, KV, HIDDEN = 4096, 1024, 14336  # Llama-3-8B
+MODELS = {"8b": (4096, 1024, 14336), "1b": (2048, 512, 8192)}  # Llama-3-8B, Llama-3.2-1B: H, KV width, F
 SMEM = 200 * 1024                    # bytes of shared memory a candidate's stages may take
 
 
-def shapes(world: int, fused: bool = False) -> dict:
-    """Per rank's (K, N) of each decode matmul at `world`: the projections as bench/llama.py's
-    Linears run them (q, k and v apart, gate and up apart), or concatenated (`fused`)."""
+def shapes(world: int, fused: bool = False, model: str = "8b") -> dict:
+    """Per rank's (K, N) of each decode matmul of `model` at `world`: the projections as
+    bench/llama.py's Linears run them (q, k and v apart, gate and up apart), or concatenated (`fused`)."""
+    DIM, KV, HIDDEN = MODELS[model]
     if fused:
         return {"qkv": (DIM, (DIM + 2 * KV) // world), "gate+up": (DIM, 2 * HIDDEN // world)}
     return {"q": (DIM, DIM // world), "k,v": (DIM, KV // world), "o": (DIM // world, DIM),
@@ -225,6 +226,7 @@ def main():
     ap.add_argument("--commit", help="commit to record (default: git rev-parse)")
     ap.add_argument("--cpu", action="store_true", help="smoke run: Triton's interpreter, one tiny shape, two configurations")
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--model", choices=sorted(MODELS), default="8b", help="whose layer shapes (default %(default)s)")
     ap.add_argument("--rows", type=int, nargs="+", default=[8, 1, 32], help="M values; the first is swept widest")
     ap.add_argument("--fused", action="store_true", help="the concatenated qkv and gate+up weights instead")
     ap.add_argument("--budget-s", type=float, default=120, help="seconds for all shapes' candidates together")
@@ -239,7 +241,8 @@ def main():
         jobs = [("tiny", 2, 256, 128, [{"BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 2, "num_warps": 4, "num_stages": 3}])]
         args.budget_s, read_gbs = 0.0, None  # the heuristic and the one seed
     else:
-        named = {(k, n): f"{name} w{world}" for world in args.worlds for name, (k, n) in shapes(world, args.fused).items()}
+        named = {(k, n): f"{name} w{world}" for world in args.worlds
+                 for name, (k, n) in shapes(world, args.fused, args.model).items()}
         jobs = [(name, m, k, n, None) for m in args.rows for (k, n), name in named.items()]
         x = torch.ones(1 << 29, dtype=torch.bfloat16, device=dev)
         read_gbs = (1 << 30) / cuda_graph_time_us(lambda: torch.sum(x), iters=10) / 1e3
