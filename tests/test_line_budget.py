@@ -7,7 +7,7 @@ PACKAGES = ("commfuse", "lowering", "codegen")
 
 # Non-blank, non-comment lines of the product's .py files (docstrings count). Raising the budget
 # is a decision: make it in its own commit, saying what the lines buy.
-LINE_BUDGET = 11777  # 10270 + bucketing 150 + decode (in-place cache store, decode attention) 320 + all-gather / reduce-scatter kernels 150 + overlap scheduling 166 + per-GPU mm table lookup 12 + c10d where independent matmuls hide it 62 + few-row matmul groups with epilogues 162 + HF generate under CUDA graphs (written inputs kept in place) 23 + the FX window listed once per graph (compile time on graphs of many collectives) 5 + async-TP 370 + CUDA graphs recaptured after a pool moves, kept plain after a failed capture 10 + saved values in the runtime's order under activation checkpointing (TP + AC compiles where every backend failed) 32 + decode attention split over the mask's live keys 25
+LINE_BUDGET = 11790  # 10270 + bucketing 150 + decode (in-place cache store, decode attention) 320 + all-gather / reduce-scatter kernels 150 + overlap scheduling 166 + per-GPU mm table lookup 12 + c10d where independent matmuls hide it 62 + few-row matmul groups with epilogues 162 + HF generate under CUDA graphs (written inputs kept in place) 23 + the FX window listed once per graph (compile time on graphs of many collectives) 5 + async-TP 370 + CUDA graphs recaptured after a pool moves, kept plain after a failed capture 10 + saved values in the runtime's order under activation checkpointing (TP + AC compiles where every backend failed) 32 + decode attention split over the mask's live keys 25 + decode attention's measured table per GPU and shape, its splits combined in one launch 13
 MAX_FILE_LINES = 800  # lines of one file, all of them
 
 
