@@ -8,10 +8,9 @@ weighted sum of V per query head (online softmax). With a mask, each program fir
 last key that any head of its group keeps (a scan of the mask row, a few KB) and the splits
 divide the keys up to there: a static cache masked beyond the current position is read up to it
 only, spread over all the programs (not idle programs beyond it and busy ones before). Inside that
-range the mask still drops keys from the scores. With one split the program divides and stores the
-output. With several, each stores its unnormalized partial sums and (max, sum) and counts itself in
-(a counter per (b, kv head)); the last one in combines the splits, out = sum_s exp(m_s - M) acc_s /
-sum_s exp(m_s - M) l_s, and zeroes the counter for the next call: one launch, no second kernel.
+range the mask still drops keys from the scores. With one split the program divides and stores the output; with
+several each stores its unnormalized partial sums and (max, sum), and a second kernel combines the
+splits: out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s.
 
 A query whose keys are all masked gets 0/0 (NaN), as SDPA's math kernel gives.
 """
@@ -24,7 +23,7 @@ from commfuse.virtualized import V
 
 SPLIT = '''
 @triton.jit
-def {name}(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, part_acc, part_ml, lock_ptr, S, scale,
+def {name}(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, part_acc, part_ml, S, scale,
         sqb, sqh, sqd, skb, skh, sks, skd, svb, svh, svs, svd, smb, smh, sms, sob, soh, sod,
         HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, GBLOCK: tl.constexpr, DBLOCK: tl.constexpr,
         BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, MASK: tl.constexpr, MASK_HEADS: tl.constexpr,
@@ -107,26 +106,25 @@ def {name}(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, part_acc, part_ml, lock_ptr, 
         tl.store(part_acc + row * D + d, acc, gmask & dmask)
         tl.store(part_ml + row * 2, m_i[:, None], gmask)
         tl.store(part_ml + row * 2 + 1, l_i[:, None], gmask)
-        tl.debug_barrier()  # every thread's partials come before the count (release)
-        arrived = tl.atomic_add(lock_ptr + bh, 1, sem="acq_rel")
-        if arrived == SPLITS - 1:  # the last split in: every partial is stored
-            tl.debug_barrier()
-            top = tl.full([GBLOCK, 1], float("-inf"), tl.float32)
-            total = tl.zeros([GBLOCK, 1], tl.float32)
-            o = tl.zeros([GBLOCK, DBLOCK], tl.float32)
-            for other in range(SPLITS):  # (.cg: from L2, where the other programs' stores are)
-                row = (bh * SPLITS + other) * G + g
-                m_s = tl.load(part_ml + row * 2, gmask, other=float("-inf"), cache_modifier=".cg")
-                l_s = tl.load(part_ml + row * 2 + 1, gmask, other=0, cache_modifier=".cg")
-                a_s = tl.load(part_acc + row * D + d, gmask & dmask, other=0, cache_modifier=".cg")
-                new = tl.maximum(top, m_s)
-                safe = tl.where(new == float("-inf"), 0.0, new)
-                w_top, w_s = tl.math.exp2(top - safe), tl.math.exp2(m_s - safe)
-                total = total * w_top + l_s * w_s
-                o = o * w_top + a_s * w_s
-                top = new
-            tl.store(out_ptr + b * sob + h * soh + d * sod, (o / total).to(out_ptr.dtype.element_ty), gmask & dmask)
-            tl.atomic_xchg(lock_ptr + bh, 0)
+'''
+
+COMBINE = '''
+@triton.jit
+def {name}(part_acc, part_ml, out_ptr, sob, soh, sod, HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr,
+        D: tl.constexpr, DBLOCK: tl.constexpr, SPLITS: tl.constexpr, SBLOCK: tl.constexpr):
+    bq = tl.program_id(0).to(tl.int64)        # (b, query head)
+    b, h = bq // HQ, bq % HQ
+    s = tl.arange(0, SBLOCK)[:, None]
+    d = tl.arange(0, DBLOCK)[None, :]
+    row = ((b * HKV + h // G) * SPLITS + s) * G + h % G
+    m = tl.load(part_ml + row * 2, s < SPLITS, other=float("-inf"))
+    l = tl.load(part_ml + row * 2 + 1, s < SPLITS, other=0)
+    top = tl.max(m, 0)
+    w = tl.math.exp2(m - tl.where(top == float("-inf"), 0.0, top)[None, :])
+    acc = tl.load(part_acc + row * D + d, (s < SPLITS) & (d < D), other=0)
+    o = tl.sum(acc * w, 0) / tl.sum(l * w, 0)
+    tl.store(out_ptr + b * sob + h * soh + tl.arange(0, DBLOCK) * sod, o.to(out_ptr.dtype.element_ty),
+             tl.arange(0, DBLOCK) < D)
 '''
 
 
@@ -135,7 +133,8 @@ _MASKS = {None: 0, "bool": 1, "float": 2}  # the kernel's MASK for `buf.mask`
 
 def launches(buf, value) -> tuple[dict, list[tuple]]:
     """What the wrapper launches for `buf` (`ir.DecodeAttention`): (its config, [(kernel, source, grid,
-    args, specs, constexprs)]): the one kernel. `value(x)`: the Python source of argument `x`."""
+    args, specs, constexprs)]): the split kernel, then the combine where there are several splits.
+    `value(x)`: the Python source of argument `x`."""
     q, k, v, *mask = buf.args
     (b, hq, _, d), (_, hkv, s, _) = (map(int, x.layout.size) for x in (q, k))
     g, dtype = hq // hkv, buf.get_dtype()
@@ -144,10 +143,9 @@ def launches(buf, value) -> tuple[dict, list[tuple]]:
     heads = bool(buf.mask_strides) and int(buf.mask_strides[1]) != 0  # a mask row per head: scanned per row
     scan = max(16, cfg["SCAN"] // cfg["GBLOCK"]) if heads else cfg["SCAN"]
     rows = b * hkv * splits * g  # partial sums and (max, sum) per split: overwritten by every call
-    scratch = [f"workspace(_workspaces, 'attn_{what}_{n}', {n}, {t}, {buf.name}.device)" for what, n, t in
-               (("acc", rows * d, "torch.float32"), ("ml", rows * 2, "torch.float32"), ("lock", b * hkv, "torch.int32"))] \
-        if splits > 1 else [buf.name] * 3
-    scratch_dtypes = [torch.float32, torch.float32, torch.int32] if splits > 1 else [dtype] * 3
+    scratch = [f"workspace(_workspaces, 'attn_{what}_{n}', {n}, torch.float32, {buf.name}.device)"
+               for what, n in (("acc", rows * d), ("ml", rows * 2))] if splits > 1 else [buf.name] * 2
+    scratch_dtypes = [torch.float32 if splits > 1 else dtype] * 2
     strides = [int(x) for t in (q, k, v) for x in _bhsd(t.layout.stride, t is q)]
     strides += [int(x) for x in buf.mask_strides or (0, 0, 0)] + [int(x) for x in _bhsd(buf.layout.stride, True)]
     ins = (q, k, v, mask[0] if mask else q)
@@ -158,6 +156,12 @@ def launches(buf, value) -> tuple[dict, list[tuple]]:
               f"num_warps={cfg['num_warps']}, num_stages={cfg['num_stages']}")
     name = f"cf_attn_{buf.name}"
     out = [(name, SPLIT.format(name=name).lstrip("\n"), f"({b * hkv}, {splits})", args, specs, consts)]
+    if splits > 1:
+        name = f"cf_attn_combine_{buf.name}"
+        consts = (f"HQ={hq}, HKV={hkv}, G={g}, D={d}, DBLOCK={cfg['DBLOCK']}, SPLITS={splits}, "
+                  f"SBLOCK={sizevars.next_pow2(splits)}, num_warps=4")
+        out.append((name, COMBINE.format(name=name).lstrip("\n"), f"({b * hq},)",
+                    [*scratch, buf.name, *map(str, strides[-3:])], [*scratch_dtypes, dtype, *strides[-3:]], consts))
     return cfg, out
 
 
