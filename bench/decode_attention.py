@@ -5,13 +5,16 @@ bytes SDPA over the whole cache reads, over the time).
 
     python bench/decode_attention.py [--out bench/results/decode_attention.md]
     python bench/decode_attention.py --cpu      # a smoke run (Triton's interpreter, tiny sizes)
+    python bench/decode_attention.py --blocks --batches 8 --lengths 8192 --head-dims 64   # tune its blocks
 
 Rows: B in {1, 8}, cache lengths 512 to 32k, head dims 128 (Llama-3-8B) and 64 (Llama-3.2-1B),
 Llama-3-8B's heads (32 query / 8 KV) and one tensor-parallel rank's share at world 2 (16 / 4); the
 position is the cache's last (`full`) or its middle (`half`: keys after it masked; our kernel reads
 up to it, aten's read the whole cache). Under the table: per (head dim, GQA group), the batches and
 cache lengths at which commfuse beat aten's own choice at both positions, as entries for
-`commfuse.choices.DECODE_ATTENTION_WINS` (the policy's measured table).
+`commfuse.choices.DECODE_ATTENTION_WINS` (the policy's measured table). `--blocks`: instead, per
+row, commfuse's kernel under each of a grid of blocks (keys per step, programs per SM, pipeline
+stages) against the policy's own (`Choices.decode_attention_config`), the best three printed.
 Variants: `aten` (SDPA's own choice, bool mask), `cudnn` / `efficient` (forced, with the mask),
 `flash` (no mask: over the cache's valid prefix as a slice, what an engine that knows the length
 runs), `commfuse` (torch.compile with decode_attention=True). Errors vs fp32 math print beside.
@@ -32,6 +35,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 from bench.common import add_run_args, commfuse_options, run_meta, write_results  # noqa: E402
+from commfuse import choices as cf_choices  # noqa: E402
 
 VARIANTS = ("aten", "cudnn", "efficient", "flash", "commfuse")
 
@@ -79,6 +83,43 @@ def row(b, hq, hkv, s, d, where, dev, dtype, options, timed):
     return res, failed
 
 
+class Blocks(cf_choices.Choices):
+    """The policy with the decode kernel's blocks forced: keys per step, programs per SM, stages."""
+
+    def __init__(self, block_n, per_sm, stages):
+        self.blocks = block_n, per_sm, stages
+
+    def decode_attention_config(self, device, b, hkv, group, s, d):
+        block_n, per_sm, stages = self.blocks
+        splits = max(1, min(-(-per_sm * cf_choices.sm_count(device) // (b * hkv)), 64, -(-s // 256)))
+        chunk = -(-(-(-s // splits)) // block_n) * block_n
+        return {**super().decode_attention_config(device, b, hkv, group, s, d), "BLOCK_N": block_n,
+                "SPLITS": -(-s // chunk), "num_stages": stages}
+
+
+def block_sweep(b, hq, hkv, s, d, where, dev, options, rounds) -> str:
+    """One row of --blocks: the policy's blocks against a grid of others, µs under CUDA graphs."""
+    torch.manual_seed(0)
+    q = torch.randn(b, hq, 1, d, device=dev, dtype=torch.bfloat16)
+    k, v = (torch.randn(b, hkv, s, d, device=dev, dtype=torch.bfloat16) for _ in range(2))
+    mask = (torch.arange(s, device=dev) <= (s - 1 if where == "full" else s // 2))[None, None, None, :]
+    want = attend(*(x.float() for x in (q, k, v)), mask)
+    torch._dynamo.reset()
+    fns = {}
+    for blocks in [None, *itertools.product((64, 128), (1, 2, 4), (2, 3))]:
+        extra = {} if blocks is None else {"choices": Blocks(*blocks)}
+        fn = torch.compile(attend, backend="commfuse", dynamic=False, options={**options, "decode_attention": True, **extra})
+        with torch.no_grad():
+            assert (fn(q, k, v, mask).float() - want).abs().max().item() < 2e-2, blocks
+        fns[blocks or "policy"] = lambda fn=fn: fn(q, k, v, mask)
+    from commfuse.runtime.timing import interleaved_times_us
+    with torch.no_grad():
+        t = interleaved_times_us(fns, rounds=rounds, iters=50)
+    best = sorted((us, name) for name, us in t.items() if name != "policy")[:3]
+    return (f"B={b} heads {hq}/{hkv} d={d} keys {s} {where}: policy {t['policy']:.1f} µs; best (keys per step, "
+            "programs per SM, stages): " + ", ".join(f"{n} {us:.1f}" for us, n in best))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cpu", action="store_true", help="a smoke run on CPU (interpreter, tiny sizes)")
@@ -86,6 +127,7 @@ def main():
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--head-dims", default="128,64")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--blocks", action="store_true", help="tune the kernel's blocks per row instead (GPU)")
     add_run_args(ap, "decode_attention=True")
     a = ap.parse_args()
     options = commfuse_options(ap, a.set)
@@ -94,6 +136,15 @@ def main():
     lengths = [int(x) for x in a.lengths.split(",")] if not a.cpu else [37]
     batches = [int(x) for x in a.batches.split(",")] if not a.cpu else [2]
     dims = [int(x) for x in a.head_dims.split(",")] if not a.cpu else [16]
+
+    if a.blocks:
+        if a.cpu:
+            ap.error("--blocks times kernels: on a GPU")
+        torch._dynamo.config.recompile_limit = 10 ** 4  # a compiled function per block configuration
+        torch._dynamo.config.accumulated_recompile_limit = 10 ** 5
+        for d, b, (hq, hkv), s, where in itertools.product(dims, batches, heads, lengths, ("full", "half")):
+            print(block_sweep(b, hq, hkv, s, d, where, dev, options, a.rounds), flush=True)
+        return
 
     def timed(fns, failed):
         if dev.type != "cuda":
