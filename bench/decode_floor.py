@@ -176,7 +176,9 @@ def graph_kernels(call, dev, graph_steps, replays) -> dict:
 def kernel_table(call, steps, dev, bandwidth_gbs, elem=2, graph_steps=10, replays=5) -> str:
     """Markdown: each kernel of `call()` (one decode step) by GPU time per step, with the bytes it
     moved (a generated kernel's tensor arguments; a matmul's or attention's aten inputs), its GB/s
-    and its share of the measured read bandwidth, under 80% flagged. On a GPU the times are from
+    and its share of the measured read bandwidth, under 80% flagged. The bytes are the whole of each
+    argument: above the bandwidth, the kernel touched a part of one (a KV-cache position), and only
+    the bound is shown. On a GPU the times are from
     `replays` replays of a CUDA graph of `graph_steps` steps, started together: launched op by op
     the step is host-bound, the ranks drift apart within it and the all-reduces would hold the
     drift. Else (on CPU; a torch whose profiler sees no kernels in a graph's replays) from `steps`
@@ -213,8 +215,11 @@ def kernel_table(call, steps, dev, bandwidth_gbs, elem=2, graph_steps=10, replay
         total += us
         b = moved.get(name)
         gbs = b / us / 1e3 if b and us else None
-        cells = [f"{b / 1e6:.2f}", f"{gbs:.0f}", f"{100 * gbs / bandwidth_gbs:.0f}%" + (" <80%" if gbs < 0.8 * bandwidth_gbs else "")] \
-            if gbs else ["—", "—", "—"]
+        if gbs and gbs > 1.2 * bandwidth_gbs:  # it touched a part of an argument (a cache position): bytes unknown
+            cells = [f"≤ {b / 1e6:.2f}", "—", "— (part of its arguments)"]
+        else:
+            cells = [f"{b / 1e6:.2f}", f"{gbs:.0f}", f"{100 * gbs / bandwidth_gbs:.0f}%" + (" <80%" if gbs < 0.8 * bandwidth_gbs else "")] \
+                if gbs else ["—", "—", "—"]
         lines.append(f"| `{name[:90]}` | {us:.1f} | {n:g} | " + " | ".join(cells) + " |")
     lines.append(f"| total | {total:.1f} | | | | |")
     return "\n".join(lines)
