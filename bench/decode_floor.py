@@ -176,7 +176,8 @@ def graph_kernels(call, dev, graph_steps, replays) -> dict:
 def kernel_table(call, steps, dev, bandwidth_gbs, elem=2, graph_steps=10, replays=5) -> str:
     """Markdown: each kernel of `call()` (one decode step) by GPU time per step, with the bytes it
     moved (a generated kernel's tensor arguments; a matmul's or attention's aten inputs), its GB/s
-    and its share of the measured read bandwidth, under 80% flagged. The bytes are the whole of each
+    and its share of the measured read bandwidth, under 80% flagged, beside the other ranks' times
+    for it (a collective one rank waits in is the other ranks' lateness). The bytes are the whole of each
     argument: above the bandwidth, the kernel touched a part of one (a KV-cache position), and only
     the bound is shown. On a GPU the times are from
     `replays` replays of a CUDA graph of `graph_steps` steps, started together: launched op by op
@@ -207,19 +208,24 @@ def kernel_table(call, steps, dev, bandwidth_gbs, elem=2, graph_steps=10, replay
         per, how = in_graph, f"{replays} replays of a CUDA graph of {graph_steps} steps, the ranks starting each together"
     elif in_graph is not None:  # this torch's profiler does not see the kernels a graph launches
         how += " (the profiler saw no kernels inside CUDA graph replays: host-bound, the all-reduces hold the ranks' drift)"
+    ranks = [None] * dist.get_world_size()  # every rank's times: a rank waiting in a collective waits for another
+    dist.all_gather_object(ranks, per)
+    others = ranks[:dist.get_rank()] + ranks[dist.get_rank() + 1:]
     lines = [f"Profiled: {how}; per step.", "",
-             f"| kernel | µs per step | launches per step | MB per step | GB/s | of {bandwidth_gbs:.0f} GB/s |",
-             "|---|---|---|---|---|---|"]
+             f"| kernel | µs per step | other ranks' µs | launches per step | MB per step | GB/s | of {bandwidth_gbs:.0f} GB/s |",
+             "|---|---|---|---|---|---|---|"]
     total = 0.0
     for name, (us, n) in sorted(per.items(), key=lambda kv: -kv[1][0]):
         total += us
+        theirs = sorted(r[name][0] for r in others if name in r)
+        spread = "—" if not theirs else f"{theirs[0]:.1f}" + (f"–{theirs[-1]:.1f}" if len(theirs) > 1 else "")
         b = moved.get(name)
         gbs = b / us / 1e3 if b and us else None
+        pct = round(100 * gbs / bandwidth_gbs) if gbs else None
         if gbs and gbs > 1.2 * bandwidth_gbs:  # it touched a part of an argument (a cache position): bytes unknown
             cells = [f"≤ {b / 1e6:.2f}", "—", "— (part of its arguments)"]
         else:
-            cells = [f"{b / 1e6:.2f}", f"{gbs:.0f}", f"{100 * gbs / bandwidth_gbs:.0f}%" + (" <80%" if gbs < 0.8 * bandwidth_gbs else "")] \
-                if gbs else ["—", "—", "—"]
-        lines.append(f"| `{name[:90]}` | {us:.1f} | {n:g} | " + " | ".join(cells) + " |")
-    lines.append(f"| total | {total:.1f} | | | | |")
+            cells = [f"{b / 1e6:.2f}", f"{gbs:.0f}", f"{pct}%" + (" <80%" if pct < 80 else "")] if gbs else ["—", "—", "—"]
+        lines.append(f"| `{name[:90]}` | {us:.1f} | {spread} | {n:g} | " + " | ".join(cells) + " |")
+    lines.append(f"| total | {total:.1f} | | | | | |")
     return "\n".join(lines)
