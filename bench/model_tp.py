@@ -34,8 +34,9 @@ Workloads:
   where self-graphing) over both. --kernels: commfuse's step per kernel (rank 0, the other ranks'
   times beside; on GPUs, 5 replays of a CUDA graph of --graph-steps steps, the ranks starting
   each together on their GPUs (bench/timing.py), so that host time does not show as waiting in
-  the all-reduces; on CPU 5 plain calls), with the bytes it moved (a generated kernel's tensor arguments; a matmul's or attention's aten inputs; other aten
-  kernels without) and its GB/s against the measured bandwidth, under 80% flagged.
+  the all-reduces; on CPU 5 plain calls), with the bytes it moved (a generated kernel's tensor
+  arguments; a matmul's or attention's aten inputs; other aten kernels without) and its GB/s
+  against the measured bandwidth, under 80% flagged.
   --sweep B:C,...: after the workloads, decode again at each batch B and cache length C (position
   C/2 unless --pos), each on a model of its own, the --sweep-variants only (default Inductor and
   commfuse): GPU time, per call, floors and ratios, error.
