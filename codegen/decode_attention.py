@@ -8,9 +8,9 @@ weighted sum of V per query head (online softmax). With a mask, each program fir
 last key that any head of its group keeps (a scan of the mask row, a few KB) and the splits
 divide the keys up to there: a static cache masked beyond the current position is read up to it
 only, spread over all the programs (not idle programs beyond it and busy ones before). Inside that
-range the mask still drops keys from the scores. With one split the program divides and stores the output; with
-several each stores its unnormalized partial sums and (max, sum), and a second kernel combines the
-splits: out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s.
+range the mask still drops keys from the scores. With one split the program divides and stores
+the output; with several each stores its unnormalized partial sums and (max, sum), and a second
+kernel combines the splits: out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s.
 
 A query whose keys are all masked gets 0/0 (NaN), as SDPA's math kernel gives.
 """

@@ -42,8 +42,8 @@ DECODE_ATTENTION_WINS: list = [
     # bench/results/decode_attention_h200_2df6b78.md: 1.01-2.27x aten up to 8192 keys; at 32768,
     # 0.88-0.93x with the whole cache valid
     {"gpu": "NVIDIA H200", "dtype": "torch.bfloat16", "head_dim": 128, "group": 4, "batch": (1, 8), "keys": (512, 8192)},
-    # bench/results/decode_attention_d64_h200_528a687.md: 1.11-1.79x up to 2048 keys; at 8192, 0.81-0.85x
-    # at B=8 with the whole cache valid
+    # bench/results/decode_attention_d64_blocks_h200_3e2d11d.md: 1.29-1.84x up to 2048 keys; at 8192,
+    # 0.99x at B=8 with the whole cache valid
     {"gpu": "NVIDIA H200", "dtype": "torch.bfloat16", "head_dim": 64, "group": 4, "batch": (1, 8), "keys": (512, 2048)},
 ]
 DEFAULT_SMS = 132  # H100 / H200
