@@ -86,3 +86,15 @@ def test_decode_attention_leaves_training_to_aten(tmp_path):
     got, dumps = compile_and_run(attend, q, k, v, None, tmp_path=tmp_path, decode_attention=True)
     torch.testing.assert_close(got, attend(q, k, v, None))
     assert "cf_attn" not in dumps.code(dumps.graphs()[0])
+
+
+def test_a_sliding_window_model_decodes_as_eager(tmp_path):
+    """Mistral's generate() with a static cache and a sliding window (keys before the window masked
+    as well as those after the position), its decode step through our kernel: teacher-forced
+    logits as eager's (bench/heldout_decode.py runs the other families)."""
+    pytest.importorskip("transformers")
+    from bench.heldout_decode import check
+    from commfuse import config
+    with config.patch(dump_dir=str(tmp_path)):
+        assert check("mistral_window", torch.device(DEVICE), new_tokens=3) < 1e-3
+    assert any("def cf_attn_buf" in p.read_text() for p in tmp_path.rglob("output_code.py"))
