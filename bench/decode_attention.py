@@ -91,10 +91,8 @@ class Blocks(cf_choices.Choices):
 
     def decode_attention_config(self, device, b, hkv, group, s, d):
         block_n, per_sm, stages = self.blocks
-        splits = max(1, min(-(-per_sm * cf_choices.sm_count(device) // (b * hkv)), 64, -(-s // 256)))
-        chunk = -(-(-(-s // splits)) // block_n) * block_n
         return {**super().decode_attention_config(device, b, hkv, group, s, d), "BLOCK_N": block_n,
-                "SPLITS": -(-s // chunk), "num_stages": stages}
+                "SPLITS": cf_choices.key_splits(device, b * hkv, s, block_n, per_sm), "num_stages": stages}
 
 
 def block_sweep(b, hq, hkv, s, d, where, dev, options, rounds) -> str:

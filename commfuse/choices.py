@@ -611,11 +611,9 @@ class Choices:
         step over 3 stages: on H200, 52.9 -> 41.8 µs at B=8 and 8192 keys, 41.5 -> 34.2 at B=1
         and 32768 (a sweep of blocks, programs per SM and stages; 128 wide heads gained <2%)."""
         block_n = 128 if d <= 64 else 64 if d <= 128 else 32
-        want = -(-2 * sm_count(device) // (b * hkv))
-        splits = max(1, min(want, 64, -(-s // 256)))
-        chunk = -(-(-(-s // splits)) // block_n) * block_n
         return {"BLOCK_N": block_n, "GBLOCK": max(16, next_pow2(group)), "DBLOCK": max(16, next_pow2(d)),
-                "SPLITS": -(-s // chunk), "SCAN": min(2048, next_pow2(s)), "F32": device.type != "cuda",  # interpreted: fp32 dots
+                "SPLITS": key_splits(device, b * hkv, s, block_n), "SCAN": min(2048, next_pow2(s)),
+                "F32": device.type != "cuda",  # interpreted: fp32 dots
                 "num_warps": 4, "num_stages": 3 if d <= 64 else 2}
 
     # ------------------------------------------------------------------------- matmuls
@@ -676,6 +674,14 @@ class Choices:
             block_k //= 2
         return {"BLOCK_M": max(16, next_pow2(m)), "BLOCK_N": 64, "BLOCK_K": block_k, "SPLIT_K": split,
                 "num_warps": 4, "num_stages": 4 if split == 1 else 3}
+
+
+def key_splits(device, rows: int, keys: int, block_n: int, per_sm: int = 2) -> int:
+    """Splits of `keys` for the decode kernel's `rows` (B x Hkv) programs: `per_sm` programs per SM,
+    each split at least 256 keys and a whole number of `block_n` blocks, at most 64."""
+    splits = max(1, min(-(-per_sm * sm_count(device) // rows), 64, -(-keys // 256)))
+    chunk = -(-(-(-keys // splits)) // block_n) * block_n
+    return -(-keys // chunk)
 
 
 def current() -> Choices:
