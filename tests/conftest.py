@@ -35,13 +35,24 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             group = item.get_closest_marker("xdist_group")
             if group and "@" not in item.nodeid:
-                item._nodeid = f"{item.nodeid}@{group.args[0]}"
+                _rename(item, f"{item.nodeid}@{group.args[0]}")
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _rename(item, nodeid: str) -> None:
+    """Give `item` the node id xdist schedules it by. pytest 9.2 keeps a structured id (`_id`, whose
+    string is the node id) where earlier versions kept the string (`_nodeid`): setting the old
+    attribute there changed nothing, and every worker spawned the grouped modules' ranks again."""
+    ident = getattr(item, "_id", None)
+    if hasattr(ident, "parse"):
+        item._id = type(ident).parse(nodeid)
+    else:
+        item._nodeid = nodeid
 
 
 @pytest.fixture(autouse=True)
