@@ -12,7 +12,8 @@ range the mask still drops keys from the scores. With one split the program divi
 the output; with several each stores its unnormalized partial sums and (max, sum), and a second
 kernel combines the splits: out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s.
 
-A query whose keys are all masked gets 0/0 (NaN), as SDPA's math kernel gives.
+A query whose keys are all masked gets zeros, as SDPA gives (its math kernel's safe softmax, and
+its fused kernels), not the 0/0 of the sums.
 """
 from __future__ import annotations
 
@@ -99,7 +100,7 @@ def {name}(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, part_acc, part_ml, S, scale,
         acc = acc * alpha[:, None] + pv
         m_i = m_new
     if SPLITS == 1:
-        o = acc / l_i[:, None]
+        o = tl.where(l_i[:, None] > 0, acc / l_i[:, None], 0.0)
         tl.store(out_ptr + b * sob + h * soh + d * sod, o.to(out_ptr.dtype.element_ty), gmask & dmask)
     else:
         row = (bh * SPLITS + split) * G + g       # partials [B * HKV, SPLITS, G, D] and [.., G, 2]
@@ -122,7 +123,8 @@ def {name}(part_acc, part_ml, out_ptr, sob, soh, sod, HQ: tl.constexpr, HKV: tl.
     top = tl.max(m, 0)
     w = tl.math.exp2(m - tl.where(top == float("-inf"), 0.0, top)[None, :])
     acc = tl.load(part_acc + row * D + d, (s < SPLITS) & (d < D), other=0)
-    o = tl.sum(acc * w, 0) / tl.sum(l * w, 0)
+    total = tl.sum(l * w, 0)
+    o = tl.where(total > 0, tl.sum(acc * w, 0) / total, 0.0)
     tl.store(out_ptr + b * sob + h * soh + tl.arange(0, DBLOCK) * sod, o.to(out_ptr.dtype.element_ty),
              tl.arange(0, DBLOCK) < D)
 '''

@@ -40,6 +40,7 @@ def test_decode_attention_matches_sdpa(tmp_path, b, hq, hkv, s, d, dtype, mask, 
     if mask == "positions":  # each sequence at its own position; keys after it are not read
         pos = torch.arange(b, device=DEVICE) * 7 % s
         m = (keys[None, :] <= pos[:, None])[:, None, None, :]
+        m[-1] = False  # the last sequence keeps no key: zeros, as SDPA gives, not 0/0
     elif mask == "heads":  # a mask per head, with holes: each head's own last key bounds the range read
         m = torch.rand(b, hq, 1, s, device=DEVICE) < 0.5
         m[..., 0] = True
