@@ -18,7 +18,6 @@ import io
 import os
 import pstats
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import commfuse  # noqa: E402,F401
@@ -27,14 +26,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from bench.model_tp import FULL, TINY, VARIANTS, build, compile_options  # noqa: E402
-
-
-def host_us(fn, calls: int) -> float:
-    """µs of host time per call of `fn` in a loop, not waiting for the device."""
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter() - t0) / calls * 1e6
+from bench.timing import host_time_us  # noqa: E402
 
 
 def main() -> int:
@@ -57,7 +49,6 @@ def main() -> int:
         torch.cuda.set_device(rank)
         dev = torch.device("cuda", rank)
         dist.init_process_group("nccl", device_id=dev)
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     model = build(a, dist.get_world_size(), dev)
     x = torch.randn(a.batch, 1, a.hidden, device=dev, dtype=a.dtype)
     pos = torch.tensor([a.cache // 2], device=dev)  # the middle of the cache, as model_tp.py's
@@ -71,15 +62,12 @@ def main() -> int:
         with torch.no_grad():
             for _ in range(2 if a.cpu else 20):  # compile, record, replays
                 fn(x, pos)
-            sync()
             dist.barrier()
-            us = host_us(lambda: fn(x, pos), calls)
-            sync()
+            us = host_time_us(lambda: fn(x, pos), dev, iters=calls)
             prof = cProfile.Profile()
             prof.enable()
-            host_us(lambda: fn(x, pos), calls)
+            host_time_us(lambda: fn(x, pos), dev, iters=calls, reps=1)
             prof.disable()
-            sync()
         text = io.StringIO()
         pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(a.top)
         body = [line[:160] for line in text.getvalue().splitlines() if line.strip()][3:]
