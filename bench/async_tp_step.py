@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 import commfuse  # noqa: E402,F401  (before triton: Triton's interpreter on CPU)
+from commfuse import config  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -75,17 +76,19 @@ def main() -> int:
 
     layers = SequenceParallelLayers(model, world)
     res = {"eager": {"error vs fp32": error(step(layers, model, x))}}
-    for name in ("off", "on"):
+    # async-TP's ops launched from Python each call, then replaying their CUDA graphs (comm.async_tp_graphs)
+    for name, mode, graphs in (("off", "off", True), ("on, launched", "on", False), ("on", "on", True)):
         torch._dynamo.reset()
-        fn = torch.compile(layers, backend="commfuse", dynamic=False, options={"comm.async_tp": name})
-        step(fn, model, x)  # compiles
-        r = res[f"commfuse, async-TP {name}"] = {"error vs fp32": error(step(fn, model, x))}
-        if cuda:
-            r["ms/step"] = timing.loop_time_us(lambda: step(fn, model, x, False), iters=10, reps=3) / 1e3
-        r["host ms/step"] = timing.host_time_us(lambda: step(fn, model, x, False), dev, iters=1, reps=5) / 1e3
-        r.update(_profiled(lambda: step(fn, model, x, False), dev))
-        if a.host_profile:
-            _host_profile(f"async-TP {name}", lambda: step(fn, model, x, False), dev, rank)
+        with config.patch({"comm.async_tp_graphs": graphs}):
+            fn = torch.compile(layers, backend="commfuse", dynamic=False, options={"comm.async_tp": mode})
+            step(fn, model, x)  # compiles
+            r = res[f"commfuse, async-TP {name}"] = {"error vs fp32": error(step(fn, model, x))}
+            if cuda:
+                r["ms/step"] = timing.loop_time_us(lambda: step(fn, model, x, False), iters=10, reps=3) / 1e3
+            r["host ms/step"] = timing.host_time_us(lambda: step(fn, model, x, False), dev, iters=1, reps=5) / 1e3
+            r.update(_profiled(lambda: step(fn, model, x, False), dev))
+            if a.host_profile:
+                _host_profile(f"async-TP {name}", lambda: step(fn, model, x, False), dev, rank)
     rows = sorted({k for r in res.values() for k in r}, key=lambda k: (k != "error vs fp32", k))  # (one order on every rank)
     worst = torch.tensor([[r.get(k, float("nan")) for k in rows] for r in res.values()], dtype=torch.float64, device=dev)
     dist.all_reduce(worst.nan_to_num_(-1.0), dist.ReduceOp.MAX)  # (every figure: larger is worse)

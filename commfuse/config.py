@@ -36,6 +36,9 @@ graph_cache = True            # keep compiled graphs on disk (cache_dir/graphs):
 # Execution.
 cuda_graphs = False           # capture each compiled graph in a CUDA graph after warm-up, replay it
                               # (also `mode="reduce-overhead"`)
+pdl: bool | None = None       # programmatic dependent launch of generated kernels (Hopper and later):
+                              # each may be scheduled while the one before it drains, and waits for
+                              # its writes at its first line; None: where choices.pdl says it pays
 compile_workers: int | None = None  # processes that compile a graph's Triton kernels before its first
                                    # call, for all graphs (CUDA only); 0: each compiles at its first
                                    # launch; None: this host's CPUs / its ranks (LOCAL_WORLD_SIZE)
@@ -121,6 +124,8 @@ class comm:
     # all-gather -> matmul and matmul -> reduce-scatter chunked per rank, transfers overlapping the
     # matmuls (passes/async_tp.py): auto (Choices.async_tp) | on | off
     async_tp = "auto"
+    async_tp_graphs = True         # ... each op's launches replayed as a CUDA graph per call's addresses
+                                   # (runtime/async_tp.py; read when the op runs)
     table: str | None = None       # a `commfuse.tune` JSON table (None: the shipped one for this host)
     groups: list | None = None     # only these group names (None: all)
     sum_before_all_reduce = True   # all_reduce(a) + all_reduce(b) as all_reduce(a + b) (comm_sums.py)

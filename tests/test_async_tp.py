@@ -80,6 +80,42 @@ def test_bfloat16_four_ranks(tmp_path):
     run_ranks(_blocks, 4, args=(None, torch.bfloat16))
 
 
+def _repeated_calls(rank, world):
+    """The ops called again and again, new values at the same addresses each call (on a GPU their
+    launches replay a CUDA graph from the third call), then at new addresses: every result is the
+    collective's, as c10d computes it."""
+    from commfuse.runtime import async_tp
+    ops, group = torch.ops.commfuse_comm, dist.group.WORLD.group_name
+    torch.manual_seed(rank)
+    x, a = torch.empty(6, 16, device=device()), torch.empty(4 * world, 12, device=device())
+    w, w2 = torch.randn(16, 8, device=device()), torch.randn(12, 5, device=device())
+    for call in range(8):
+        if call == 6:  # tensors elsewhere: a key never seen
+            x, a = x.clone(), a.clone()
+        x.normal_(), a.normal_()
+        gathered, y = ops.all_gather_mm(x, [w], group, world, None)
+        want = [torch.empty_like(x) for _ in range(world)]
+        dist.all_gather(want, x)
+        torch.testing.assert_close(gathered, torch.cat(want))
+        torch.testing.assert_close(y, torch.cat(want) @ w, atol=1e-4, rtol=1e-4)
+        del gathered, y, want  # (freed before the next call: a loop's allocator then hands out the same addresses)
+        for op in ("sum", "avg"):
+            got = ops.mm_reduce_scatter([a], [w2], op, group, world, None)
+            total = a @ w2
+            dist.all_reduce(total)
+            want = total.view(world, 4, 5)[rank] / (world if op == "avg" else 1)
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+            del got, total, want
+    torch.cuda.synchronize() if device().type == "cuda" else None
+    return len(async_tp._replays.graphs)
+
+
+def test_repeated_calls_match_c10d():
+    graphs = run_ranks(_repeated_calls, 2)
+    if torch.cuda.is_available():  # the replays ran: all-gather + matmul, and a scatter of each op
+        assert all(n >= 3 for n in graphs), graphs
+
+
 def test_policy(monkeypatch):
     """auto leaves the collectives alone (not measured to win in a training step); `on` or torch's
     _micro_pipeline_tp chunk wherever symmetric memory can run the collective; off never."""

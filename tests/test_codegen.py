@@ -507,3 +507,48 @@ def test_upsampling_indexes_without_device_asserts(tmp_path, mode):
     summary, code = dumps.only()
     assert "device_assert" not in code and "debug=True" not in code
     assert summary["fallback_ops"] == []
+
+
+def _pdl_openings(src: str) -> list[tuple[str, str]]:
+    return re.findall(r"@triton\.jit[^\n]*\ndef \w+\(.*?\):\n([^\n]*)\n([^\n]*)\n", src, re.S)
+
+
+def test_pdl_entry_opens_every_kernel(tmp_path):
+    """Under programmatic dependent launch a kernel may be scheduled while the one before it still
+    writes, so every generated Triton function must first wait for it (gdc_wait), then release
+    the next (gdc_launch_dependents). The rewrite covers the fused kernels of a graph (softmax:
+    a reduction and its pointwise users) and the decode attention's two kernels."""
+    from codegen import decode_attention
+    from codegen.wrapper import with_pdl_entry
+    x = torch.randn(16, 48, device=DEVICE)
+    _, dumps = compile_and_run(lambda x: (x.relu() + 1).softmax(-1) * x.sum(0), x, tmp_path=tmp_path)
+    _, code = dumps.only()
+    for src in (code, decode_attention.SPLIT.format(name="s"), decode_attention.COMBINE.format(name="c")):
+        opened = _pdl_openings(with_pdl_entry(src))
+        assert opened and len(opened) == len(_pdl_openings(src)), opened
+        assert all((a.strip(), b.strip()) == ("tl.extra.cuda.gdc_wait()", "tl.extra.cuda.gdc_launch_dependents()")
+                   for a, b in opened), opened
+        compile(with_pdl_entry(src), "<kernels>", "exec")  # still Python
+
+
+def test_pdl_launches_match_eager(tmp_path):
+    """With config.pdl on, kernels launched with programmatic dependent launch (a chain where each
+    reads what the one before wrote: a norm, a few-row matmul, its pointwise consumer, a
+    reduction) match eager; where the GPU or Triton cannot (a CPU, the interpreter), the option
+    leaves plain launches."""
+    from commfuse import config
+    from commfuse.choices import Choices, pdl_supported
+    x, w = torch.randn(8, 256, device=DEVICE), torch.randn(256, 512, device=DEVICE) / 16
+
+    def fn(x, w):
+        y = F.rms_norm(x, (256,)) @ w
+        return F.silu(y).sum(-1, keepdim=True) * y
+    out, dumps = compile_and_run(fn, x, w, tmp_path=tmp_path, pdl=True)
+    torch.testing.assert_close(out, fn(x, w), atol=1e-4, rtol=1e-4)
+    _, code = dumps.only()
+    supported = pdl_supported(torch.device(DEVICE))
+    with config.patch(pdl=True):
+        assert Choices().pdl(torch.device(DEVICE)) == supported
+    assert ("launch_pdl=True" in code) == supported and ("gdc_wait" in code) == supported
+    if supported:
+        assert len(_pdl_openings(code)) == len(kernel_defs(code)) > 1

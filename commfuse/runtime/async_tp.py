@@ -17,8 +17,12 @@ other ranks, which no collective may cross.
 """
 from __future__ import annotations
 
+import collections
+import warnings
+
 import torch
 
+from .. import config
 from .barrier import barrier_kernel
 from .launch import Site
 from .loader import interpreting, load_module
@@ -73,6 +77,82 @@ def _event(device: torch.device, peer: int):  # one per peer, reused: an issued 
     return _events[device, peer]
 
 
+class _Replays:
+    """An op's launches recorded once as a CUDA graph and replayed, keyed by every address and
+    layout they touch: the op's tensors (inputs, outputs, scratch, all allocated before) and its
+    pool. Launched from Python, one op costs 200-400 µs of host time against about 80 µs on the
+    GPU (2x H200, bench/results/atp_host_2xh200_67a6bf8.txt), so a training step of them is
+    host-bound; a training loop's allocator hands a call the same addresses step after step, and
+    one replay costs about 10. The second call with a key runs on the capture stream (its cuBLAS
+    workspace then exists before any capture), the third is captured. Not inside another capture
+    (a `cuda_graphs` graph records the launches itself), nor off CUDA."""
+    LIMIT = 256  # graphs kept (least recently replayed dropped): they hold no memory of their own
+
+    def __init__(self):
+        self.graphs: collections.OrderedDict = collections.OrderedDict()
+        self.seen: dict = {}
+        self.streams: dict = {}
+        self.broken = False  # a capture failed: plain launches from then on
+
+    def run(self, pool, tensors: tuple, launches, *what) -> None:
+        """`launches()`, or its graph's replay; `what`: the other values the launches depend on."""
+        device = pool.device
+        if (device.type != "cuda" or self.broken or not config.comm.async_tp_graphs
+                or torch.cuda.is_current_stream_capturing()):
+            return launches()
+        key = (id(pool), pool.local.data_ptr(), pool.nbytes, launches.__code__, *what) + tuple(
+            (t.data_ptr(), t.dtype, tuple(t.shape), t.stride()) for t in tensors)
+        graph = self.graphs.get(key)
+        if graph is None:
+            calls = self.seen[key] = self.seen.get(key, 0) + 1
+            if calls == 1:
+                return launches()
+            if len(self.seen) > 4 * self.LIMIT:  # addresses that never repeat
+                self.seen.clear()
+            graph = self._record(device, launches, capture=calls > 2)
+            if graph is None:
+                return None
+            self.seen.pop(key, None)
+            self.graphs[key] = graph
+            if len(self.graphs) > self.LIMIT:
+                self.graphs.popitem(last=False)
+        self.graphs.move_to_end(key)
+        graph.replay()
+        return None
+
+    def _record(self, device, launches, capture: bool):
+        """On this device's capture stream: the launches run (capture False: None), or recorded
+        (the graph; None after a failed capture, which turns replays off)."""
+        if device not in self.streams:
+            self.streams[device] = (torch.cuda.Stream(device), torch.cuda.graph_pool_handle())
+        stream, mempool = self.streams[device]
+        current = torch.cuda.current_stream(device)
+        stream.wait_stream(current)
+        graph = torch.cuda.CUDAGraph() if capture else None
+        try:
+            with torch.cuda.stream(stream):
+                if graph is None:
+                    launches()
+                else:
+                    graph.capture_begin(pool=mempool, capture_error_mode="thread_local")
+                    try:
+                        launches()
+                    finally:
+                        graph.capture_end()
+        except Exception as e:  # noqa: BLE001 - a capture the driver refused: launch as before
+            if graph is None:
+                raise
+            self.broken, graph = True, None
+            warnings.warn(f"commfuse: async-TP ops run without CUDA graphs: capturing one failed ({e})")
+            with torch.cuda.stream(stream):
+                launches()
+        current.wait_stream(stream)
+        return graph
+
+
+_replays = _Replays()
+
+
 def _pool_views(pool, key: tuple, make):
     """The views `make(pool)` of this pool for `key`, made once (again after the pool grew)."""
     hit = _views.get(key)
@@ -92,29 +172,32 @@ def all_gather_mm(shard: torch.Tensor, weights: list[torch.Tensor], group_name: 
     chunks = gathered.view(world, rows, k)
     outs = [shard.new_empty((world, rows, w.shape[1])) for w in weights]
     pool = _workspace(group_name, shard.device, shard.nbytes, barrier_timeout_s)
-    rank = pool.rank
+    rank, own = pool.rank, shard.reshape(rows, k)
     mine, theirs = _pool_views(pool, ("ag", rows, k, shard.dtype), lambda p: (
         p.view(0, (rows, k), (k, 1), shard.dtype), [v.view(rows, k) for v in p.peer_views(0, rows * k, shard.dtype)]))
-    _barrier(pool, group_name)  # no peer still copies our previous shard
-    mine.copy_(shard.reshape(rows, k))
-    chunks[rank].copy_(mine)
-    _barrier(pool, group_name)  # every shard is in place
-    order = [(rank + i) % world for i in range(world)]
-    cuda = shard.device.type == "cuda"
-    if cuda:
-        current, side = torch.cuda.current_stream(shard.device), _side_stream(shard.device)
-        side.wait_stream(current)
-        with torch.cuda.stream(side):
-            for j in order[1:]:
-                chunks[j].copy_(theirs[j])
-                _event(shard.device, j).record(side)
-    for j in order:
-        if j != rank:
-            current.wait_event(_event(shard.device, j)) if cuda else chunks[j].copy_(theirs[j])
-        for w, out in zip(weights, outs):
-            torch.mm(chunks[j], w, out=out[j])
-    if cuda:
-        current.wait_stream(side)
+
+    def launches():
+        _barrier(pool, group_name)  # no peer still copies our previous shard
+        mine.copy_(own)
+        chunks[rank].copy_(mine)
+        _barrier(pool, group_name)  # every shard is in place
+        order = [(rank + i) % world for i in range(world)]
+        cuda = shard.device.type == "cuda"
+        if cuda:
+            current, side = torch.cuda.current_stream(shard.device), _side_stream(shard.device)
+            side.wait_stream(current)
+            with torch.cuda.stream(side):
+                for j in order[1:]:
+                    chunks[j].copy_(theirs[j])
+                    _event(shard.device, j).record(side)
+        for j in order:
+            if j != rank:
+                current.wait_event(_event(shard.device, j)) if cuda else chunks[j].copy_(theirs[j])
+            for w, out in zip(weights, outs):
+                torch.mm(chunks[j], w, out=out[j])
+        if cuda:
+            current.wait_stream(side)
+    _replays.run(pool, (own, *weights, gathered, *outs), launches)
     return [gathered] + [o.view(world * rows, -1) for o in outs]
 
 
@@ -146,24 +229,29 @@ def mm_reduce_scatter(a: list[torch.Tensor], weights: list[torch.Tensor], reduce
         p.view(0, (world, m, n), (m * n, n, 1), dtype),
         [v.view(world, m, n)[rank] for v in p.peer_views(0, world * m * n, dtype)]))
     order = [(rank + i) % world for i in range(1, world)]  # the peers' chunks, then the own
-    _barrier(pool, group_name)  # every peer has added up its slots of the previous op
-    partial = a[0].new_empty((world, m, n))
-    if a[0].device.type == "cuda":
-        current, side = torch.cuda.current_stream(a[0].device), _side_stream(a[0].device)
-        for j in order:
-            _products(chunks, weights, j, partial[j])
-            side.wait_stream(current)
-            with torch.cuda.stream(side):
-                theirs[j].copy_(partial[j])
-        _products(chunks, weights, rank, slots[rank])
-        current.wait_stream(side)
-    else:
-        for j in order:
-            theirs[j].copy_(_products(chunks, weights, j, partial[j]))
-        _products(chunks, weights, rank, slots[rank])
-    _barrier(pool, group_name)  # every partial has arrived
-    out = slots.sum(0, dtype=torch.float32)
-    return (out / world if reduce_op == "avg" else out).to(dtype)
+    partial, total = a[0].new_empty((world, m, n)), a[0].new_empty((m, n), dtype=torch.float32)
+    out = a[0].new_empty((m, n))
+
+    def launches():
+        _barrier(pool, group_name)  # every peer has added up its slots of the previous op
+        if a[0].device.type == "cuda":
+            current, side = torch.cuda.current_stream(a[0].device), _side_stream(a[0].device)
+            for j in order:
+                _products(chunks, weights, j, partial[j])
+                side.wait_stream(current)
+                with torch.cuda.stream(side):
+                    theirs[j].copy_(partial[j])
+            _products(chunks, weights, rank, slots[rank])
+            current.wait_stream(side)
+        else:
+            for j in order:
+                theirs[j].copy_(_products(chunks, weights, j, partial[j]))
+            _products(chunks, weights, rank, slots[rank])
+        _barrier(pool, group_name)  # every partial has arrived
+        torch.sum(slots, 0, dtype=torch.float32, out=total)
+        out.copy_(total.div_(world) if reduce_op == "avg" else total)
+    _replays.run(pool, (*chunks, *weights, partial, total, out), launches, reduce_op)
+    return out
 
 
 @mm_reduce_scatter.register_fake
