@@ -24,6 +24,7 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 import commfuse  # noqa: E402,F401  (before triton: Triton's interpreter on CPU)
 from commfuse import config  # noqa: E402
+from commfuse.runtime import async_tp  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -87,6 +88,12 @@ def main() -> int:
                 r["ms/step"] = timing.loop_time_us(lambda: step(fn, model, x, False), iters=10, reps=3) / 1e3
             r["host ms/step"] = timing.host_time_us(lambda: step(fn, model, x, False), dev, iters=1, reps=5) / 1e3
             r.update(_profiled(lambda: step(fn, model, x, False), dev))
+            calls = async_tp._replays.replayed + async_tp._replays.launched
+            r["async-TP ops replayed, % of calls"] = 100 * async_tp._replays.replayed / calls if calls else -1
+            if rank == 0:
+                print(f"{name}: {async_tp._replays.replayed} replays, {async_tp._replays.launched} launched, "
+                      f"{len(async_tp._replays.graphs)} graphs, {len(async_tp._replays.seen)} keys seen once or twice", flush=True)
+            async_tp._replays.replayed = async_tp._replays.launched = 0
             if a.host_profile:
                 _host_profile(f"async-TP {name}", lambda: step(fn, model, x, False), dev, rank)
     rows = sorted({k for r in res.values() for k in r}, key=lambda k: (k != "error vs fp32", k))  # (one order on every rank)

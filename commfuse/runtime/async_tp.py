@@ -93,18 +93,21 @@ class _Replays:
         self.seen: dict = {}
         self.streams: dict = {}
         self.broken = False  # a capture failed: plain launches from then on
+        self.replayed = self.launched = 0  # calls so far (bench/async_tp_step.py reports the share)
 
     def run(self, pool, tensors: tuple, launches, *what) -> None:
         """`launches()`, or its graph's replay; `what`: the other values the launches depend on."""
         device = pool.device
         if (device.type != "cuda" or self.broken or not config.comm.async_tp_graphs
                 or torch.cuda.is_current_stream_capturing()):
+            self.launched += 1
             return launches()
         key = (id(pool), pool.local.data_ptr(), pool.nbytes, launches.__code__, *what) + tuple(
             (t.data_ptr(), t.dtype, tuple(t.shape), t.stride()) for t in tensors)
         graph = self.graphs.get(key)
         if graph is None:
             calls = self.seen[key] = self.seen.get(key, 0) + 1
+            self.launched += 1
             if calls == 1:
                 return launches()
             if len(self.seen) > 4 * self.LIMIT:  # addresses that never repeat
@@ -117,6 +120,7 @@ class _Replays:
             if len(self.graphs) > self.LIMIT:
                 self.graphs.popitem(last=False)
         self.graphs.move_to_end(key)
+        self.replayed += 1
         graph.replay()
         return None
 
