@@ -653,6 +653,12 @@ class Choices:
         row = mm_row(a.get_device(), int(m), int(k), int(n))  # this GPU's measured table: cuBLAS where it won
         return row is None or row["us"] <= row["cublas_us"]
 
+    def mm_prefetch(self, weight_bytes: int) -> bool:
+        """Under programmatic dependent launch, does a few-row matmul ask its weight into L2 before
+        waiting for the kernel before it? Where the weight fits beside what that kernel holds
+        (half of an H100's 50 MB L2): a larger one would evict its own first lines, read twice."""
+        return weight_bytes <= 24 << 20
+
     def mm_group_member(self, members: int) -> bool:
         """May a few-row matmul join a group of `members` that load the same `a` (one launch over
         all their column blocks)? Up to MM_GROUP_MAX (a decode layer's q, k, v are three), unless
