@@ -7,8 +7,10 @@ replay). On rank 0, each one's top functions by self time (cProfile) follow.
     torchrun --standalone --nproc-per-node 2 bench/decode_host.py [--variant "commfuse cuda_graphs"]
     torchrun --standalone --nproc-per-node 2 bench/decode_host.py --cpu --tiny   # checks the script
 
-A user's loop compiles one model once; bench/model_tp.py times every variant on one model in one
-process, so there each later variant's calls also meet the cache entries of those before it.
+A user's loop compiles one model once; bench/model_tp.py compiles every variant on one model in one
+process, their cache entries all on the model's forward. A loop of one variant's calls still runs
+its own guards only (Dynamo moves the entry a call hits to the front, and passes over another
+backend's entry before its guards): the same calls as here, their time up to host noise.
 """
 from __future__ import annotations
 
