@@ -14,8 +14,7 @@ Variants: eager, Inductor, Inductor mode="reduce-overhead", Inductor async-TP (o
 {"_micro_pipeline_tp": True}, symmetric memory enabled for the TP group; sequence-parallel training
 only, skipped on CPU and at world 1), commfuse, commfuse with options={"cuda_graphs": True},
 commfuse unhidden (options {"comm.hide_behind_compute": False}: each collective by the tuned table
-alone, for an A/B of the c10d-where-hidden choice; not run by default), commfuse pdl (options
-{"pdl": True}: kernels launched with programmatic dependent launch; not run by default); all
+alone, for an A/B of the c10d-where-hidden choice; not run by default); all
 share one model per workload (its weights and its KV cache). On one rank (torchrun
 --nproc-per-node 1) the model is the plain one, no DTensor: the single-GPU row.
 
@@ -112,9 +111,8 @@ ASYNC_TP = "inductor async-TP"  # Inductor with _micro_pipeline_tp: sequence-par
 UNHIDDEN = "commfuse unhidden"  # comm.hide_behind_compute off: every collective by the table alone
 UNCHUNKED = "commfuse no async-TP"  # comm.async_tp off: every all-gather / reduce-scatter apart from its matmuls
 UNCHUNKED_GRAPHED = "commfuse cuda_graphs no async-TP"
-PDL = "commfuse pdl"  # config.pdl on: generated kernels launched with programmatic dependent launch
 VARIANTS = ("eager", "inductor", "inductor reduce-overhead", ASYNC_TP, "commfuse", "commfuse cuda_graphs", UNHIDDEN,
-            UNCHUNKED, UNCHUNKED_GRAPHED, PDL)
+            UNCHUNKED, UNCHUNKED_GRAPHED)
 SELF_GRAPHED = ("inductor reduce-overhead", "commfuse cuda_graphs", UNCHUNKED_GRAPHED)
 WORKLOADS = ("decode", "train", "sp", "fsdp")
 FULL = dict(hidden=4096, heads=32, kv_heads=8, ffn=14336, layers=4, batch=8, cache=2048, train_batch=2, seq=1024)
@@ -143,8 +141,7 @@ def compile_options(name) -> dict | None:
             "commfuse cuda_graphs": dict(backend="commfuse", dynamic=False, options={"cuda_graphs": True}),
             UNHIDDEN: dict(backend="commfuse", dynamic=False, options={"comm.hide_behind_compute": False}),
             UNCHUNKED: dict(backend="commfuse", dynamic=False, options={"comm.async_tp": "off"}),
-            UNCHUNKED_GRAPHED: dict(backend="commfuse", dynamic=False, options={"cuda_graphs": True, "comm.async_tp": "off"}),
-            PDL: dict(backend="commfuse", dynamic=False, options={"pdl": True})}[name]
+            UNCHUNKED_GRAPHED: dict(backend="commfuse", dynamic=False, options={"cuda_graphs": True, "comm.async_tp": "off"})}[name]
 
 
 def compiled(model, name):
@@ -541,7 +538,7 @@ def ratio(other, ours) -> str:
 
 
 RATIOS = (("inductor", "commfuse"), ("inductor reduce-overhead", "commfuse cuda_graphs"), (ASYNC_TP, "commfuse"),
-          (UNHIDDEN, "commfuse"), (UNCHUNKED, "commfuse"), (UNCHUNKED_GRAPHED, "commfuse cuda_graphs"), (PDL, "commfuse"))
+          (UNHIDDEN, "commfuse"), (UNCHUNKED, "commfuse"), (UNCHUNKED_GRAPHED, "commfuse cuda_graphs"))
 
 
 SWEEP_ROWS = (  # per --sweep configuration
@@ -684,7 +681,7 @@ def main(argv=None) -> int:
     ap.add_argument("--graph-steps", type=int, default=10, help="decode steps per captured CUDA graph")
     ap.add_argument("--fsdp-shape", default="", metavar="KEY=N,...",
                     help="fsdp: override its shape (keys: " + ", ".join(FSDP_FULL) + "), e.g. hidden=2048,ffn=5632,seq=1024")
-    ap.add_argument("--variants", default=",".join(v for v in VARIANTS if v not in (UNHIDDEN, UNCHUNKED, UNCHUNKED_GRAPHED, PDL)), help="comma-separated subset of: " + ", ".join(VARIANTS))
+    ap.add_argument("--variants", default=",".join(v for v in VARIANTS if v not in (UNHIDDEN, UNCHUNKED, UNCHUNKED_GRAPHED)), help="comma-separated subset of: " + ", ".join(VARIANTS))
     ap.add_argument("--workloads", default="decode,train,sp,fsdp", help="comma-separated subset of: " + ", ".join(WORKLOADS))
     ap.add_argument("--pos", type=int, default=None,
                     help="decode: the position each timed step writes (default: the cache's middle); the prefix "

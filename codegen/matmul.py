@@ -106,14 +106,11 @@ def render(nodes: list, internal: set, name: str) -> tuple[str, dict]:
     blocks = [-(-ns[seg[0]] // block_n) for seg, _ in segments]
     ws_base = list(itertools.accumulate([0] + [blocks[j] * block_n for j, (seg, _) in enumerate(segments) for _ in seg]))
     ws_of = dict(zip([i for seg, _ in segments for i in seg], ws_base))
-    pdl = V.choices.pdl(first.get_device())
     code = IndentedBuffer()
     code.writeline("@triton.jit")
     code.writeline(f"def {name}({', '.join(params + pointers)}, ws_ptr, lock_ptr, xnumel, rnumel, {', '.join(ints)}, "
                    "XBLOCK: tl.constexpr, RBLOCK: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr):")
     with code.indent():
-        if pdl:  # (the wait follows the weights' prefetch)
-            code.writeline("tl.extra.cuda.gdc_launch_dependents()")
         code.writelines(["pid = tl.program_id(0)", "xindex = tl.arange(0, XBLOCK)[:, None]", "xmask = xindex < xnumel",
                          "k_len = tl.cdiv(rnumel, SPLIT_K * RBLOCK) * RBLOCK  # this program's share of K",
                          "k_start = tl.program_id(1) * k_len"])
@@ -126,9 +123,6 @@ def render(nodes: list, internal: set, name: str) -> tuple[str, dict]:
                 code.writelines([f"cols = (pid - {start}) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]" if start else
                                  "cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]"] +
                                 [f"acc{i} = tl.zeros([XBLOCK, BLOCK_N], tl.float32)" for i in seg])
-                if pdl:
-                    _prefetch_weights(code, [i for i in seg if V.choices.mm_prefetch(k * ns[i] * members[i].get_dtype().itemsize)],
-                                      members, cfg["BLOCK_K"])
                 _k_loop(code, loads, loader, a, dtype, operand, seg, n_even)
                 code.writeline(f"omask = xmask & (cols < N{seg[0]})")
                 if split > 1:
@@ -166,21 +160,6 @@ def _k_loop(code, loads, loader, a: str, dtype: str, operand: str, seg: list, ev
             code.writeline(f"b = tl.load(b_ptrs){operand}" if even else
                            f"b = tl.load(b_ptrs, (kk < rnumel) & (cols < N{i}), other=0){operand}")
             code.writeline(f"acc{i} = tl.dot(a, b, acc{i})")
-
-
-def _prefetch_weights(code, seg: list, members: list, block_k: int):
-    """Under programmatic dependent launch: this program's share of each weight it streams is
-    asked into L2 (one prefetch per 128-byte line of a K-contiguous weight, nn.Linear's) before it
-    waits for the kernel before it, whose tail the transfer then overlaps. The weights are not
-    that kernel's output, and L2 is where its writes land, so no stale value can be read."""
-    for i in seg:
-        line = 128 // members[i].get_dtype().itemsize
-        code.writelines([f"if stride_bk{i} == 1:",
-                         f"    for pk in range(k_start, k_start + k_len, RBLOCK):",
-                         f"        kk = tl.minimum(pk + tl.arange(0, {max(block_k // line, 1)})[:, None] * {line}, rnumel - 1)",
-                         f"        tl.inline_asm_elementwise(\"prefetch.global.L2 [$1];\", \"=r,l\", "
-                         f"[b{i}_ptr + kk + tl.minimum(cols, N{i} - 1) * stride_bn{i}], dtype=tl.int32, is_pure=False, pack=1)"])
-    code.writeline("tl.extra.cuda.gdc_wait()")
 
 
 def _split_k_sum(code, seg: list, ws_of: dict, width: int):

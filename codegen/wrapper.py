@@ -39,16 +39,6 @@ _workspaces = {}  # scratch of split-K matmuls, kept zeroed between calls
 """
 
 
-def with_pdl_entry(src: str) -> str:
-    """`src` with each Triton function opening by waiting for the kernel launched before it to
-    finish and flush its writes, then letting the next be scheduled (which waits in turn, so at
-    most two overlap): what a kernel launched with programmatic dependent launch must do."""
-    if "tl.extra.cuda.gdc_wait()" in src:  # a kernel that waits where it chose (matmul.py)
-        return src
-    entry = "    tl.extra.cuda.gdc_wait()\n    tl.extra.cuda.gdc_launch_dependents()\n"
-    return re.sub(r"(@triton\.jit[^\n]*\ndef \w+\(.*?\):\n)", lambda m: m.group(1) + entry, src, flags=re.S)
-
-
 class WrapperCodegen:
     def __init__(self, graph, scheduler):
         self.graph, self.sched = graph, scheduler
@@ -115,8 +105,6 @@ class WrapperCodegen:
     def launch(self, name: str, grid: str, args: list, specs: list, consts: str) -> str:
         """A kernel launch's line; the launch is listed in `_launches` with `specs` for its `args`:
         a tensor's dtype, an integer's value (its hint if dynamic)."""
-        if self.pdl():
-            consts += ", launch_pdl=True"
         self.launches[f"({name}, ({', '.join(map(str, specs))},), dict({consts})),"] = None
         # a site of its own per line, even for a kernel launched twice: each launch's pointers
         # may be aligned differently, and its site keeps the kernel compiled for its own
@@ -129,8 +117,6 @@ class WrapperCodegen:
         """The name to launch kernel `name` (source `src`) by. A kernel whose code is one already
         defined under another name (the same layer repeated) is that one: Triton compiles each
         distinct kernel once, not once per layer."""
-        if self.pdl():  # before its first load: the kernel before it may still be writing
-            src = with_pdl_entry(src)
         code = re.sub(rf"\b{re.escape(name)}\b", "KERNEL", src)
         header = re.search(r"def KERNEL\((.*?)\):", code, re.S)
         params = [p.strip() for p in header.group(1).split(",")] if header else []
@@ -141,12 +127,6 @@ class WrapperCodegen:
             self.kernels.splice(_lines(src))
             self.kernels.writeline()
         return first
-
-    def pdl(self) -> bool:
-        if not hasattr(self, "_pdl"):
-            cuda = self.cuda_device()
-            self._pdl = cuda is not None and V.choices.pdl(torch.device("cuda", cuda))
-        return self._pdl
 
     def effect(self, what: str) -> None:
         """Marks the next line as writing a graph input or meeting other ranks: a first run that

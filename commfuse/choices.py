@@ -80,19 +80,6 @@ def micro_pipeline_tp() -> bool:
     return bool(getattr(getattr(torch._inductor, "config", None), "_micro_pipeline_tp", False))
 
 
-@functools.cache
-def pdl_supported(device) -> bool:
-    """Hopper or later, kernels compiled (not interpreted) by a Triton with grid dependency control."""
-    if device is None or device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        return False
-    try:
-        from triton.backends.nvidia.compiler import CUDAOptions
-        from triton.language.extra.cuda import gdc_wait  # noqa: F401
-    except ImportError:
-        return False
-    return "launch_pdl" in CUDAOptions.__dataclass_fields__ and torch.cuda.get_device_capability(device) >= (9, 0)
-
-
 def group_size(group_name: str) -> int:
     return dist.get_world_size(group_of(group_name))
 
@@ -231,11 +218,6 @@ class Choices:
         return launches * (8 << 20)
 
     # ------------------------------------------------------------------------- overlap
-    def pdl(self, device) -> bool:
-        """Launch the generated kernels with programmatic dependent launch? `config.pdl`, where the
-        GPU and Triton can (else plain launches); None: off (not yet measured to pay)."""
-        return bool(config.pdl) and pdl_supported(device)
-
     def matmul_us(self, flops: int, dtype: torch.dtype, device) -> float:
         """A conservative estimate of how long `flops` of matmuls take on `device`."""
         per_sm = MATMUL_TFLOPS_PER_SM.get(dtype.itemsize, MATMUL_TFLOPS_PER_SM[4])
@@ -652,12 +634,6 @@ class Choices:
             return False
         row = mm_row(a.get_device(), int(m), int(k), int(n))  # this GPU's measured table: cuBLAS where it won
         return row is None or row["us"] <= row["cublas_us"]
-
-    def mm_prefetch(self, weight_bytes: int) -> bool:
-        """Under programmatic dependent launch, does a few-row matmul ask its weight into L2 before
-        waiting for the kernel before it? Where the weight fits beside what that kernel holds
-        (half of an H100's 50 MB L2): a larger one would evict its own first lines, read twice."""
-        return weight_bytes <= 24 << 20
 
     def mm_group_member(self, members: int) -> bool:
         """May a few-row matmul join a group of `members` that load the same `a` (one launch over

@@ -36,9 +36,6 @@ graph_cache = True            # keep compiled graphs on disk (cache_dir/graphs):
 # Execution.
 cuda_graphs = False           # capture each compiled graph in a CUDA graph after warm-up, replay it
                               # (also `mode="reduce-overhead"`)
-pdl: bool | None = None       # programmatic dependent launch of generated kernels (Hopper and later):
-                              # each may be scheduled while the one before it drains, and waits for
-                              # its writes at its first line; None: where choices.pdl says it pays
 compile_workers: int | None = None  # processes that compile a graph's Triton kernels before its first
                                    # call, for all graphs (CUDA only); 0: each compiles at its first
                                    # launch; None: this host's CPUs / its ranks (LOCAL_WORLD_SIZE)
