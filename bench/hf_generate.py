@@ -58,8 +58,9 @@ import time
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
-from bench.model_tp import (SELF_GRAPHED, _why, add_size_args, compile_options, error_limit, fill_sizes,  # noqa: E402
-                            ratio, worst_over_ranks)  # (model_tp sets NCCL's environment first)
+from bench.model_tp import _why, add_size_args, fill_sizes  # noqa: E402  (model_tp sets NCCL's environment first)
+from bench.model_tp_report import error_limit, ratio, worst_over_ranks  # noqa: E402
+from bench.tp_variants import SELF_GRAPHED, compile_options  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402

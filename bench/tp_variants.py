@@ -1,0 +1,31 @@
+"""The variants bench/model_tp.py and the scripts beside it compare: their names and
+torch.compile's arguments for each."""
+from __future__ import annotations
+
+import torch
+
+ASYNC_TP = "inductor async-TP"  # Inductor with _micro_pipeline_tp: sequence-parallel training only
+UNHIDDEN = "commfuse unhidden"  # comm.hide_behind_compute off: every collective by the table alone
+UNCHUNKED = "commfuse no async-TP"  # comm.async_tp off: every all-gather / reduce-scatter apart from its matmuls
+UNCHUNKED_GRAPHED = "commfuse cuda_graphs no async-TP"
+VARIANTS = ("eager", "inductor", "inductor reduce-overhead", ASYNC_TP, "commfuse", "commfuse cuda_graphs", UNHIDDEN,
+            UNCHUNKED, UNCHUNKED_GRAPHED)
+SELF_GRAPHED = ("inductor reduce-overhead", "commfuse cuda_graphs", UNCHUNKED_GRAPHED)
+WORKLOADS = ("decode", "train", "sp", "fsdp")
+
+def compile_options(name) -> dict | None:
+    """torch.compile's arguments for a variant; None for eager."""
+    return {"eager": None,
+            "inductor": dict(dynamic=False),
+            "inductor reduce-overhead": dict(mode="reduce-overhead", dynamic=False),
+            ASYNC_TP: dict(dynamic=False, options={"_micro_pipeline_tp": True}),
+            "commfuse": dict(backend="commfuse", dynamic=False),
+            "commfuse cuda_graphs": dict(backend="commfuse", dynamic=False, options={"cuda_graphs": True}),
+            UNHIDDEN: dict(backend="commfuse", dynamic=False, options={"comm.hide_behind_compute": False}),
+            UNCHUNKED: dict(backend="commfuse", dynamic=False, options={"comm.async_tp": "off"}),
+            UNCHUNKED_GRAPHED: dict(backend="commfuse", dynamic=False, options={"cuda_graphs": True, "comm.async_tp": "off"})}[name]
+
+
+def compiled(model, name):
+    kw = compile_options(name)
+    return model if kw is None else torch.compile(model, **kw)
