@@ -16,8 +16,9 @@ torch 2.13, TP with it fails under Inductor and aot_eager in AOTAutograd's runti
 tensors_saved_with_vc_check to be Tensors"); commfuse puts the saved values back in the order the
 runtime reads them (commfuse/passes/saved_order.py) and trains.
 
-Only torchtitan's CPU limits are set here: its device type (it picks "cuda" with no accelerator)
-and FSDP's sum reduction (gloo has no PREMUL_SUM). Attention is SDPA unless --attn flex."""
+On CPU (the default) only torchtitan's CPU limits are set here: its device type (it picks "cuda"
+with no accelerator) and FSDP's sum reduction (gloo has no PREMUL_SUM). With --gpu each rank runs
+on its GPU under NCCL, torchtitan's own settings untouched. Attention is SDPA unless --attn flex."""
 from __future__ import annotations
 
 import argparse
@@ -39,7 +40,7 @@ def cpu_torchtitan():
     tools.device_module = dist_utils.device_module = torch.cpu
 
 
-def build(args, backend, world):
+def build(args, backend, world, device):
     """The debug model, parallelized and initialized as torchtitan's Trainer does (no PP)."""
     import dataclasses
     from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
@@ -74,9 +75,9 @@ def build(args, backend, world):
     model = spec.parallelize_fn(model, parallel_dims=dims, training=training, parallelism=parallelism,
                                 compile_config=compile_config, ac_config=ac_config(args.ac), dump_folder="/tmp")
     for m in model.modules():
-        if isinstance(m, FSDPModule):  # gloo lacks PREMUL_SUM (FSDP's mean over ranks)
+        if isinstance(m, FSDPModule) and device.type == "cpu":  # gloo lacks PREMUL_SUM (FSDP's mean over ranks)
             m.set_force_sum_reduction_for_comms(True)
-    model.to_empty(device="cpu")
+    model.to_empty(device=device)
     torch.manual_seed(0)
     with torch.no_grad():
         model.init_weights(buffer_device=None)
@@ -104,15 +105,15 @@ def batches(args, dims, steps, vocab=2048):
     return [torch.randint(0, vocab, (args.batch, args.seq + 1), generator=g) for _ in range(steps)]
 
 
-def train(args, backend, world):
-    model, loss_fn, optim, ctx, dims = build(args, backend, world)
+def train(args, backend, world, device):
+    model, loss_fn, optim, ctx, dims = build(args, backend, world, device)
     losses, times = [], []
     for tokens in batches(args, dims, args.steps):
-        inputs, labels = tokens[:, :-1], tokens[:, 1:]
+        inputs, labels = tokens[:, :-1].to(device), tokens[:, 1:].to(device)
         t0 = time.perf_counter()
         optim.zero_grad()
         # one document per row: positions for RoPE, and the block-causal mask flex needs (the Trainer's)
-        extra = {"positions": torch.arange(args.seq).expand(args.batch, -1)}
+        extra = {"positions": torch.arange(args.seq, device=device).expand(args.batch, -1)}
         if args.attn == "flex":
             extra["attention_masks"] = model.get_attention_masks(positions=extra["positions"])
         with ctx():
@@ -120,6 +121,8 @@ def train(args, backend, world):
             loss, _ = loss_fn(pred, labels, torch.tensor(labels.numel()), positions=extra["positions"])
             loss.backward()
         optim.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t0)
         losses.append(loss.detach().full_tensor().item() if hasattr(loss, "full_tensor") else loss.item())
     graphs = []
@@ -148,15 +151,22 @@ def main():
     p.add_argument("--ac", choices=["selective", "full", "none"], default="selective",
                    help="torchtitan's activation_checkpoint (its Trainer's default: selective, per-op SAC)")
     p.add_argument("--json", help="write the results here (rank 0)")
+    p.add_argument("--gpu", action="store_true", help="each rank on its GPU, NCCL (default: CPU, gloo)")
     args = p.parse_args()
     if args.backend == "commfuse":
         import commfuse  # noqa: F401  (Triton's interpreter on CPU: before triton's first import)
-    dist.init_process_group("gloo")
+    if args.gpu:
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+        cpu_torchtitan()
     world, rank = dist.get_world_size(), dist.get_rank()
     assert (world == 4) == (args.parallel == "2d"), "tp and fsdp run on 2 ranks, 2d on 4"
-    cpu_torchtitan()
-    want, eager_s, _ = train(args, "eager", world)
-    got, times, graphs = train(args, args.backend, world) if args.backend != "eager" else (want, eager_s, [])
+    want, eager_s, _ = train(args, "eager", world, device)
+    got, times, graphs = train(args, args.backend, world, device) if args.backend != "eager" else (want, eager_s, [])
     diff = max(abs(a - b) for a, b in zip(got, want))
     out = {**vars(args), "world": world,
            "eager_losses": want, "losses": got, "max_diff": diff,
