@@ -14,7 +14,9 @@ Variants: eager, Inductor, Inductor mode="reduce-overhead", Inductor async-TP (o
 {"_micro_pipeline_tp": True}, symmetric memory enabled for the TP group; sequence-parallel training
 only, skipped on CPU and at world 1), commfuse, commfuse with options={"cuda_graphs": True},
 commfuse unhidden (options {"comm.hide_behind_compute": False}: each collective by the tuned table
-alone, for an A/B of the c10d-where-hidden choice; not run by default); all
+alone, for an A/B of the c10d-where-hidden choice; not run by default), commfuse single-buffered
+(options {"comm.double_buffer_max_bytes": 0}: every comm kernel closes with its own barrier; not
+run by default); all
 share one model per workload (its weights and its KV cache). On one rank (torchrun
 --nproc-per-node 1) the model is the plain one, no DTensor: the single-GPU row.
 
@@ -104,8 +106,7 @@ from bench.llama import Config, fsdp_llama, llama, tp_llama  # noqa: E402
 from commfuse import backend  # noqa: E402
 from bench import decode_floor, timing, trace_summary  # noqa: E402
 from bench.model_tp_report import report  # noqa: E402
-from bench.tp_variants import (ASYNC_TP, SELF_GRAPHED, UNCHUNKED, UNCHUNKED_GRAPHED, UNHIDDEN, VARIANTS,  # noqa: E402,F401
-                               WORKLOADS, compile_options, compiled)
+from bench.tp_variants import ASYNC_TP, OPT_IN, SELF_GRAPHED, VARIANTS, WORKLOADS, compile_options, compiled  # noqa: E402,F401
 
 FULL = dict(hidden=4096, heads=32, kv_heads=8, ffn=14336, layers=4, batch=8, cache=2048, train_batch=2, seq=1024)
 TINY = dict(hidden=64, heads=4, kv_heads=2, ffn=128, layers=2, batch=2, cache=16, train_batch=2, seq=8)
@@ -500,7 +501,7 @@ def main(argv=None) -> int:
     ap.add_argument("--graph-steps", type=int, default=10, help="decode steps per captured CUDA graph")
     ap.add_argument("--fsdp-shape", default="", metavar="KEY=N,...",
                     help="fsdp: override its shape (keys: " + ", ".join(FSDP_FULL) + "), e.g. hidden=2048,ffn=5632,seq=1024")
-    ap.add_argument("--variants", default=",".join(v for v in VARIANTS if v not in (UNHIDDEN, UNCHUNKED, UNCHUNKED_GRAPHED)), help="comma-separated subset of: " + ", ".join(VARIANTS))
+    ap.add_argument("--variants", default=",".join(v for v in VARIANTS if v not in OPT_IN), help="comma-separated subset of: " + ", ".join(VARIANTS))
     ap.add_argument("--workloads", default="decode,train,sp,fsdp", help="comma-separated subset of: " + ", ".join(WORKLOADS))
     ap.add_argument("--pos", type=int, default=None,
                     help="decode: the position each timed step writes (default: the cache's middle); the prefix "

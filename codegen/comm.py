@@ -50,11 +50,14 @@ class KernelComm:
         if wait:
             self.barrier(code, params, release=False)
 
-    def leave(self, code: IndentedBuffer, params: dict) -> None:
+    def leave(self, code: IndentedBuffer, params: dict, wait: bool = True) -> None:
         """Nobody rewrites its input while a peer may still read it. A relaxed signal suffices (and
         saves ~0.7 µs on H200): every peer load fed a store that precedes the CTA barrier before
-        the signal, so each had returned its value before any thread signals."""
-        self.barrier(code, params, release=False)
+        the signal, so each had returned its value before any thread signals. Without `wait`
+        (inputs that stay unwritten until the next comm kernel of their pool has passed its
+        first barrier: memory.plan_comm_pools) only the epoch is kept."""
+        if wait:
+            self.barrier(code, params, release=False)
         code.writeline(f"tl.store({params['@sig_own']} + slot + {params['@rank']}, epoch)")
 
     def barrier(self, code: IndentedBuffer, params: dict, release: bool = True) -> None:

@@ -67,6 +67,7 @@ class TritonKernel:
         self.comm = None                          # set by a peer read: the kernel synchronizes ranks
         self.published: set[str] = set()          # comm buffers this kernel wrote, then synchronized on
         self.reads_outside_peers = False          # peer reads of buffers earlier kernels wrote
+        self.comm_buffers: set = set()            # the comm buffers whose peers' copies it reads
         self.two_shot: dict[str, tuple] = {}      # comm buffer -> (index, mask, reduce op, value)
         self.partial = False                      # emitting a column sum's partial (mix_order.py)
         self.partials = (IndentedBuffer(), IndentedBuffer())  # their accumulators; their stores
@@ -277,6 +278,7 @@ class TritonKernel:
             for a in self.comm.sync_args():
                 self.arg(a)
         assert self.comm.group == plan.group, "one process group per kernel"
+        self.comm_buffers.add(name)
         if name not in self.values:
             self.reads_outside_peers = True
         return plan
@@ -545,7 +547,8 @@ class TritonKernel:
                     self.comm.barrier(code, self.args, release=True)
                 with self._block_loop(code):
                     self._render_sections(code)
-                self.comm.leave(code, self.args)  # nobody rewrites its input while a peer may still read it
+                # nobody rewrites its input while a peer may still read it, or until the next comm kernel
+                self.comm.leave(code, self.args, wait=not self.comm_buffers <= getattr(self.scheduler, "comm_exit_covered", set()))
         meta = {"params": params, "size_symbols": syms, "reduction": self.is_red, "kind": self.kind,
                 "persistent": self.persistent, "tiled": self.tiled,
                 "block_ptrs": len(self.block_ptr_accesses), "comm": self.comm,

@@ -446,6 +446,13 @@ class Choices:
         return blocks
 
     # ------------------------------------------------------------------------- collectives
+    def comm_exit_by_next_entry(self, nbytes: int) -> bool:
+        """Does a comm buffer of `nbytes` stay live until the next comm kernel of its pool, so that
+        the kernel reading it needs no closing barrier (memory.plan_comm_pools)? Up to
+        `comm.double_buffer_max_bytes`: small ones, where a barrier's round trip (about 2 µs) is
+        much of the kernel; a large one would double its pool's bytes for little."""
+        return nbytes <= config.comm.double_buffer_max_bytes
+
     def comm_ineligible(self, request: CommRequest) -> str:
         """Why this collective cannot run over symmetric memory at all ("" when it can)."""
         cfg = config.comm

@@ -129,6 +129,9 @@ class comm:
     bucketing = True               # merge small collectives of one group and dtype (passes/bucketing.py)
     bucket_member_max_bytes = 1 << 20  # a collective up to this size may join a bucket
     bucket_cap_bytes = 32 << 20    # the packed input of one bucket at most
+    double_buffer_max_bytes = 4 << 20  # comm buffers up to this size take turns between two pool
+                                   # slices, so a kernel reading one needs no closing barrier (the
+                                   # next comm kernel's opening one covers it); 0: off
     block = 1024                   # elements per program step of the comm kernels
     bulk_block = 4096              # ... once a message needs several steps per program
     max_programs = 128             # programs of a comm kernel (each owns a barrier slot)
@@ -161,7 +164,7 @@ _RULES = (
                                      "realize_acc_reads_threshold", "realize_acc_reads_size_threshold",
                                      "mm_template_max_rows", "pad_rows_min_bytes", "mix_order_min_elements",
                                      "compile_workers", "comm.one_shot_max_bytes", "comm.two_shot_max_bytes",
-                                     "comm.gather_scatter_max_bytes")),
+                                     "comm.gather_scatter_max_bytes", "comm.double_buffer_max_bytes")),
     ("a power of 2", lambda v: v > 0 and v & (v - 1) == 0, ("max_block", "comm.block", "comm.bulk_block",
                                                              "comm.num_warps")),  # tl.arange sizes, warps
     ("at most 1024", lambda v: v <= 1024, ("comm.max_programs",)),  # barrier slots

@@ -379,7 +379,10 @@ def pack_intervals(items: list[Interval], align: int) -> tuple[dict[str, int], i
 
 def plan_comm_pools(sched, plans) -> tuple[dict, dict]:
     """Each symmetric comm buffer's slice of its group's pool, packed by live range in the final
-    schedule (buffers never live together share bytes). A deterministic function of the graph,
+    schedule (buffers never live together share bytes). A small buffer stays live until the next
+    comm kernel of its pool: that kernel's first barrier is passed only once every peer has ended
+    the kernel that read this one, so its own closing barrier can go (`sched.comm_exit_covered`;
+    `Choices.comm_exit_by_next_entry`). A deterministic function of the graph,
     so every rank places every buffer at the same offset; checked at first call. Returns
     ({buffer: placement}, {pool: (group, device, bytes)}), placements in schedule order."""
     step_of = {n.name: i for i, g in enumerate(sched.groups) for n in g.nodes}
@@ -387,7 +390,7 @@ def plan_comm_pools(sched, plans) -> tuple[dict, dict]:
     for i, g in enumerate(sched.groups):
         for name in g.read_names:
             last[name] = i
-    by_pool, plan_of = {}, {}
+    by_pool, plan_of, covered = {}, {}, set()
     for plan in plans:
         if not plan.algorithm.symmetric or plan.buffer is None or plan.buffer in sched.removed:
             continue
@@ -397,6 +400,14 @@ def plan_comm_pools(sched, plans) -> tuple[dict, dict]:
         by_pool.setdefault((plan.group, str(buf.get_device())), []).append(
             Interval(plan.buffer, nbytes, start, max(last.get(plan.buffer, start), start)))
         plan_of[plan.buffer] = plan
+    for items in by_pool.values():  # a buffer kept until the next comm kernel of its pool has begun
+        kernel_step = {it.name: step_of.get(plan_of[it.name].result, it.end) for it in items}
+        for it in items:  # (the next one ours: a Triton kernel that opens with a barrier)
+            later = [kernel_step[o.name] for o in items
+                     if kernel_step[o.name] > kernel_step[it.name] and plan_of[o.name].algorithm.call is None]
+            if later and V.choices.comm_exit_by_next_entry(it.nbytes):
+                it.end = max(it.end, min(later))
+                covered.add(it.name)
     placements, pools = {}, {}
     for i, (key, items) in enumerate(sorted(by_pool.items())):
         pool = f"pool_{i}"
@@ -407,5 +418,6 @@ def plan_comm_pools(sched, plans) -> tuple[dict, dict]:
             placements[it.name] = {"name": it.name, "group": plan.group, "kind": plan.collective,
                                    "algorithm": plan.algorithm.name, "pool": pool, "device": key[1],
                                    "offset": offsets[it.name], "bytes": it.nbytes, "live": [it.start, it.end],
-                                   "feeds": plan.result, "copy_in": plan.copy_in}
+                                   "feeds": plan.result, "copy_in": plan.copy_in, "exit_covered": it.name in covered}
+    sched.comm_exit_covered = covered
     return dict(sorted(placements.items(), key=lambda kv: step_of[kv[0]])), pools

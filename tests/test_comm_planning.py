@@ -67,9 +67,26 @@ def test_tp_stack_plans_one_small_pool(tmp_path):
         assert pool["sum_of_buffers"] >= 8 * callsite
         assert pool["planned_bytes"] <= 2 * callsite, pool  # not L x
         _assert_disjoint_when_live_together(a["comm_buffers"])
+        _assert_exit_barriers_covered(a, glob.glob(f"{tmp_path}/rank0/{a['graph_id']}/output_code.py")[0])
     # forward and backward share the process-wide pool of the group (same size on every rank)
     sizes = [[list(per_device.values()) for per_device in r.values()] for r in reports]
     assert sizes == [[[max(s["comm_pools"][0]["planned_bytes"] for s in s0)]]] * WORLD
+
+
+def _assert_exit_barriers_covered(summary, code_path):
+    """Each comm buffer but the last stays live until the next comm kernel of its pool (two slices
+    taking turns), and only the last kernel closes with a barrier of its own: the next kernel's
+    opening barrier is passed only once every peer has ended the one before, so no rank rewrites
+    a slice a peer still reads."""
+    from commfuse.runtime.barrier import BARRIER_STEP
+    bufs = summary["comm_buffers"]
+    assert [b["exit_covered"] for b in bufs] == [True] * (len(bufs) - 1) + [False], bufs
+    for a, b in zip(bufs, bufs[1:]):
+        assert a["live"][1] >= b["live"][0] and a["offset"] != b["offset"], (a, b)
+    code = open(code_path).read()
+    barriers = [code.split(f"def {k}(", 1)[1].split("\n@triton.jit", 1)[0].count(BARRIER_STEP)
+                for k in summary["collective_order"]]
+    assert barriers[-1] == barriers[0] + 1 and len(set(barriers[:-1])) == 1, barriers
 
 
 def _live_together(rank, world, dump_dir):
