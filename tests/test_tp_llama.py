@@ -367,11 +367,11 @@ def _titan_blocks(rank, world, layers=3, steps=2):
                 h = layer(h, self.freqs_cis)
             return self.output(self.norm(h))
 
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh(device().type, (world,))
 
     def build():
         torch.manual_seed(0)
-        model = Transformer()
+        model = Transformer().to(device())
         parallelize_module(model, mesh, {
             "tok_embeddings": ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
             "norm": SequenceParallel(),
@@ -393,7 +393,7 @@ def _titan_blocks(rank, world, layers=3, steps=2):
     losses = []
     for step in range(steps):
         torch.manual_seed(step)
-        tokens, labels = torch.randint(0, vocab, (2, seq)), torch.randint(0, vocab, (2, seq))
+        tokens, labels = (torch.randint(0, vocab, (2, seq)).to(device()) for _ in range(2))
         for model, opt in runs:
             with loss_parallel():
                 loss = F.cross_entropy(model(tokens).flatten(0, 1), labels.flatten())
