@@ -89,6 +89,34 @@ def _assert_exit_barriers_covered(summary, code_path):
     assert barriers[-1] == barriers[0] + 1 and len(set(barriers[:-1])) == 1, barriers
 
 
+def _skewed_tp_stack(rank, world, dump_dir):
+    """_tp_stack with rank 1 falling behind before half its kernel launches (sleeps of up to 50 ms):
+    a rank that ran ahead and rewrote a pool slice its peer still reads would corrupt the sums."""
+    import random
+    import time
+    from commfuse.runtime import launch
+    launch_now, rng = launch.Site.__call__, random.Random(3)
+
+    def late(self, stream, grid, *args):
+        if rank == 1 and rng.random() < 0.5:
+            time.sleep(rng.random() * 0.05)
+        return launch_now(self, stream, grid, *args)
+    launch.Site.__call__ = late
+    try:
+        return _tp_stack(rank, world, dump_dir)
+    finally:
+        launch.Site.__call__ = launch_now
+
+
+def test_skewed_ranks_match_eager(tmp_path):
+    """The comm kernels that skip their closing barrier (each buffer double-buffered until the next
+    comm kernel of its pool) give eager's values, forward and backward, with one rank behind.
+    Without the double buffering (slices reused by the next buffer) this fails."""
+    run_ranks(_skewed_tp_stack, 2, args=(str(tmp_path),))
+    for s in _summaries(tmp_path, 0):
+        assert any(b["exit_covered"] for b in s["comm_buffers"]), s["comm_buffers"]
+
+
 def _live_together(rank, world, dump_dir):
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
