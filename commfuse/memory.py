@@ -402,9 +402,9 @@ def plan_comm_pools(sched, plans) -> tuple[dict, dict]:
         plan_of[plan.buffer] = plan
     for items in by_pool.values():  # a buffer kept until the next comm kernel of its pool has begun
         kernel_step = {it.name: step_of.get(plan_of[it.name].result, it.end) for it in items}
-        for it in items:  # (the next one ours: a Triton kernel that opens with a barrier)
+        for it in items:  # (after every kernel that reads it; ours: a Triton kernel that opens with a barrier)
             later = [kernel_step[o.name] for o in items
-                     if kernel_step[o.name] > kernel_step[it.name] and plan_of[o.name].algorithm.call is None]
+                     if kernel_step[o.name] > it.end and plan_of[o.name].algorithm.call is None]
             if later and V.choices.comm_exit_by_next_entry(it.nbytes):
                 it.end = max(it.end, min(later))
                 covered.add(it.name)
