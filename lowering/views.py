@@ -270,9 +270,9 @@ def as_strided(x, size, stride, storage_offset=None):
     if ours and isinstance(eager, torch.Tensor) and not _laid_out_as(base, base_buf, eager):
         if not _whole_storage(eager):
             raise ir.NoOpFallback("as_strided over a storage laid out unlike eager's")
-        base = base_buf = V.graph.register_buffer(ir.ComputedBuffer, layout=ir.contiguous_layout(
-            x.get_device(), x.get_dtype(), x.get_size(), ir.FixedLayout), data=Pointwise(
-            x.get_device(), x.get_dtype(), base.make_loader(), list(x.get_size())))
+        base = base_buf = V.graph.register_buffer(ir.ComputedBuffer, layout=ir.FixedLayout(  # eager's strides
+            x.get_device(), x.get_dtype(), x.get_size(), [sizevars.from_torch(s) for s in eager.stride()]),
+            data=Pointwise(x.get_device(), x.get_dtype(), base.make_loader(), list(x.get_size())))
     here = base.layout.offset if isinstance(base, ir.ReinterpretView) else sympy.Integer(0)
     if storage_offset is None:  # x's own offset
         offset = here
@@ -283,7 +283,9 @@ def as_strided(x, size, stride, storage_offset=None):
     layout = ir.FixedLayout(x.get_device(), x.get_dtype(), to_size(size), to_size(stride), offset)
     if isinstance(base_buf, ir.ComputedBuffer):
         base_buf.freeze_layout()
-    if not base_buf.layout.is_contiguous() or base_buf.layout.offset != 0:
+    dense = base_buf.layout.is_contiguous() or (isinstance(eager, torch.Tensor) and _whole_storage(eager)
+                                                and base_buf.layout.has_strides([sizevars.from_torch(v) for v in eager.stride()]))
+    if not dense or base_buf.layout.offset != 0:
         raise ir.Unsupported("as_strided over a non-contiguous storage")
     return TensorBox(ir.ReinterpretView(base_buf, layout))
 
@@ -298,9 +300,22 @@ def _laid_out_as(view, buf, eager) -> bool:
 
 
 def _whole_storage(t) -> bool:
-    """Is `t` (an FX value) contiguous over the whole of its storage, in eager?"""
-    return isinstance(t, torch.Tensor) and t.is_contiguous() and t.storage_offset() == 0 and \
+    """Is `t` (an FX value) dense over the whole of its storage, in eager: contiguous, or its dims
+    permuted (a pointwise op keeps its input's order: Mamba2's masked x.transpose(1, 2))?"""
+    return isinstance(t, torch.Tensor) and _dense(t) and t.storage_offset() == 0 and \
         sizevars.equal(sizevars.from_torch(t.untyped_storage().nbytes()), sizevars.from_torch(t.numel() * t.element_size()))
+
+
+def _dense(t) -> bool:
+    """Its dims, in the order of their strides (by hint: a permutation, the same at any size), each
+    strided by the elements of the dims inside it."""
+    dims = [(sizevars.from_torch(st), sizevars.from_torch(sz)) for sz, st in zip(t.shape, t.stride())]
+    inner = sympy.Integer(1)
+    for stride, size in sorted(((st, sz) for st, sz in dims if sizevars.hint(sz) != 1), key=lambda d: sizevars.hint(d[0])):
+        if not sizevars.equal(stride, inner):
+            return False
+        inner = inner * size
+    return True
 
 
 @register(aten.diagonal.default, aten.diagonal_copy.default)

@@ -485,6 +485,26 @@ def test_split_of_padded_matmul_output(tmp_path):
     assert "aten.mm.out(" in dumps.only()[1]  # the padded path was taken
 
 
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_split_of_a_masked_transpose_reads_eager_storage(tmp_path, dynamic):
+    """Mamba2 with padding: the transposed conv output times the mask keeps eager's permuted order
+    (strides (640, 1, 8)), and its split reaches lowering as as_strided with those strides. Ours is
+    stored in eager's order first (it was a whole-graph fallback: "as_strided over a storage laid
+    out unlike eager's"); backward too, and at symbolic sizes."""
+    x, m = torch.randn(2, 80, 8, device=DEVICE, requires_grad=True), torch.randn(2, 8, 1, device=DEVICE)
+
+    def fn(x, m):
+        a, b, c = (x.transpose(1, 2) * m).split([64, 8, 8], dim=-1)
+        return a * 2 + 1, (b * c).sum(-1)
+    out, dumps = compile_and_run(fn, x, m, tmp_path=tmp_path, dynamic=dynamic, fallback_on_error=False)
+    want = fn(x, m)
+    for got, w in zip(out, want, strict=True):
+        torch.testing.assert_close(got, w, atol=1e-5, rtol=1e-5)
+    grad = torch.autograd.grad(sum(o.sum() for o in out), x)[0]
+    torch.testing.assert_close(grad, torch.autograd.grad(sum(o.sum() for o in want), x)[0], atol=1e-5, rtol=1e-5)
+    assert any("as_strided" in open(g + "/fx_graph.txt").read() for g in dumps.graphs())  # the case this is about
+
+
 def test_offsets_past_int32_in_a_read_buffer(tmp_path):
     """A kernel computing 4 elements from the end of a 2**31 + 8 element input: its loads reach
     past int32, so its indices are int64 (the interpreter refused the offset as an int32 scalar)."""
