@@ -284,7 +284,7 @@ def as_strided(x, size, stride, storage_offset=None):
     if isinstance(base_buf, ir.ComputedBuffer):
         base_buf.freeze_layout()
     dense = base_buf.layout.is_contiguous() or (isinstance(eager, torch.Tensor) and _whole_storage(eager)
-                                                and base_buf.layout.has_strides([sizevars.from_torch(v) for v in eager.stride()]))
+                                                and base_buf.layout.has_strides(ir.meta_layout(eager).stride))
     if not dense or base_buf.layout.offset != 0:
         raise ir.Unsupported("as_strided over a non-contiguous storage")
     return TensorBox(ir.ReinterpretView(base_buf, layout))
@@ -302,20 +302,8 @@ def _laid_out_as(view, buf, eager) -> bool:
 def _whole_storage(t) -> bool:
     """Is `t` (an FX value) dense over the whole of its storage, in eager: contiguous, or its dims
     permuted (a pointwise op keeps its input's order: Mamba2's masked x.transpose(1, 2))?"""
-    return isinstance(t, torch.Tensor) and _dense(t) and t.storage_offset() == 0 and \
+    return isinstance(t, torch.Tensor) and ir.meta_layout(t).is_dense() and t.storage_offset() == 0 and \
         sizevars.equal(sizevars.from_torch(t.untyped_storage().nbytes()), sizevars.from_torch(t.numel() * t.element_size()))
-
-
-def _dense(t) -> bool:
-    """Its dims, in the order of their strides (by hint: a permutation, the same at any size), each
-    strided by the elements of the dims inside it."""
-    dims = [(sizevars.from_torch(st), sizevars.from_torch(sz)) for sz, st in zip(t.shape, t.stride())]
-    inner = sympy.Integer(1)
-    for stride, size in sorted(((st, sz) for st, sz in dims if sizevars.hint(sz) != 1), key=lambda d: sizevars.hint(d[0])):
-        if not sizevars.equal(stride, inner):
-            return False
-        inner = inner * size
-    return True
 
 
 @register(aten.diagonal.default, aten.diagonal_copy.default)
