@@ -144,24 +144,44 @@ def _profiled(run, gpu, shapes=False):
     return prof.events()
 
 
-def per_kernel(events, steps, gpu) -> dict:
-    """{kernel: [µs, launches]} per step over `steps` steps' events: GPU kernels (on CPU, the
-    script's check, aten's ops stand in), NCCL's (the barriers) and annotations left out."""
+def _kernels(events, gpu) -> list:
+    """The step's kernels among the events: GPU kernels (on CPU, the script's check, aten's ops
+    stand in), NCCL's (the barriers) and annotations left out."""
     from torch.autograd import DeviceType
+    return [e for e in events if e.device_type == (DeviceType.CUDA if gpu else DeviceType.CPU)
+            and (gpu or e.name.startswith("aten::")) and not any(k in e.name.lower() for k in timing.RENDEZVOUS_KERNELS)
+            and not getattr(e, "is_user_annotation", False) and not re.fullmatch(r"[\w.]+:[\w.]+", e.name)]
+
+
+def per_kernel(events, steps, gpu) -> dict:
+    """{kernel: [µs, launches]} per step over `steps` steps' events."""
     per: dict[str, list] = {}
-    for e in events:
-        if e.device_type == (DeviceType.CUDA if gpu else DeviceType.CPU) and (gpu or e.name.startswith("aten::")) \
-                and not any(k in e.name.lower() for k in timing.RENDEZVOUS_KERNELS) \
-                and not getattr(e, "is_user_annotation", False) and not re.fullmatch(r"[\w.]+:[\w.]+", e.name):
-            t = per.setdefault(e.name, [0.0, 0.0])
-            t[0] += e.time_range.elapsed_us() / steps
-            t[1] += 1 / steps
+    for e in _kernels(events, gpu):
+        t = per.setdefault(e.name, [0.0, 0.0])
+        t[0] += e.time_range.elapsed_us() / steps
+        t[1] += 1 / steps
     return per
 
 
-def graph_kernels(call, dev, graph_steps, replays) -> dict:
-    """per_kernel() of `replays` replays of a CUDA graph of `graph_steps` calls, each replay started
-    on every rank at once (`timing.start_together`), the GPU idle before."""
+def in_order(events, steps) -> list | None:
+    """[(kernel, µs, idle µs before it)] of one step, each the mean over `steps` steps launched one
+    after another (the idle time before a step's first kernel left out); None where the steps did
+    not run the same kernels."""
+    ks = sorted(_kernels(events, True), key=lambda e: e.time_range.start)
+    n = len(ks) // steps
+    if not ks or n * steps != len(ks) or any(ks[i].name != ks[i % n].name for i in range(len(ks))):
+        return None
+    rows = [[ks[i].name, 0.0, 0.0] for i in range(n)]
+    for i, e in enumerate(ks):
+        rows[i % n][1] += e.time_range.elapsed_us() / steps
+        if i % n:
+            rows[i % n][2] += (e.time_range.start - ks[i - 1].time_range.end) / steps
+    return rows
+
+
+def graph_kernels(call, dev, graph_steps, replays) -> tuple:
+    """per_kernel() and in_order() of `replays` replays of a CUDA graph of `graph_steps` calls, each
+    replay started on every rank at once (`timing.start_together`), the GPU idle before."""
     graph = timing.capture(call, graph_steps)
 
     def replayed():
@@ -170,7 +190,8 @@ def graph_kernels(call, dev, graph_steps, replays) -> dict:
             timing.start_together()
             graph.replay()
         timing.sync(dev)
-    return per_kernel(_profiled(replayed, True), replays * graph_steps, True)
+    events = _profiled(replayed, True)
+    return per_kernel(events, replays * graph_steps, True), in_order(events, replays * graph_steps)
 
 
 def kernel_table(call, steps, dev, bandwidth_gbs, elem=2, graph_steps=10, replays=5) -> str:
@@ -200,8 +221,9 @@ def kernel_table(call, steps, dev, bandwidth_gbs, elem=2, graph_steps=10, replay
     moved.update({k: v / steps for k, v in aten_bytes(events, elem, cpu=not gpu).items()})
     per = per_kernel(events, steps, gpu)
     how = f"{steps} steps called one by one, each after a barrier" + ("" if gpu else " (CPU: no CUDA graphs)")
+    order = None
     try:
-        in_graph = graph_kernels(call, dev, graph_steps, replays) if gpu else None
+        in_graph, order = graph_kernels(call, dev, graph_steps, replays) if gpu else (None, None)
     except Exception as e:  # (a step that cannot be captured)
         in_graph, how = None, how + f" (capturing a CUDA graph failed: {type(e).__name__})"
     if in_graph is not None and sum(n for _, n in in_graph.values()) >= 0.5 * sum(n for _, n in per.values()):
@@ -209,8 +231,8 @@ def kernel_table(call, steps, dev, bandwidth_gbs, elem=2, graph_steps=10, replay
     elif in_graph is not None:  # this torch's profiler does not see the kernels a graph launches
         how += " (the profiler saw no kernels inside CUDA graph replays: host-bound, the all-reduces hold the ranks' drift)"
     ranks = [None] * dist.get_world_size()  # every rank's times: a rank waiting in a collective waits for another
-    dist.all_gather_object(ranks, per)
-    others = ranks[:dist.get_rank()] + ranks[dist.get_rank() + 1:]
+    dist.all_gather_object(ranks, (per, order))
+    others = [r for r, _ in ranks[:dist.get_rank()] + ranks[dist.get_rank() + 1:]]
     lines = [f"Profiled: {how}; per step.", "",
              f"| kernel | µs per step | other ranks' µs | launches per step | MB per step | GB/s | of {bandwidth_gbs:.0f} GB/s |",
              "|---|---|---|---|---|---|---|"]
@@ -228,4 +250,20 @@ def kernel_table(call, steps, dev, bandwidth_gbs, elem=2, graph_steps=10, replay
             cells = [f"{b / 1e6:.2f}", f"{gbs:.0f}", f"{pct}%" + (" <80%" if pct < 80 else "")] if gbs else ["—", "—", "—"]
         lines.append(f"| `{name[:90]}` | {us:.1f} | {spread} | {n:g} | " + " | ".join(cells) + " |")
     lines.append(f"| total | {total:.1f} | | | | | |")
-    return "\n".join(lines)
+    return "\n".join(lines + _skew_lines([o for _, o in ranks]))
+
+
+def _skew_lines(orders: list) -> list:
+    """Where the ranks part in one step, kernel by kernel in launch order: each rank's time in it
+    and the GPU's idle time before it, for the kernels where some rank's differ by 2 µs or more
+    (a rank that idles or runs slow makes the others wait in the next collective)."""
+    if len(orders) < 2 or any(o is None or [k for k, *_ in o] != [k for k, *_ in orders[0]] for o in orders):
+        return []
+    rows = [f"| {i} | `{orders[0][i][0][:60]}` | " + " | ".join(f"{o[i][1]:.1f} / {o[i][2]:.1f}" for o in orders) + " |"
+            for i in range(len(orders[0]))
+            if max(o[i][1] for o in orders) - min(o[i][1] for o in orders) >= 2
+            or max(o[i][2] for o in orders) - min(o[i][2] for o in orders) >= 2]
+    idle = " | ".join(f"{sum(r[2] for r in o):.1f}" for o in orders)
+    return ["", "The step in launch order where the ranks differ by 2 µs or more (µs in the kernel / GPU idle before it):", "",
+            "| # | kernel | " + " | ".join(f"rank {r}" for r in range(len(orders))) + " |",
+            "|---|---|" + "---|" * len(orders)] + rows + [f"| | idle in the step | {idle} |"]

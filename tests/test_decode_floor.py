@@ -62,3 +62,27 @@ def test_kernel_bytes_counts_a_tensor_passed_twice_once():
     seen = decode_floor.kernel_bytes(lambda: f(x))
     (name,) = [k for k in seen if k.startswith("cf_mm")]
     assert seen[name] == (2 * 64 * 32 + 4 * 32 + 4 * 64) * 2, seen
+
+
+def test_skew_rows_name_the_kernel_where_ranks_part():
+    """The launch-order view averages each position over the steps and keeps only the kernels
+    where the ranks differ: here rank 1 idles 4 µs more before its all-reduce on every other step."""
+    from types import SimpleNamespace as NS
+
+    from torch.autograd import DeviceType
+
+    from bench import decode_floor
+
+    def events(extra_idle):
+        out, t = [], 0.0
+        for step in range(4):
+            for name, us, idle in (("mm", 10.0, 1.0), ("ar", 5.0, 1.0 + extra_idle * (step % 2)), ("attn", 7.0, 1.0)):
+                t += idle
+                out.append(NS(name=name, device_type=DeviceType.CUDA, time_range=NS(start=t, end=t + us, elapsed_us=lambda us=us: us)))
+                t += us
+        return out
+    orders = [decode_floor.in_order(events(x), 4) for x in (0.0, 4.0)]
+    assert orders[1] == [["mm", 10.0, 0.0], ["ar", 5.0, 3.0], ["attn", 7.0, 1.0]]
+    rows = [r for r in decode_floor._skew_lines(orders) if r.startswith("| 1 ")]
+    assert rows == ["| 1 | `ar` | 5.0 / 1.0 | 5.0 / 3.0 |"]
+    assert decode_floor.in_order(events(0.0)[:-1], 4) is None  # a step short of a kernel
