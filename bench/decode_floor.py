@@ -12,6 +12,7 @@ floor = bytes each rank must read per step / read bandwidth + all-reduces per st
 """
 from __future__ import annotations
 
+import collections
 import math
 import re
 
@@ -165,9 +166,11 @@ def per_kernel(events, steps, gpu) -> dict:
 
 def in_order(events, steps) -> list | None:
     """[(kernel, µs, idle µs before it)] of one step, each the mean over `steps` steps launched one
-    after another (the idle time before a step's first kernel left out); None where the steps did
-    not run the same kernels."""
-    ks = sorted(_kernels(events, True), key=lambda e: e.time_range.start)
+    after another (the idle time before a step's first kernel left out; kernels that not every step
+    runs, such as a fill once a replay, left out); None where the steps did not run the same kernels."""
+    ks = _kernels(events, True)
+    count = collections.Counter(e.name for e in ks)
+    ks = sorted((e for e in ks if count[e.name] % steps == 0), key=lambda e: e.time_range.start)
     n = len(ks) // steps
     if not ks or n * steps != len(ks) or any(ks[i].name != ks[i % n].name for i in range(len(ks))):
         return None

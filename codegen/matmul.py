@@ -86,7 +86,7 @@ def render(nodes: list, internal: set, name: str) -> tuple[str, dict]:
     first = members[0]
     m, k = (int(s) for s in first.a_size)
     ns = [int(b.layout.size[1]) for b in members]
-    cfg = V.choices.mm_template_config(m, sum(ns[seg[0]] for seg, _ in segments), k, first.get_device(),
+    cfg = V.choices.mm_template_config(m, sum(ns[seg[0]] * len(seg) for seg, _ in segments), k, first.get_device(),
                                        dots=max(len(seg) for seg, _ in segments))
     block_n, split = cfg["BLOCK_N"], cfg["SPLIT_K"]
     stored = [b.name not in internal for b in members]

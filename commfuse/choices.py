@@ -654,18 +654,18 @@ class Choices:
         return members >= 2
 
     def mm_template_config(self, m: int, n: int, k: int, device=None, dots: int = 1) -> dict:
-        """Blocks of the few-row matmul: the fastest measured on this GPU at this K and N
-        (tables/mm, bench/mm_sweep.py), else one program per 64 columns, and K split over several
-        (partial sums added atomically) when the columns alone leave SMs idle. Thresholds from the
-        H200 sweep (132 SMs): 7168 columns run best unsplit with 256-deep steps, 4096 split in 4.
-        With `dots` weights' tiles per step (an epilogue's members, mm_group.py), steps shorten
-        until a stage's tiles take no more shared memory than one weight's did (gate and up at
-        4 stages of 256 would need 288 KB; an H100 has 228)."""
+        """Blocks of the few-row matmul streaming `n` weight columns in all: the fastest measured on
+        this GPU at this K and N (tables/mm, bench/mm_sweep.py), else one program per 64 columns,
+        and K split over several (partial sums added atomically) when the columns alone leave SMs
+        idle. Thresholds from the H200 sweep (132 SMs): 7168 columns run best unsplit with 256-deep
+        steps, 4096 split in 4. A program of `dots` weights' tiles (an epilogue's members) streams
+        what one matmul's would, so each tile is 1/dots as wide: gate and up of 3584 columns each
+        took 21.1 µs a launch in 64-column tiles, one matmul of 7168 takes 16.9 (H200)."""
         cfg = self._mm_config(m, n, k, device)
-        bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-        while bk > 64 and (bm + dots * bn) * bk > (bm + bn) * cfg["BLOCK_K"]:
-            bk //= 2
-        return {**cfg, "BLOCK_K": bk}
+        bm, bn, bk = cfg["BLOCK_M"], max(16, cfg["BLOCK_N"] // dots), cfg["BLOCK_K"]
+        while bk > 64 and (bm + dots * bn) * bk > (bm + cfg["BLOCK_N"]) * cfg["BLOCK_K"]:
+            bk //= 2  # (tiles kept 16 wide take more shared memory a step)
+        return {**cfg, "BLOCK_N": bn, "BLOCK_K": bk}
 
     def _mm_config(self, m: int, n: int, k: int, device) -> dict:
         row = mm_row(device, m, k, n)

@@ -66,7 +66,8 @@ def test_kernel_bytes_counts_a_tensor_passed_twice_once():
 
 def test_skew_rows_name_the_kernel_where_ranks_part():
     """The launch-order view averages each position over the steps and keeps only the kernels
-    where the ranks differ: here rank 1 idles 4 µs more before its all-reduce on every other step."""
+    where the ranks differ: here rank 1 idles 4 µs more before its all-reduce on every other step
+    (a fill that runs once is left out)."""
     from types import SimpleNamespace as NS
 
     from torch.autograd import DeviceType
@@ -80,9 +81,11 @@ def test_skew_rows_name_the_kernel_where_ranks_part():
                 t += idle
                 out.append(NS(name=name, device_type=DeviceType.CUDA, time_range=NS(start=t, end=t + us, elapsed_us=lambda us=us: us)))
                 t += us
-        return out
+        return out + [NS(name="fill", device_type=DeviceType.CUDA, time_range=NS(start=t, end=t + 1, elapsed_us=lambda: 1.0))]
     orders = [decode_floor.in_order(events(x), 4) for x in (0.0, 4.0)]
     assert orders[1] == [["mm", 10.0, 0.0], ["ar", 5.0, 3.0], ["attn", 7.0, 1.0]]
     rows = [r for r in decode_floor._skew_lines(orders) if r.startswith("| 1 ")]
     assert rows == ["| 1 | `ar` | 5.0 / 1.0 | 5.0 / 3.0 |"]
-    assert decode_floor.in_order(events(0.0)[:-1], 4) is None  # a step short of a kernel
+    swapped = events(0.0)
+    swapped[-2].name, swapped[-3].name = "ar", "attn"  # the last step runs them in another order
+    assert decode_floor.in_order(swapped, 4) is None

@@ -75,3 +75,6 @@ def test_mm_template_config_follows_the_sweep():
     from commfuse.choices import Choices
     up, down = Choices().mm_template_config(8, 7168, 4096), Choices().mm_template_config(8, 4096, 7168)
     assert (up["SPLIT_K"], up["BLOCK_K"], down["SPLIT_K"], down["BLOCK_K"]) == (1, 256, 4, 128)
+    # gate and up side by side in one program (3584 columns each): one 7168-column matmul's
+    # program, each weight's tile half as wide
+    assert Choices().mm_template_config(8, 7168, 4096, dots=2) == {**up, "BLOCK_N": up["BLOCK_N"] // 2}
