@@ -29,7 +29,7 @@ from commfuse.runtime import triton_helpers
 HOST_HEADER = """\
 import math
 import torch
-from commfuse.runtime.support import empty_strided, reinterpret_tensor, cdiv, workspace, as_meta_layout
+from commfuse.runtime.support import empty_strided, empty_strided_cuda, reinterpret_tensor, cdiv, workspace, as_meta_layout
 from commfuse.runtime.launch import Launches, Site
 import commfuse.runtime.scatter, commfuse.runtime.attention, commfuse.runtime.async_tp  # noqa: F401,E401  (register torch.ops.commfuse*.*: a graph from the cache runs first)
 aten = torch.ops.aten
@@ -41,7 +41,7 @@ _workspaces = {}  # scratch of split-K matmuls, kept zeroed between calls
 
 class WrapperCodegen:
     def __init__(self, graph, scheduler):
-        self.graph, self.sched = graph, scheduler
+        self.graph, self.sched, self.cuda = graph, scheduler, None
         scheduler.code_renderer = self.debug_code
         self.kernel_sources: dict[int, str] = {}  # group id -> its kernel, as generated
         self.kernels = IndentedBuffer()
@@ -158,7 +158,7 @@ class WrapperCodegen:
             call_args = ", ".join([self.value(a) for a in args] + [f"{k}={self.value(v)}" for k, v in kwargs.items()])
             self.body.writeline(f"{sym} = {self.value(fn)}({call_args})")
         inputs = {name for name, b in g.graph_inputs.items() if isinstance(b, ir.InputBuffer)}
-        cuda = self.cuda_device()
+        cuda = self.cuda = self.cuda_device()
         stream_line = len(self.body.lines)
         self.body.writeline("_stream = None")  # filled in below once the launches are known
         last_use = self.last_uses()
@@ -310,8 +310,9 @@ class WrapperCodegen:
         # a fresh allocation, the ones freed before it are freed for good (the caching allocator
         # recycles them anyway)
         pool.clear()
-        self.body.writeline(f"{buf.name} = empty_strided({self.shape(lay.size)}, {self.shape(lay.stride)}, "
-                            f"device={self.value(lay.device)}, dtype={lay.dtype})")
+        cuda = lay.device.type == "cuda" and (lay.device.index or 0) == self.cuda  # the device `call` makes current
+        where = f"{lay.dtype}" if cuda else f"device={self.value(lay.device)}, dtype={lay.dtype}"
+        self.body.writeline(f"{buf.name} = empty_strided{'_cuda' * cuda}({self.shape(lay.size)}, {self.shape(lay.stride)}, {where})")
         self.allocations.append({"name": buf.name, "bytes": nbytes})
 
     def allocate_once(self, buf: ir.Buffer, pool):

@@ -12,6 +12,7 @@ from commfuse import config
 
 # Tests run on the GPU where there is one (compiled Triton), else on CPU (Triton's interpreter).
 DEVICE = os.environ.get("COMMFUSE_TEST_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
+ALLOC = "empty_strided_cuda" if DEVICE == "cuda" else "empty_strided"  # what the wrapper allocates with there
 
 
 class Dumps:

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch.testing import FileCheck
 
-from tests.common import DEVICE, compile_and_run, count, kernel_defs
+from tests.common import ALLOC, DEVICE, compile_and_run, count, kernel_defs
 
 
 def test_relu_add_sum_is_one_kernel(tmp_path):
@@ -83,7 +83,7 @@ def test_unlowered_op_is_an_extern_call(tmp_path):
     assert "aten.mm.out" in summary["extern_calls"]
     assert any("sort" in c for c in summary["extern_calls"])
     out_buf = re.search(r"aten\.mm\.out\(arg0_1, arg1_1, out=(buf\d+)\)", code).group(1)
-    FileCheck().check(f"{out_buf} = empty_strided((8, 8), (8, 1)").check_next(  # the wrapper allocated mm's output
+    FileCheck().check(f"{out_buf} = {ALLOC}((8, 8), (8, 1)").check_next(  # the wrapper allocated mm's output
         f"aten.mm.out(arg0_1, arg1_1, out={out_buf})").run(code)
 
 
@@ -281,9 +281,9 @@ def test_unaligned_rows_are_padded_for_matmuls(tmp_path):
     assert out.stride() == (1001, 1)
     code = dumps.only()[1]
     mm_out = re.search(r"aten\.mm\.out\(.*out=(buf\d+)\)", code).group(1)
-    FileCheck().check(f"{mm_out} = empty_strided((32, 1004), (1004, 1)").check("aten.mm.out(").run(code)
+    FileCheck().check(f"{mm_out} = {ALLOC}((32, 1004), (1004, 1)").check("aten.mm.out(").run(code)
     out, dumps = compile_and_run(fn, h, w, tmp_path=tmp_path / "off", pad_rows=False)
-    FileCheck().check("empty_strided((32, 1001), (1001, 1)").check("aten.mm.out(").run(dumps.only()[1])
+    FileCheck().check(f"{ALLOC}((32, 1001), (1001, 1)").check("aten.mm.out(").run(dumps.only()[1])
 
 
 def test_padded_rows_through_backward(tmp_path):
@@ -389,7 +389,7 @@ def test_unaligned_matmul_runs_on_padded_operands(tmp_path, bias):
     forward = dumps.code(dumps.graphs()[0])
     op = "aten.addmm.out(" if bias else "aten.mm.out("
     out_buf = re.search(re.escape(op) + r".*out=(buf\d+)\)", forward).group(1)
-    FileCheck().check(f"{out_buf} = empty_strided((24, 1004), (1004, 1)").check(op).run(forward)
+    FileCheck().check(f"{out_buf} = {ALLOC}((24, 1004), (1004, 1)").check(op).run(forward)
 
 
 def test_aligned_operand_is_not_copied_for_padding(tmp_path):
@@ -412,7 +412,7 @@ def test_transposed_weight_is_padded_in_its_own_layout(tmp_path):
                                  pad_rows_min_bytes=0, mm_template=False)
     torch.testing.assert_close(out, h @ w.t(), atol=1e-4, rtol=1e-4)
     # w's rows as stored, padded: w.t() is its transposed view
-    FileCheck().check("buf0 = empty_strided((1004, 64), (64, 1)") \
+    FileCheck().check(f"buf0 = {ALLOC}((1004, 64), (64, 1)") \
         .check("aten.mm.out(arg").check_same("reinterpret_tensor(buf0, (64, 1004), (1, 64), 0)").run(dumps.only()[1])
 
 
@@ -430,7 +430,7 @@ def test_transposed_left_operand_pads_m_and_shares_the_copy(tmp_path):
     assert dw.shape == (1001, 64)
     code = dumps.only()[1]
     padded = re.search(r"(buf\d+) = empty_strided\(\(32, 1004\), \(1004, 1\)", code).group(1)
-    count(code, "empty_strided((32, 1004)", 1)  # one copy of g
+    count(code, f"{ALLOC}((32, 1004)", 1)  # one copy of g
     FileCheck().check(f"aten.mm.out(reinterpret_tensor({padded}, (1004, 32), (1, 1004), 0), arg").run(code)
     FileCheck().check(f"aten.mm.out({padded}, buf").run(code)
 
@@ -451,7 +451,7 @@ def test_a_computed_operand_is_stored_once_padded(tmp_path):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     code = dumps.only()[1]
     padded = re.search(r"(buf\d+) = empty_strided\(\(32, 1004\), \(1004, 1\)", code).group(1)
-    count(code, "empty_strided((32, 1004)", 1)  # the gradient stored once, padded
+    count(code, f"{ALLOC}((32, 1004)", 1)  # the gradient stored once, padded
     FileCheck().check(f"aten.mm.out({padded}, buf").run(code)
     FileCheck().check(f"aten.mm.out(reinterpret_tensor({padded}, (1004, 32), (1, 1004), 0), arg").run(code)
 
