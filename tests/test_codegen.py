@@ -429,7 +429,7 @@ def test_transposed_left_operand_pads_m_and_shares_the_copy(tmp_path):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     assert dw.shape == (1001, 64)
     code = dumps.only()[1]
-    padded = re.search(r"(buf\d+) = empty_strided\(\(32, 1004\), \(1004, 1\)", code).group(1)
+    padded = re.search(rf"(buf\d+) = {ALLOC}\(\(32, 1004\), \(1004, 1\)", code).group(1)
     count(code, f"{ALLOC}((32, 1004)", 1)  # one copy of g
     FileCheck().check(f"aten.mm.out(reinterpret_tensor({padded}, (1004, 32), (1, 1004), 0), arg").run(code)
     FileCheck().check(f"aten.mm.out({padded}, buf").run(code)
@@ -450,7 +450,7 @@ def test_a_computed_operand_is_stored_once_padded(tmp_path):
     for got, want in zip(outs, fn(x, w, h)):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     code = dumps.only()[1]
-    padded = re.search(r"(buf\d+) = empty_strided\(\(32, 1004\), \(1004, 1\)", code).group(1)
+    padded = re.search(rf"(buf\d+) = {ALLOC}\(\(32, 1004\), \(1004, 1\)", code).group(1)
     count(code, f"{ALLOC}((32, 1004)", 1)  # the gradient stored once, padded
     FileCheck().check(f"aten.mm.out({padded}, buf").run(code)
     FileCheck().check(f"aten.mm.out(reinterpret_tensor({padded}, (1004, 32), (1, 1004), 0), arg").run(code)

@@ -30,7 +30,7 @@ def _launches(code):
 
 def _partials(code):
     """Shape and dtype of the buffers the first kernel writes its partials to."""
-    return re.findall(r"empty_strided\(\(([\d, ]+)\), \([\d, ]+\), device=torch\.device\([^)]*\), dtype=torch\.(\w+)\)", code)
+    return re.findall(r"empty_strided(?:_cuda)?\(\(([\d, ]+)\), \([\d, ]+\), (?:device=torch\.device\([^)]*\), dtype=)?torch\.(\w+)\)", code)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
