@@ -51,7 +51,8 @@ def commfuse_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | N
         options.setdefault("cuda_graphs", True)
     elif mode not in (None, "default"):
         log.warning("commfuse: mode=%r is not supported; compiling with defaults", mode)
-    settings = {**config.snapshot(), **_check_options(options)}
+    config.check_names(options)
+    settings = {**config.snapshot(), **options}
     if settings["sdpa_gqa"]:
         use_sdpa_gqa(gm)
     contiguous_masks(gm)
@@ -77,14 +78,6 @@ def commfuse_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | N
             partition_fn=_partition,
             keep_inference_input_mutations=True,
         )(gm, inputs), shards)
-
-
-def _check_options(options: dict) -> dict:
-    known = config.snapshot()
-    unknown = sorted(set(options) - set(known))
-    if unknown:
-        raise ValueError(f"unknown commfuse option(s) {unknown}; see docs/config.md. Known: {sorted(known)}")
-    return options
 
 
 def graph_id_for(gm: torch.fx.GraphModule, kind: str) -> str:

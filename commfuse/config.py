@@ -7,6 +7,7 @@ manager and decorator), or per compile through `torch.compile(..., options={...}
 from __future__ import annotations
 
 import contextlib
+import difflib
 import os
 import sys
 from typing import Any, Callable
@@ -317,12 +318,19 @@ def snapshot() -> dict[str, Any]:
     return dict(_options())
 
 
+def check_names(names) -> None:
+    """A ValueError naming the options commfuse does not have, each with its nearest known name."""
+    known = sorted(_options())
+    unknown = sorted(set(names) - set(known))
+    if unknown:
+        near = [f"{u!r}: did you mean {m[0]!r}?" for u in unknown if (m := difflib.get_close_matches(u, known, n=1))]
+        raise ValueError(f"unknown commfuse option(s) {unknown}" + (f" ({'; '.join(near)})" if near else "") +
+                         f"; see docs/config.md. Known: {known}")
+
+
 class _Patch(contextlib.ContextDecorator):
     def __init__(self, changes: dict[str, Any]):
-        known = _options()
-        unknown = sorted(set(changes) - set(known))
-        if unknown:
-            raise ValueError(f"unknown commfuse option(s) {unknown}; known: {sorted(known)}")
+        check_names(changes)
         for k, v in changes.items():
             _check(k, v)
         self.changes = changes

@@ -30,6 +30,9 @@ def test_unknown_option_is_a_clear_error():
     fn = torch.compile(lambda x: x + 1, backend="commfuse", options={"no_such_option": 1})
     with pytest.raises(Exception, match="no_such_option"):
         fn(torch.ones(3, device=DEVICE))
+    fn = torch.compile(lambda x: x + 1, backend="commfuse", options={"cuda_graph": True})  # a typo
+    with pytest.raises(Exception, match="'cuda_graph': did you mean 'cuda_graphs'"):
+        fn(torch.ones(3, device=DEVICE))
 
 
 @pytest.mark.parametrize("option, value, error", [
