@@ -29,11 +29,11 @@ from commfuse.runtime import triton_helpers
 HOST_HEADER = """\
 import math
 import torch
-from commfuse.runtime.support import empty_strided, empty_strided_cuda, reinterpret_tensor, cdiv, workspace, as_meta_layout
+from commfuse.runtime.support import empty_strided, empty_strided_cuda, reinterpret_tensor, cdiv, workspace, as_meta_layout, Ops
 from commfuse.runtime.launch import Launches, Site
 import commfuse.runtime.scatter, commfuse.runtime.attention, commfuse.runtime.async_tp  # noqa: F401,E401  (register torch.ops.commfuse*.*: a graph from the cache runs first)
-aten = torch.ops.aten
-prims = torch.ops.prims
+aten = Ops(torch.ops.aten)
+prims = Ops(torch.ops.prims)
 constants = {}  # filled by the loader: tensor constants and non-tensor objects
 _workspaces = {}  # scratch of split-K matmuls, kept zeroed between calls
 """

@@ -272,3 +272,16 @@ def test_retain_graph_after_a_donating_backward_is_refused_as_by_aotautograd(gra
     with pytest.raises(RuntimeError, match="non-empty donated buffers which requires create_graph=False "
                                            "and retain_graph=False"):
         fn(x).sum().backward(retain_graph=True)
+
+
+def test_generated_code_calls_each_aten_overload_as_itself():
+    """The generated modules' `aten` (runtime.support.Ops) binds each overload to a faster callable
+    of the same operator: a matmul's Python binding, else the overload's own C++ function."""
+    from commfuse.runtime.support import Ops
+    aten = Ops(torch.ops.aten)
+    a, b, c = torch.randn(3, 4), torch.randn(4, 5), torch.randn(3, 5)
+    out = torch.empty(3, 5)
+    assert aten.mm.out(a, b, out=out) is out and torch.equal(out, a @ b) and aten.mm.out is torch.mm
+    torch.testing.assert_close(aten.addmm.out(c, a, b, beta=0.5, alpha=2.0, out=torch.empty(3, 5)), 0.5 * c + 2 * (a @ b))
+    assert aten.sum.dim_IntList is torch.ops.aten.sum.dim_IntList._op
+    assert torch.equal(aten.sum.dim_IntList(a, [1], True), a.sum(1, keepdim=True))

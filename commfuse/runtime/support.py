@@ -1,6 +1,8 @@
 """Helpers the generated modules import."""
 from __future__ import annotations
 
+import types
+
 import torch
 
 
@@ -45,3 +47,21 @@ def workspace(cache: dict, key: str, numel: int, dtype, device) -> torch.Tensor:
     if t is None:
         t = cache[key] = torch.zeros(numel, dtype=dtype, device=device)
     return t
+
+
+class Ops:
+    # A torch.ops namespace for generated code, each `op.overload` bound to a faster callable of
+    # the same operator: a matmul's Python binding (torch.mm: 1.5 µs of host time a call against
+    # 4-5 through its OpOverload, timed on CPU), else the overload's C++ function (1 µs less).
+    FAST = {("mm", "out"): torch.mm, ("mm", "default"): torch.mm, ("addmm", "out"): torch.addmm,
+            ("bmm", "out"): torch.bmm, ("bmm", "default"): torch.bmm, ("baddbmm", "out"): torch.baddbmm}
+
+    def __init__(self, namespace):
+        self._namespace = namespace
+
+    def __getattr__(self, name):  # once per op: the namespace it returns is kept as an attribute
+        packet = getattr(self._namespace, name)
+        fast = self.FAST if self._namespace is torch.ops.aten else {}
+        ops = types.SimpleNamespace(**{o: fast.get((name, o)) or getattr(packet, o)._op for o in packet.overloads()})
+        setattr(self, name, ops)
+        return ops
