@@ -404,6 +404,53 @@ def spec(name):
                      intermediate_size=64, context_length=32, bos_token_id=0, eos_token_id=0)
         sp["inputs"]["use_cache"] = False  # (eager's backward fails on the cached state's in-place update)
         return "RwkvConfig", sp
+    if name == "RecurrentGemmaForCausalLM":  # RG-LRU recurrence (a custom autograd.Function) + local attention
+        return "RecurrentGemmaConfig", _causal(**dec, block_types=["recurrent", "attention"], attention_window_size=4)
+
+    # ------------------------------------------- MoE routers, MLA, hybrid attention/SSM, short convs, chunked attention
+    if name == "Qwen2ForCausalLM": return "Qwen2Config", _causal(**dec)
+    if name == "Glm4ForCausalLM": return "Glm4Config", _causal(**dec, head_dim=8)
+    if name == "SmolLM3ForCausalLM": return "SmolLM3Config", _causal(**dec, no_rope_layer_interval=2)
+    if name == "Cohere2ForCausalLM":
+        return "Cohere2Config", _causal(**dec, sliding_window=4, layer_types=["sliding_attention", "full_attention"])
+    if name == "Exaone4ForCausalLM": return "Exaone4Config", _causal(**dec, sliding_window=4, sliding_window_pattern=2)
+    if name == "Qwen2MoeForCausalLM":
+        return "Qwen2MoeConfig", _causal(**dec, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                        shared_expert_intermediate_size=32)
+    if name == "OlmoeForCausalLM": return "OlmoeConfig", _causal(**dec, num_experts=4, num_experts_per_tok=2)
+    if name == "GraniteMoeForCausalLM":
+        return "GraniteMoeConfig", _causal(**dec, num_local_experts=4, num_experts_per_tok=2, embedding_multiplier=2.0,
+                                          logits_scaling=2.0, residual_multiplier=0.5, attention_multiplier=0.1)
+    if name == "DbrxForCausalLM":
+        return "DbrxConfig", _causal(vocab_size=VOCAB, d_model=32, n_heads=4, n_layers=2, max_seq_len=32,
+                                     attn_config=dict(kv_n_heads=2, clip_qkv=8.0, rope_theta=1e4),  # (no default)
+                                     ffn_config=dict(ffn_hidden_size=64, moe_num_experts=4, moe_top_k=2),
+                                     bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    if name == "GptOssForCausalLM":  # attention sinks, clamped SwiGLU experts
+        return "GptOssConfig", _causal(**dec, head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=4)
+    if name == "DeepseekV3ForCausalLM":  # multi-head latent attention, grouped top-k router, shared expert
+        return "DeepseekV3Config", _causal(**{**dec, "num_key_value_heads": 4}, q_lora_rank=16, kv_lora_rank=16,
+                                          qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, n_routed_experts=4,
+                                          num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
+                                          moe_intermediate_size=32, n_shared_experts=1)
+    if name == "Llama4ForCausalLM":  # chunked attention, NoPE layers, sigmoid top-1 router
+        return "Llama4TextConfig", _causal(**dec, head_dim=8, num_local_experts=4, intermediate_size_mlp=64,
+                                          attention_chunk_size=4, no_rope_layer_interval=2)
+    if name == "Lfm2ForCausalLM":  # a gated short conv layer, then attention
+        return "Lfm2Config", _causal(**dec, full_attn_idxs=[1], block_auto_adjust_ff_dim=False)
+    if name == "FalconMambaForCausalLM":
+        return "FalconMambaConfig", _causal(vocab_size=VOCAB, hidden_size=32, state_size=8, num_hidden_layers=2,
+                                           expand=2, conv_kernel=4, use_mambapy=False, bos_token_id=0,
+                                           eos_token_id=0, pad_token_id=0)
+    if name == "JambaForCausalLM":  # mamba layer, then attention + MoE
+        return "JambaConfig", _causal(**dec, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+                                     expert_layer_offset=1, num_experts=4, mamba_d_state=8, use_mamba_kernels=False)
+    if name == "BambaForCausalLM":  # mamba2 layer, then attention
+        return "BambaConfig", _causal(**dec, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_state=8,
+                                     mamba_chunk_size=4)
+    if name == "Zamba2ForCausalLM":  # mamba2 layer, then a shared attention block + mamba2
+        return "Zamba2Config", _causal(**dec, layers_block_type=["mamba", "hybrid"], n_mamba_heads=4,
+                                      mamba_d_state=8, chunk_size=4, adapter_rank=8, use_mamba_kernels=False)
     raise KeyError(name)
 
 
@@ -424,7 +471,12 @@ MODELS += ["LongT5ForConditionalGeneration", "BigBirdForMaskedLM", "BigBirdForMa
           "LEDForConditionalGeneration", "PerceiverForMaskedLM", "YolosForObjectDetection", "DetrForObjectDetection",
           "SamModel", "Wav2Vec2ConformerModel", "Speech2TextForConditionalGeneration", "BlipForConditionalGeneration",
           "ConvBertForMaskedLM", "ReformerModelWithLMHead", "PatchTSTForPrediction",
-          "TimeSeriesTransformerForPrediction", "FNetForMaskedLM", "RwkvForCausalLM"]
+          "TimeSeriesTransformerForPrediction", "FNetForMaskedLM", "RwkvForCausalLM", "RecurrentGemmaForCausalLM"]
+NEW_LMS = ["Qwen2ForCausalLM", "Glm4ForCausalLM", "SmolLM3ForCausalLM", "Cohere2ForCausalLM", "Exaone4ForCausalLM",
+           "Qwen2MoeForCausalLM", "OlmoeForCausalLM", "GraniteMoeForCausalLM", "DbrxForCausalLM", "GptOssForCausalLM",
+           "DeepseekV3ForCausalLM", "Llama4ForCausalLM", "Lfm2ForCausalLM", "FalconMambaForCausalLM",
+           "JambaForCausalLM", "BambaForCausalLM", "Zamba2ForCausalLM"]
+MODELS += NEW_LMS + [m + "+pad" for m in NEW_LMS]
 
 # --------------------------------------------------------------------------------------------- one model
 
