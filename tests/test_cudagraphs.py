@@ -278,6 +278,32 @@ def test_layers_sharing_compiled_code_train_like_eager():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("loop", ["zero_grad", "accumulate", "two_forwards"])
+def test_a_training_loop_replays_with_lent_activations_like_eager(loop):
+    """A whole model's forward and backward as graphs: the forward lends its saved activations,
+    the backward reads them in place; gradients match eager whether they are set to None each
+    step, accumulated into, or two forwards run before their backwards (the first's activations
+    still held at the second: copied, never overwritten)."""
+    torch.manual_seed(0)
+    make = lambda: torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64),  # noqa: E731
+                                       torch.nn.LayerNorm(64)).cuda()
+    model, ref = make(), make()
+    ref.load_state_dict(model.state_dict())
+    compiled = torch.compile(model, backend="commfuse", options={"cuda_graphs": True})
+    for step in range(6):
+        xs = [torch.randn(16, 64, device="cuda") for _ in range(2 if loop == "two_forwards" else 1)]
+        losses = [compiled(x).square().mean() for x in xs]
+        for loss in reversed(losses):
+            loss.backward()
+        for x in xs:
+            ref(x).square().mean().backward()
+        for p, q in zip(model.parameters(), ref.parameters()):  # (a stale activation: errors of 1e-3 and up)
+            torch.testing.assert_close(p.grad, q.grad, atol=5e-5, rtol=1e-3)
+            if loop != "accumulate":
+                p.grad = q.grad = None
+
+
+@pytest.mark.gpu
 def test_replays_update_module_buffers_and_keep_outputs():
     torch.manual_seed(0)
     model, ref = Counter().cuda(), Counter().cuda()
@@ -357,3 +383,69 @@ def test_hf_generate_keeps_its_graph_over_a_new_cache_per_call(how, caplog):
             torch.testing.assert_close(generate(**kw), want, atol=1e-3, rtol=1e-3)
     assert "runs without a CUDA graph" not in caplog.text
     assert caplog.text.count("in a CUDA graph") >= 5  # the decode step's graph, captured for each new cache
+
+
+def _doubling_graph(monkeypatch, reads=None):
+    """CudaGraphed over `2 * x`, its capture faked on CPU: a replay writes the static output from
+    the static input (or from `reads()`, the caller's tensor, where the capture reads it in place),
+    as a CUDA graph's kernels would. `captured`: (call, inputs copied in) of each capture."""
+    def capture(self, args):
+        self._drop()
+        self._plan(args)
+        self.captured.append((self.calls, list(self.copy_in)))
+        out, inputs = torch.empty(4), self.inputs
+        self.graph, self.outputs, self.captured_signature = _FakeCapture(), [out], None
+        self.graph.replay = lambda: torch.mul(inputs[0] if inputs[0] is not None else self.reads(), 2, out=out)
+        self._lend()
+        return True
+    monkeypatch.setattr(CudaGraphed, "_capture", capture)
+    graphed = CudaGraphed(lambda args: [args[0] * 2], "g", InputRoles(frozenset(), frozenset(), False),
+                          max_captures=2, copy_limit=1 << 30, paid_replays=8)
+    graphed.captured, graphed.reads = [], reads
+    return graphed
+
+
+def test_outputs_are_lent_until_one_is_held_past_the_next_call(monkeypatch, caplog):
+    """A replay returns its output over the graph's own memory (no copy) while nothing holds the
+    last one at the next call (a forward's saved activations, freed by its backward). One held
+    there would be overwritten by the replay: that call runs without the graph, the held value is
+    kept, and the graph is captured again with the output copied out; the limit on captures is not
+    spent on it."""
+    graphed = _doubling_graph(monkeypatch)
+    xs = [torch.full((4,), float(i)) for i in range(8)]
+    with caplog.at_level("WARNING", logger="commfuse"):
+        graphed([xs[0]])                     # the warm-up runs plainly
+        (y,) = graphed([xs[1]])              # captured: lent
+        static = graphed.outputs[0]
+        assert torch.equal(y, xs[1] * 2) and y.data_ptr() == static.data_ptr()
+        del y
+        (kept,) = graphed([xs[2]])           # replayed, lent again, and held across the next call
+        assert kept.data_ptr() == static.data_ptr()
+        (y,) = graphed([xs[3]])              # would overwrite `kept`: runs plainly
+        assert torch.equal(y, xs[3] * 2) and y.data_ptr() != static.data_ptr()
+        assert torch.equal(kept, xs[2] * 2), "a held output was overwritten"
+        for x in xs[4:]:
+            (y,) = graphed([x])              # captured again, the output copied out
+            assert torch.equal(y, x * 2) and y.data_ptr() != graphed.outputs[0].data_ptr()
+    assert torch.equal(kept, xs[2] * 2)
+    assert [c[0] for c in graphed.captured] == [2, 5] and graphed.copied == {0}
+    assert "runs without a CUDA graph" not in caplog.text
+
+
+def test_a_graph_reads_another_graphs_lent_output_in_place(monkeypatch):
+    """A backward's saved activations are its forward's lent outputs: captured at the forward's
+    addresses, they are not copied in; an input that is not lent is."""
+    current = []
+    forward, backward = _doubling_graph(monkeypatch), _doubling_graph(monkeypatch, reads=lambda: current[0])
+    for i in range(4):
+        (saved,) = forward([torch.full((4,), float(i))])
+        current[:] = [saved]
+        (grad,) = backward([saved])
+        assert torch.equal(grad, torch.full((4,), 4.0 * i))
+        del saved, grad
+        current.clear()
+    assert backward.captured == [(2, [])], "captured once, the lent activation in place"
+    other = _doubling_graph(monkeypatch)
+    for i in range(2):
+        other([torch.full((4,), float(i))])
+    assert other.captured == [(2, [0])]

@@ -4,7 +4,8 @@ The first call runs normally (it allocates and rendezvouses the comm pools, chec
 ranks, compiles the kernels); the second captures the call into a graph. Inputs are of two kinds:
 - static (parameters and module buffers, as AOTAutograd reports them, and inputs the graph writes
   that came at one address on two calls in a row: a caller's KV cache, as transformers' StaticCache):
-  captured at their own address, so a replay reads and writes them in place, with no copy. Should
+  captured at their own address, so a replay reads and writes them in place, with no copy; so are
+  another graph's lent outputs (below). Should
   one move, or a symmetric pool be reallocated larger (its comm buffers move: another graph's first
   call needed more), the graph is captured again; after `Choices.cuda_graph_captures()` captures in a row,
   each replayed fewer than `Choices.cuda_graph_paid_replays()` times, it runs without one.
@@ -13,9 +14,15 @@ ranks, compiles the kernels); the second captures the call into a graph. Inputs 
   graph that copies more than `Choices.cuda_graph_copy_limit` bytes (these inputs, and its
   outputs) at each of 3 replays in a row runs without a graph from then on: a training step's
   saved activations cost more to copy than the launches save.
-Outputs are returned as copies, since the next replay rewrites the graph's own (a saved activation
-or a logits tensor may outlive it), except views of static inputs: taken on this call's input (an
-address is reused: FSDP2's next layer's weights land where the last one's were). A graph with
+Outputs are lent: returned over the graph's own memory, with no copy, for as long as nothing holds
+one when the graph is next replayed (its storage's use count is back where the capture left it: a
+training step's saved activations are freed by its backward). The backward's inputs that are a
+forward's lent outputs (the saved activations) are used in place, at the forward's addresses. An
+output still held at the next call (a logits tensor kept, a gradient accumulated into, a second
+forward before the backward) would be overwritten by the replay: that call runs without the graph,
+the graph is captured again, and the output is returned as a copy from then on. Views of static
+inputs are taken on this call's input (an address is reused: FSDP2's next layer's weights land
+where the last one's were). A graph with
 symbolic sizes runs without the graph when a call's shapes or scalars differ from the captured.
 A graph that cannot be captured (an op that synchronizes, one torch refuses to capture) runs
 without one from then on, with a warning that says why.
@@ -24,12 +31,28 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import weakref
 
 import torch
 
 from .symm import shared_pools
 
 log = logging.getLogger("commfuse")
+
+_lenders: dict[int, weakref.ref] = {}  # storage address of a lent output -> its graph
+
+
+def _uses(t: torch.Tensor) -> int:
+    """References to `t`'s storage (tensors over it, its temporary Python storage included)."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+def _lent(t) -> bool:
+    """Is `t` over a live graph's lent output?"""
+    if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
+        return False
+    owner = _lenders.get(t.untyped_storage().data_ptr())
+    return owner is not None and owner() is not None and owner().graph is not None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,10 +79,13 @@ class CudaGraphed:
         self.last_ptrs, self.kept = {}, set()  # written inputs' addresses; those seen twice in a row
         self.in_place = frozenset()  # inputs the capture uses at their own address
         self.pools_replaced = shared_pools.replaced
+        self.copied = set()  # outputs once held past the next call: returned as copies
+        self.lent, self.base_uses = set(), {}  # outputs returned over the graph's memory; their storages' uses
+        self.lent_in = set()  # inputs that are other graphs' lent outputs, read in place
 
     def _stop(self, why: str):
         self.captures = self.max_captures + 1
-        self.graph = self.inputs = self.outputs = None  # its memory back
+        self._drop()
         log.warning("commfuse: graph %s: %s: it runs without a CUDA graph from now on", self.graph_id, why)
 
     def __call__(self, args):
@@ -71,6 +97,12 @@ class CudaGraphed:
                     self.kept.add(i)
                 self.last_ptrs[i] = p
         if self.calls == 1 or self.captures > self.max_captures:
+            return self.call(args)
+        held = {i for i in self.lent if _uses(self.outputs[i]) > self.base_uses[i]}
+        if held:  # a replay would overwrite an output still in use: copies from the next capture on
+            self.copied |= held
+            self._drop()
+            self.replays = self.paid_replays  # once per output: not a capture that failed to pay
             return self.call(args)
         if self.graph is None or not self._static_in_place(args) or not self.kept <= self.in_place \
                 or self.pools_replaced != shared_pools.replaced:
@@ -101,7 +133,17 @@ class CudaGraphed:
             if a.data_ptr() != static.data_ptr():
                 a.copy_(static)
         return [on_input(o, self.inputs[self.aliases[i]], caller[self.aliases[i]]) if i in self.aliases
-                else copy_out(o) if i in self.cloned else o for i, o in enumerate(self.outputs)]
+                else o.detach() if i in self.lent else copy_out(o) if i in self.cloned else o
+                for i, o in enumerate(self.outputs)]
+
+    def _drop(self):
+        """Forget the graph (its memory back, but for lent outputs still held: theirs is their holders')."""
+        for i in self.lent:
+            key = self.outputs[i].untyped_storage().data_ptr()
+            if _lenders.get(key, lambda: None)() is self:
+                del _lenders[key]
+        self.graph = self.inputs = self.outputs = None
+        self.lent, self.base_uses = set(), {}
 
     def _static_in_place(self, args) -> bool:
         return all(args[i].data_ptr() == p for i, p in self.static_ptrs)
@@ -110,9 +152,11 @@ class CudaGraphed:
         return [(tuple(a.shape), tuple(a.stride())) if isinstance(a, torch.Tensor) else a for a in args]
 
     def _plan(self, args):
-        """The inputs a capture uses in place, and those it copies in before a replay and back after."""
+        """The inputs a capture uses in place (static ones, and other graphs' lent outputs), and those
+        it copies in before a replay and back after."""
         self.replays = 0
-        self.in_place = frozenset(self.roles.static | self.kept)
+        self.lent_in = {i for i, a in enumerate(args) if i not in self.roles.static and _lent(a)}
+        self.in_place = frozenset(self.roles.static | self.kept | self.lent_in)
         self.captured_signature = self._signature(args)
         self.copy_in = [i for i in self.roles.copy_in(len(args)) if isinstance(args[i], torch.Tensor)
                         and i not in self.in_place]
@@ -125,6 +169,7 @@ class CudaGraphed:
     def _capture(self, args) -> bool:
         """Capture this call's graph; False where it cannot be (it runs without one from then on: the
         warm run wrote only copies of the caller's tensors, so the plain call that follows is this call)."""
+        self._drop()
         self._plan(args)
         self.pools_replaced = shared_pools.replaced  # the comm buffers' addresses it captures
         stream = torch.cuda.Stream()
@@ -143,11 +188,24 @@ class CudaGraphed:
         except Exception as e:  # an op that syncs, a capture torch refuses: the graph runs as compiled
             self._stop(f"it cannot be captured in a CUDA graph ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
             return False
-        self.aliases = static_aliases(self.outputs, self.inputs, self.in_place)
-        self.cloned = {i for i, o in enumerate(self.outputs) if isinstance(o, torch.Tensor)} - set(self.aliases)
-        self.out_bytes = sum(self.outputs[i].nbytes for i in self.cloned)
+        self._lend()
         log.info("commfuse: captured graph %s in a CUDA graph", self.graph_id)
         return True
+
+    def _lend(self):
+        """Sort the captured outputs: views of static inputs, outputs lent (their storages' use counts
+        now, with nothing else holding them), and those copied out."""
+        self.aliases = static_aliases(self.outputs, self.inputs, self.in_place - self.lent_in)
+        own = {i for i, o in enumerate(self.outputs) if isinstance(o, torch.Tensor)} - set(self.aliases)
+        borrowed = {self.inputs[j].untyped_storage().data_ptr() for j in self.lent_in}
+        self.copied |= {i for i in own if self.outputs[i].untyped_storage().data_ptr() in borrowed}
+        self.lent, self.cloned = own - self.copied, own & self.copied
+        for j in self.lent_in:  # held here, the lender would see them in use: the capture read their addresses
+            self.inputs[j] = None
+        self.base_uses = {i: _uses(self.outputs[i]) for i in self.lent}
+        for i in self.lent:
+            _lenders[self.outputs[i].untyped_storage().data_ptr()] = weakref.ref(self)
+        self.out_bytes = sum(self.outputs[i].nbytes for i in self.cloned)
 
 
 def static_aliases(outputs, inputs, static) -> dict:
