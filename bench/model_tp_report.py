@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 
 from bench import decode_floor
-from bench.tp_variants import ASYNC_TP, SELF_GRAPHED, SINGLE_BUFFERED, UNCHUNKED, UNCHUNKED_GRAPHED, UNHIDDEN, WORKLOADS
+from bench.tp_variants import (ASYNC_TP, CHUNKED_GRAPHED, SELF_GRAPHED, SINGLE_BUFFERED, UNCHUNKED, UNCHUNKED_GRAPHED,
+                               UNHIDDEN, WORKLOADS)
 
 
 ROWS = (  # (key, label, fmt)
@@ -51,7 +52,7 @@ def ratio(other, ours) -> str:
 
 RATIOS = (("inductor", "commfuse"), ("inductor reduce-overhead", "commfuse cuda_graphs"), (ASYNC_TP, "commfuse"),
           (UNHIDDEN, "commfuse"), (UNCHUNKED, "commfuse"), (UNCHUNKED_GRAPHED, "commfuse cuda_graphs"),
-          (SINGLE_BUFFERED, "commfuse"))
+          ("inductor reduce-overhead", CHUNKED_GRAPHED), (SINGLE_BUFFERED, "commfuse"))
 
 
 SWEEP_ROWS = (  # per --sweep configuration

@@ -8,12 +8,13 @@ ASYNC_TP = "inductor async-TP"  # Inductor with _micro_pipeline_tp: sequence-par
 UNHIDDEN = "commfuse unhidden"  # comm.hide_behind_compute off: every collective by the table alone
 UNCHUNKED = "commfuse no async-TP"  # comm.async_tp off: every all-gather / reduce-scatter apart from its matmuls
 UNCHUNKED_GRAPHED = "commfuse cuda_graphs no async-TP"
+CHUNKED_GRAPHED = "commfuse cuda_graphs async-TP"  # comm.async_tp on: chunked where the plan allows, replayed
 SINGLE_BUFFERED = "commfuse single-buffered"  # comm.double_buffer_max_bytes 0: every comm kernel closes with a barrier
 VARIANTS = ("eager", "inductor", "inductor reduce-overhead", ASYNC_TP, "commfuse", "commfuse cuda_graphs", UNHIDDEN,
-            UNCHUNKED, UNCHUNKED_GRAPHED, SINGLE_BUFFERED)
-SELF_GRAPHED = ("inductor reduce-overhead", "commfuse cuda_graphs", UNCHUNKED_GRAPHED)
+            UNCHUNKED, UNCHUNKED_GRAPHED, CHUNKED_GRAPHED, SINGLE_BUFFERED)
+SELF_GRAPHED = ("inductor reduce-overhead", "commfuse cuda_graphs", UNCHUNKED_GRAPHED, CHUNKED_GRAPHED)
 WORKLOADS = ("decode", "train", "sp", "fsdp")
-OPT_IN = (UNHIDDEN, UNCHUNKED, UNCHUNKED_GRAPHED, SINGLE_BUFFERED)  # A/B variants, not run by default
+OPT_IN = (UNHIDDEN, UNCHUNKED, UNCHUNKED_GRAPHED, CHUNKED_GRAPHED, SINGLE_BUFFERED)  # A/B variants, not run by default
 
 
 def compile_options(name) -> dict | None:
@@ -27,6 +28,7 @@ def compile_options(name) -> dict | None:
             UNHIDDEN: dict(backend="commfuse", dynamic=False, options={"comm.hide_behind_compute": False}),
             UNCHUNKED: dict(backend="commfuse", dynamic=False, options={"comm.async_tp": "off"}),
             UNCHUNKED_GRAPHED: dict(backend="commfuse", dynamic=False, options={"cuda_graphs": True, "comm.async_tp": "off"}),
+            CHUNKED_GRAPHED: dict(backend="commfuse", dynamic=False, options={"cuda_graphs": True, "comm.async_tp": "on"}),
             SINGLE_BUFFERED: dict(backend="commfuse", dynamic=False, options={"comm.double_buffer_max_bytes": 0})}[name]
 
 
