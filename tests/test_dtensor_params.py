@@ -66,8 +66,27 @@ def _run(rank, world, grad, return_weight=False):
     return seen, diffs, compiled.count.full_tensor().tolist(), returned_is_param, static
 
 
-# the three cases in one spawn
-SHARED = SharedRanks([(_run, (False,)), (_run, (True,)), (_run, (False, True))], 2)
+def _uneven(rank, world):
+    """A column-parallel linear whose 15 outputs split 8 / 7, gathered back (`output_layouts=Replicate()`):
+    DTensor pads the short shard on one rank only, so the all-gather's buffer is the matmul's [12, 8]
+    on one rank and the padded [2, 6, 8] on the other: one dense layout, which the ranks' plans agree on."""
+    from torch.distributed.tensor import Replicate, init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+    mesh = init_device_mesh(device().type, (world,))
+    torch.manual_seed(0)
+    model, ref = nn.Linear(8, 15).to(device()), nn.Linear(8, 15).to(device())
+    ref.load_state_dict(model.state_dict())
+    parallelize_module(model, mesh, ColwiseParallel(output_layouts=Replicate()))
+    x = torch.randn(2, 6, 8, device=device())
+    got, want = torch.compile(model, backend="commfuse")(x), ref(x)
+    got.square().sum().backward()
+    want.square().sum().backward()
+    return max((got - want).abs().max().item(),
+               (model.weight.grad.full_tensor() - ref.weight.grad).abs().max().item())
+
+
+# the four cases in one spawn
+SHARED = SharedRanks([(_run, (False,)), (_run, (True,)), (_run, (False, True)), (_uneven, ())], 2)
 
 
 def test_inference_takes_dtensor_parameters_and_buffers_as_shards():
@@ -91,3 +110,7 @@ def test_a_returned_parameter_stays_the_callers_object():
     for seen, diffs, count, returned_is_param, _ in SHARED.result(_run, False, True):
         assert len(seen) == 1 and len(seen[0][2]) == 5, seen  # Dynamo returns the parameter itself
         assert returned_is_param and max(diffs) < 1e-5 and count == [3.0] * 4
+
+
+def test_an_uneven_shard_gathered_back_compiles_on_every_rank():
+    assert max(SHARED.result(_uneven)) < 1e-4

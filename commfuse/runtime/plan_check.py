@@ -44,9 +44,22 @@ _FIELDS = {
 
 def _describe(buffers: list) -> list:
     """What the ranks must agree on for a comm buffer: its slice of the pool and its layout. Not its
-    name: a rank that ran one more op before the collective numbers its buffers on from there."""
+    name: a rank that ran one more op before the collective numbers its buffers on from there. Not
+    the view of a dense buffer either: its elements are in one order whatever its shape (an uneven
+    DTensor shard padded to [2, 6, 8] on one rank, a matmul's [12, 8] on another)."""
     return [{"pool": b["pool"], "offset": b["offset"], "bytes": b["bytes"], "dtype": str(b["dtype"]),
-             "size": list(b["size"]), "stride": list(b["stride"])} for b in buffers]
+             **({"layout": "dense"} if _dense(b["size"], b["stride"]) else
+                {"size": list(b["size"]), "stride": list(b["stride"])})} for b in buffers]
+
+
+def _dense(size, stride) -> bool:
+    """Row-major and gap-free (dims of one element aside, whatever their stride)."""
+    expected = 1
+    for n, s in reversed(list(zip(size, stride))):
+        if n != 1 and s != expected:
+            return False
+        expected *= n
+    return True
 
 
 def _protocol(protocol: list, group_name: str) -> list:
