@@ -49,6 +49,9 @@ def reduce(x: TensorBox, dims, keepdim, reduction_type, dtype) -> TensorBox:
     rnumel = sizevars.product(red_sizes)
     if rnumel == 0 and reduction_type not in IDENTITY:  # max / argmax of nothing: aten raises, as eager
         raise ir.Unsupported(f"{reduction_type} over no elements")
+    if rnumel == 0:  # the identity: no loop over an empty range (its index would divide by 0)
+        return TensorBox(Pointwise(x.get_device(), dtype, lambda idx: ops.constant(IDENTITY[reduction_type], dtype),
+                                   out_size))
 
     if rnumel == 1 or not dims:  # nothing to reduce: a cast (or an index of 0)
         def inner(idx):

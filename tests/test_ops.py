@@ -358,3 +358,18 @@ def test_max_over_no_elements_raises_as_in_eager():
     torch._dynamo.reset()
     with pytest.raises(IndexError, match="non-zero size"):
         torch.compile(lambda x: x.max(0), backend="commfuse")(torch.randn(0, 4))
+
+
+@pytest.mark.parametrize("fn", [lambda x: x.sum(), lambda x: x.abs().sum(-1), lambda x: x.norm(), lambda x: x.prod(),
+                                lambda x: (x > 0).any(), lambda x: (x > 0).all(1)],
+                         ids=["sum", "sum_last", "norm", "prod", "any", "all"])
+def test_reductions_over_no_elements_are_their_identity(fn, tmp_path):
+    """A reduction over a zero-size dim is its identity (sum 0, prod 1, any False, all True), compiled
+    with the rest of the graph: its loop over nothing divided by the empty dim's size."""
+    from commfuse import config
+    x = torch.randn(3, 0)
+    with config.patch(fallback_on_error=False, dump_dir=str(tmp_path)):
+        torch._dynamo.reset()
+        got = torch.compile(fn, backend="commfuse")(x)
+    torch.testing.assert_close(got, fn(x))
+    assert not Dumps(tmp_path).only()[0]["extern_calls"]
