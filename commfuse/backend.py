@@ -36,6 +36,7 @@ from .passes.reinplace import reinplace_input_updates
 from .passes.saved_order import saved_in_runtime_order
 from .remat import cross_kernel_bytes
 from .runtime import precompile
+from .runtime.plan_check import announce
 from .runtime.cudagraphs import input_roles
 from .scheduler import Scheduler
 from .virtualized import V
@@ -52,6 +53,7 @@ def commfuse_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | N
     elif mode not in (None, "default"):
         log.warning("commfuse: mode=%r is not supported; compiling with defaults", mode)
     config.check_names(options)
+    announce()
     settings = {**config.snapshot(), **options}
     if settings["sdpa_gqa"]:
         use_sdpa_gqa(gm)

@@ -15,7 +15,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import textwrap
 import threading
 import time
 import warnings
@@ -242,6 +241,22 @@ def test_rank_that_dies_before_a_new_graphs_plan_check():
     r0, _ = _run(_dies_before_new_graph)
     _assert_peer_error(r0, "rank(s) [1] exited before reaching the comm-buffer plan check of graph")
     _record("rank 1 exits before a new graph's plan check (plan_check_timeout_s=60)", r0["message"], r0["seconds"])
+
+
+def _exits_on_a_branch_without_collectives(rank, world, out):
+    if rank == 1:  # compiles its branch, which has no collective, and exits: it never reaches a plan check
+        torch.compile(lambda x: x * 2 + 1, backend="commfuse")(torch.randn(32))
+        return {"die": "os._exit"}
+    return _failing_call(_all_reduce_fn({"comm.plan_check_timeout_s": 60}), torch.randn(32))
+
+
+@cpu_pools
+def test_rank_that_exits_without_reaching_any_plan_check():
+    """Each process announces itself at its first compile, so a peer that never reached a plan check
+    is seen gone as soon as it exits, not after the 60 s timeout."""
+    r0, _ = _run(_exits_on_a_branch_without_collectives)
+    _assert_peer_error(r0, "rank(s) [1] exited before reaching the comm-buffer plan check of graph")
+    _record("rank 1 exits on a branch without collectives (plan_check_timeout_s=60)", r0["message"], r0["seconds"])
 
 
 def _divergent(rank, world, out):

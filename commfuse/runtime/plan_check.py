@@ -21,6 +21,7 @@ from commfuse import config
 from .peers import PeerError, proc_gone, proc_id
 
 _sequence: dict = {}
+_announced = False
 
 # what a comm kernel's fields (codegen/wrapper.py: note_comm_kernel) mean, and which options set
 # them, for the error; the rest are its shape (blocks, elements)
@@ -70,6 +71,21 @@ def _protocol(protocol: list, group_name: str) -> list:
                  collectives=[dict(c, group=c["group"] if c["group"] == group_name else "another group")
                               for c in p["collectives"]])
             for p in protocol]
+
+
+def announce() -> None:
+    """Tell the peers once where this process is, at its first compile: a peer waiting at a plan
+    check for a rank that exits without reaching one (its branch had no collective) sees it gone at
+    once, not after the timeout."""
+    global _announced
+    if _announced or not (dist.is_available() and dist.is_initialized()):
+        return
+    from torch.distributed.distributed_c10d import _get_default_store
+    try:
+        _get_default_store().set(f"commfuse/proc/{dist.get_rank()}", proc_id())
+    except (RuntimeError, ValueError):  # no default store (a group made without one): the checks set it
+        return
+    _announced = True
 
 
 def check_plans_agree(graph_id: str, pools: dict, buffers: list, groups: dict, protocol: list = (),
