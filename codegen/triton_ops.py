@@ -73,7 +73,10 @@ class TritonOps:
         return self.k.store_reduction(name, index, value)
 
     def peer_reduce(self, name, index, reduce_op, shard=0):
-        return self.k.peer_reduce(name, index, reduce_op, shard)
+        out = self.k.peer_reduce(name, index, reduce_op, shard)
+        if config.emulate_precision_casts and compute_dtype(out.dtype) != out.dtype:  # as c10d's bf16 result
+            return self.k.newvar(narrowed(out.name, torch.float32, out.dtype), out.dtype)
+        return out
 
     def peer_load(self, name, index, peer):
         return self.k.peer_load(name, index, peer)

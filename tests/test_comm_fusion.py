@@ -62,6 +62,31 @@ def test_all_reduce_residual_rmsnorm_is_one_kernel(tmp_path):
         check_peer_sum(code, buf["name"], WORLD, kernel=f"def {kernel['name']}(")
 
 
+def _bf16_sum_then_fp32(rank, world):
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    from commfuse import config
+
+    def fn(a, b):  # a bf16 all-reduce, used in fp32 arithmetic in the same kernel
+        return funcol.all_reduce(a.bfloat16(), "sum", dist.group.WORLD) + funcol.all_reduce(b, "sum", dist.group.WORLD)
+    torch.manual_seed(7 + rank)
+    a, b = torch.randn(4, 8, device=device()) * (1 + 5 * rank), torch.randn(4, 8, device=device())
+    want, got = fn(a, b), {}
+    for emulate in (False, True):
+        torch._dynamo.reset()
+        with config.patch(emulate_precision_casts=emulate):
+            got[emulate] = (torch.compile(fn, backend="commfuse")(a, b) - want).abs().max().item()
+    return got
+
+
+@pytest.mark.skipif(WORLD != 2, reason="c10d rounds the sum once at 2 ranks; more ranks, in their order")
+def test_a_bf16_all_reduce_is_rounded_as_c10d_rounds_it_under_emulate_precision_casts():
+    """Fused with its fp32 consumer, a bf16 all-reduce's sum stays fp32 (within bf16's rounding of
+    eager's); with emulate_precision_casts it is rounded to bf16 first, as c10d's result is: eager's bits."""
+    for got in run_ranks(_bf16_sum_then_fp32, WORLD):
+        assert got[True] == 0 and got[False] < 0.125, got
+
+
 def _other_epilogues(rank, world, dump_dir):
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
