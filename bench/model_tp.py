@@ -312,7 +312,9 @@ def fsdp_train(a, dev, variants, res, failed):
 
 def _train(key, make, x, a, dev, variants, res, failed):
     """The training figures of each variant under `key`; make(name) -> (callable, module)."""
-    def step(fn):
+    def step(fn, module=None):
+        if module is not None:  # --zero-grad: gradients set to None first, as torchtitan's loop does
+            module.zero_grad(set_to_none=True)
         torch.compiler.cudagraph_mark_step_begin()  # a new iteration for reduce-overhead's graphs
         loss = fn(x).float().pow(2).mean()
         loss.backward()
@@ -334,18 +336,21 @@ def _train(key, make, x, a, dev, variants, res, failed):
                 res[name][f"compile {key} s"] = timing.wall_time_s(lambda: step(fn), dev)
             grads(module)
             for _ in range(2):  # a self-graphing variant records, then replays: check a replay
+                got = None  # (held into the next step, a replay's gradients would be copied from then on)
                 loss = step(fn)
                 got = grads(module)
             res[name][f"err {key}"] = max([max_diff(loss, ref_loss)] + [max_diff(got[n], g) for n, g in ref_grads.items()])
+            del got
             if a.profile:  # the profiler slows what runs after it: a run of its own, without timings
                 if name in WARM:
                     host = a.host_profiles.setdefault(key, {}).setdefault(name, {})
                     a.profiles.setdefault(key, {})[name] = _profile(lambda: step(fn), a, dev, host)
                 continue
-            step(fn)  # gradients exist from here on, as in a training loop
-            res[name][f"{key} ms/step"] = per_call_us(lambda: step(fn), a, dev, iters=20 if dev.type == "cuda" else 1) / 1e3
+            timed = module if a.zero_grad else None
+            step(fn, timed)  # gradients exist from here on, accumulated into (unless --zero-grad)
+            res[name][f"{key} ms/step"] = per_call_us(lambda: step(fn, timed), a, dev, iters=20 if dev.type == "cuda" else 1) / 1e3
             # one step from an idle GPU: near the step time, the step is host-bound
-            res[name][f"{key} host ms/step"] = timing.host_time_us(lambda: step(fn), dev, iters=1, reps=5) / 1e3
+            res[name][f"{key} host ms/step"] = timing.host_time_us(lambda: step(fn, timed), dev, iters=1, reps=5) / 1e3
             # a self-graphing variant's pool is allocated when it records: not seen by one replay
             if dev.type == "cuda" and name not in SELF_GRAPHED:
                 timing.sync(dev)
@@ -519,6 +524,8 @@ def main(argv=None) -> int:
                          "a PNG timeline where matplotlib is (else: python bench/plot.py TRACE.json.gz)")
     ap.add_argument("--trace-dir", help="folder for the traces (default: beside --out, else ./model_tp_traces)")
     ap.add_argument("--out", help="also write the table here, and the figures as JSON beside it")
+    ap.add_argument("--zero-grad", action="store_true",
+                    help="timed training steps set gradients to None first (torchtitan's loop), not accumulate into them")
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
                     help="training: profile STEPS steps of Inductor and commfuse instead of timing them, and "
                          "write rank 0's GPU time per kernel and host time per op beside --out (OUT_profile.md), as "
