@@ -469,7 +469,10 @@ def _degenerate_shapes(rank, world):
     import torch.distributed._functional_collectives as funcol
     from commfuse import backend
     g = dist.group.WORLD
-    fn = lambda x: funcol.all_reduce(x * 2, "sum", g).sum() + 1  # noqa: E731
+
+    def fn(x):  # (the sum alone of no elements would be the constant 0, and the all-reduce dead)
+        y = funcol.all_reduce(x * 2, "sum", g)
+        return y + 1, y.sum() + 1
     w = torch.randn(8, 4, device=device(), requires_grad=True)
 
     def step(x):
