@@ -655,5 +655,44 @@ def test_eight_ranks_one_shot_two_shot_and_fused_norm(tmp_path):
 
 
 # the value checks above, in one spawn (they assert values and their own graphs' summaries only)
+def _one_rank_recompiles(rank, world):
+    """Rank 0's last batch is shorter (a loader without drop_last): it alone compiles the function
+    again, for a batch size of its own. Its all-reduce is the one every rank agreed on at the first
+    call, so it runs with the peers' graph, checked before and not again; and a training step whose
+    all-reduce result meets a loss over the symbolic batch compiles (a comm kernel's grid is static)."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    g = dist.group.WORLD
+
+    def stat(x):  # always 8 values all-reduced, whatever the batch
+        return x - funcol.all_reduce(x.sum(0), "sum", g)
+
+    def step(x, w):
+        return (x @ w).square().sum() / funcol.all_reduce(x.new_tensor([x.shape[0]]), "sum", g)
+    torch._dynamo.reset()
+    fn = torch.compile(stat, backend="commfuse")
+    worst = 0.0
+    for b in ([4, 4, 3] if rank == 0 else [4, 4, 4]):
+        x = torch.randn(b, 8, device=device())
+        worst = max(worst, (fn(x) - stat(x)).abs().max().item())
+    from commfuse import backend
+    before = len(backend.summaries)
+    w = torch.randn(8, 4, device=device(), requires_grad=True)
+    x = torch.randn(3, 8, device=device())
+    torch._dynamo.mark_dynamic(x, 0)
+    got = torch.compile(step, backend="commfuse")(x, w)
+    got.backward()
+    grad, w.grad = w.grad, None
+    want = step(x, w)
+    want.backward()
+    compiled = [s["compiled"] for s in backend.summaries[before:]]
+    return max(worst, (got - want).abs().max().item(), (grad - w.grad).abs().max().item()), compiled
+
+
+def test_a_rank_that_alone_compiles_again_runs_the_agreed_plan():
+    for worst, compiled in SHARED.result(_one_rank_recompiles):
+        assert worst < 1e-4 and compiled == [True, True], (worst, compiled)
+
+
 SHARED = SharedRanks([_reduce_ops_and_dtypes, _two_groups_chained, _all_reduce_into_the_input, _nan_max_min,
-                      _signed_zeros, _degenerate_shapes, _inference_mode_then_training], WORLD)
+                      _signed_zeros, _degenerate_shapes, _inference_mode_then_training, _one_rank_recompiles], WORLD)

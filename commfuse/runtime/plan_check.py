@@ -21,6 +21,7 @@ from commfuse import config
 from .peers import PeerError, proc_gone, proc_id
 
 _sequence: dict = {}
+_agreed: dict = {}  # group -> the plans every rank of it checked
 _announced = False
 
 # what a comm kernel's fields (codegen/wrapper.py: note_comm_kernel) mean, and which options set
@@ -105,6 +106,9 @@ def check_plans_agree(graph_id: str, pools: dict, buffers: list, groups: dict, p
         mine = json.dumps({"graph": graph_id.split("_", 1)[1], "pools": own,
                            "protocol": _protocol(protocol, group_name), "buffers": _describe(bufs),
                            "names": {"buffers": [b["name"] for b in bufs], "protocol": [p["kernel"] for p in protocol]}})
+        agreed = _agreed.setdefault(group_name, set())
+        if _collectives(mine) in agreed:  # every rank of the group checked this plan already: a graph
+            continue  # compiled again on this rank alone (its last batch shorter) runs it as the peers do
         ranks = dist.get_process_group_ranks(groups[group_name])
         seq = _sequence[group_name] = _sequence.get(group_name, 0) + 1
         store = _get_default_store()
@@ -123,6 +127,7 @@ def check_plans_agree(graph_id: str, pools: dict, buffers: list, groups: dict, p
                                    "config.patch, COMMFUSE_* environment) or comm.table set on some ranks only; "
                                    "the ranks' dumps (dump_dir) show both, and `python -m commfuse.diff DUMP_DIR` "
                                    "compares them")
+        agreed.add(_collectives(mine))
 
 
 def _wait(store, prefix: str, ranks: list, timeout_s: float, what: str) -> None:
@@ -150,8 +155,9 @@ def _wait(store, prefix: str, ranks: list, timeout_s: float, what: str) -> None:
         pause = min(pause * 2, 0.05)
 
 
-def _collectives(plan: str) -> dict:
-    return {k: v for k, v in json.loads(plan).items() if k not in ("graph", "names")}
+def _collectives(plan: str) -> str:
+    """What the ranks must agree on in a plan (not the graph's name or its buffers' names), canonical."""
+    return json.dumps({k: v for k, v in json.loads(plan).items() if k not in ("graph", "names")}, sort_keys=True)
 
 
 def _first_difference(me: int, mine: str, other: int, theirs: str) -> str:
