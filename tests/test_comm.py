@@ -694,5 +694,28 @@ def test_a_rank_that_alone_compiles_again_runs_the_agreed_plan():
         assert worst < 1e-4 and compiled == [True, True], (worst, compiled)
 
 
+def _rank_local_producer(rank, world):
+    """A row-parallel linear written by hand, its bias added on rank 0 only before the all-reduce
+    (Megatron's way): rank 0's comm kernel computes its input, the others' read theirs; the ranks
+    exchange the same slices all the same, so their plans agree and the result is eager's."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    torch.manual_seed(rank)
+    w, b, x = (torch.randn(*s, device=device()) for s in ((4, 8), (8,), (3, 4)))
+
+    def row_parallel(x):
+        y = x @ w
+        if rank == 0:
+            y = y + b
+        return torch.nn.functional.rms_norm(funcol.all_reduce(y, "sum", dist.group.WORLD) + 1, (8,))
+    torch._dynamo.reset()
+    return (torch.compile(row_parallel, backend="commfuse")(x) - row_parallel(x)).abs().max().item()
+
+
+def test_a_producer_on_one_rank_only_fuses_into_its_all_reduce():
+    assert max(SHARED.result(_rank_local_producer)) < 1e-5
+
+
 SHARED = SharedRanks([_reduce_ops_and_dtypes, _two_groups_chained, _all_reduce_into_the_input, _nan_max_min,
-                      _signed_zeros, _degenerate_shapes, _inference_mode_then_training, _one_rank_recompiles], WORLD)
+                      _signed_zeros, _degenerate_shapes, _inference_mode_then_training, _one_rank_recompiles,
+                      _rank_local_producer], WORLD)

@@ -24,10 +24,15 @@ _sequence: dict = {}
 _agreed: dict = {}  # group -> the plans every rank of it checked
 _announced = False
 
+# what a rank's comm kernel does beside its peers' without changing what they exchange: its own
+# input written by a producer fused in (program i writes the slice program i of every rank reads:
+# the blocks and programs, still compared, say which)
+_OWN = ("prologue",)
+
 # what a comm kernel's fields (codegen/wrapper.py: note_comm_kernel) mean, and which options set
 # them, for the error; the rest are its shape (blocks, elements)
 _FIELDS = {
-    "kernel": "fused ops (fusion options, e.g. max_fusion_size)",
+    "kernel": "kernel (c10d's collective, or commfuse's)",
     "collective": "collective",
     "reduce_op": "reduce op",
     "algorithm": "algorithm (comm.algorithm, comm.table, comm.*_max_bytes)",
@@ -68,10 +73,16 @@ def _protocol(protocol: list, group_name: str) -> list:
     """The comm kernels as the ranks of `group_name` must agree on them: names without their
     schedule step (`cf_allreduce_pw_sum_3`: the ops fused, not where they fall), and other groups
     unnamed (a 2-D mesh's sub-groups are named differently on different ranks, rightly)."""
-    return [dict(p, kernel=re.sub(r"_\d+$", "", p["kernel"]),
+    return [dict({k: v for k, v in p.items() if k not in _OWN}, kernel=_wire(p["kernel"]),
                  collectives=[dict(c, group=c["group"] if c["group"] == group_name else "another group")
                               for c in p["collectives"]])
             for p in protocol]
+
+
+def _wire(kernel: str) -> str:
+    """A kernel's name as far as its peers care: a c10d collective's op, or that it is ours (which
+    ops it fuses is this rank's business: a bias added on one rank only, before the all-reduce)."""
+    return re.sub(r"_\d+$", "", kernel) if kernel.startswith("c10d_") else "commfuse"
 
 
 def announce() -> None:
