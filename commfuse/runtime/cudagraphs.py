@@ -51,8 +51,8 @@ def _lent(t) -> bool:
     """Is `t` over a live graph's lent output?"""
     if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
         return False
-    owner = _lenders.get(t.untyped_storage().data_ptr())
-    return owner is not None and owner() is not None and owner().graph is not None
+    owner = _lenders.get(t.untyped_storage().data_ptr(), lambda: None)()
+    return owner is not None and owner.graph is not None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -117,28 +117,28 @@ def check_plans_agree(graph_id: str, pools: dict, buffers: list, groups: dict, p
         mine = json.dumps({"graph": graph_id.split("_", 1)[1], "pools": own,
                            "protocol": _protocol(protocol, group_name), "buffers": _describe(bufs),
                            "names": {"buffers": [b["name"] for b in bufs], "protocol": [p["kernel"] for p in protocol]}})
-        agreed = _agreed.setdefault(group_name, set())
-        if _collectives(mine) in agreed:  # every rank of the group checked this plan already: a graph
-            continue  # compiled again on this rank alone (its last batch shorter) runs it as the peers do
+        agreed, wire = _agreed.setdefault(group_name, set()), _collectives(mine)
+        if wire in agreed:  # every rank of the group checked this plan already: a graph compiled
+            continue  # again on this rank alone (its last batch shorter) runs it as the peers do
         ranks = dist.get_process_group_ranks(groups[group_name])
         seq = _sequence[group_name] = _sequence.get(group_name, 0) + 1
         store = _get_default_store()
         prefix = f"commfuse/plan/{group_name}/{seq}"
         me = dist.get_rank()
-        store.set(f"commfuse/proc/{me}", proc_id())  # where the peers find this process, to see it gone
+        announce()  # where the peers find this process, to see it gone
         store.set(f"{prefix}/{me}", mine)
         _wait(store, prefix, ranks, timeout_s, f"the comm-buffer plan check of graph {graph_id} "
               f"(group {group_name}, check #{seq})")
         for r in ranks:
             theirs = store.get(f"{prefix}/{r}").decode()
-            if _collectives(theirs) != _collectives(mine):
+            if _collectives(theirs) != wire:
                 raise RuntimeError(f"commfuse: ranks disagree on the comm-buffer plan of graph {graph_id} "
                                    f"(group {group_name}): {_first_difference(me, mine, r, theirs)}. The ranks "
                                    "compiled different programs: a rank-dependent branch, or a config (options=, "
                                    "config.patch, COMMFUSE_* environment) or comm.table set on some ranks only; "
                                    "the ranks' dumps (dump_dir) show both, and `python -m commfuse.diff DUMP_DIR` "
                                    "compares them")
-        agreed.add(_collectives(mine))
+        agreed.add(wire)
 
 
 def _wait(store, prefix: str, ranks: list, timeout_s: float, what: str) -> None:
