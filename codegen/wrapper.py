@@ -263,10 +263,17 @@ class WrapperCodegen:
             self.bound.add(sym)
 
     def last_uses(self) -> dict:
-        last = {}
+        last, waited = {}, {}
         for step, grp in enumerate(self.sched.groups):
             for name in sorted(grp.read_names | grp.write_names):  # sets: their order varies by process
                 last[name] = step
+            if memory.is_wait(grp):
+                waited.update((name, step) for name in grp.read_names)
+        for grp in self.sched.groups:  # a c10d collective may read its input until its wait: not reused before
+            if memory.is_collective(grp):
+                end = max((waited.get(n, -1) for n in grp.write_names), default=-1)
+                for name in grp.read_names:
+                    last[name] = max(last[name], end)
         out = collections.defaultdict(list)
         for name, step in last.items():
             out[step].append(name)

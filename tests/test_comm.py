@@ -534,8 +534,22 @@ def _other_collectives(rank, world, dump_dir):
     for o, r in zip(out, fn(x, y)):
         torch.testing.assert_close(o, r, atol=1e-5, rtol=1e-5)
     (summary,) = _summaries(dump_dir, rank)
+    _inputs_kept_until_waited(*_code(dump_dir, rank))
     return sorted((p["collective"], p["world"], p["reduce_op"]) for p in summary["comm_fallbacks"]), \
         {op: why for op, why in summary["fallback_reasons"].items() if "c10d" in op}
+
+
+def _inputs_kept_until_waited(code: str) -> None:
+    """An async c10d collective may read its input until its wait: the wrapper neither frees nor
+    reuses that buffer in between (it reused it for the next op's output, and gloo, reading later,
+    sent that: a wrong answer under load)."""
+    lines = code.splitlines()
+    for i, line in enumerate(lines):
+        m = re.search(r"(buf\d+) = .*_c10d_functional\.(?!wait_tensor)\w+\.default\((buf\d+)", line)
+        if m:
+            out, src = m.groups()
+            j = next(k for k in range(i, len(lines)) if f"wait_tensor.default({out})" in lines[k])
+            assert not any(re.search(rf"\bdel {src}\b", t) for t in lines[i:j]), "\n".join(lines[i:j + 1])
 
 
 def test_other_collectives_run_through_c10d(tmp_path):
