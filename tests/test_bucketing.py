@@ -81,6 +81,27 @@ def test_small_collectives_merge_per_kind_group_and_op(group):
         assert bucket_collectives(gm := make_fx(f, tracing_mode="fake")(*args)) == 0
 
 
+def test_pure_ops_of_an_input_move_up_with_its_bucket(group):
+    """A member's input made by pure ops after another member's result is used (DTensor's padding
+    of a short shard, on some ranks only) still merges: the ops move up, so every rank buckets as
+    the rank whose inputs need no padding does."""
+    def padded(a, b):
+        x = funcol.all_gather_tensor(torch.nn.functional.pad(a, (0, 0, 0, 1)), 0, group)
+        y = x.sum() * b  # uses the first result before the second input is made
+        return x, funcol.all_gather_tensor(torch.nn.functional.pad(b, (0, 1)).to(torch.float64).float(), 0, group), y
+
+    def drawn(a, b):  # a random draw never moves: the stream of draws would change
+        x = funcol.all_gather_tensor(a, 0, group)
+        y = x.sum() * b
+        return x, funcol.all_gather_tensor(b + torch.rand_like(b), 0, group), y
+    a, b = torch.randn(3, 4), torch.randn(5)
+    before, after, gm = _bucketed(padded, a, b)
+    assert before == {"all_gather_into_tensor": 2} and after == {"all_gather_into_tensor": 1}, gm.code
+    for got, want in zip(gm(a, b), padded(a, b)):
+        torch.testing.assert_close(got, want)
+    assert _bucketed(drawn, a, b)[1] == {"all_gather_into_tensor": 2}
+
+
 def test_what_never_merges(group):
     def chain(a, b):  # the second all-reduce's input is the first one's result
         x = funcol.all_reduce(a, "sum", group)
@@ -143,8 +164,9 @@ def _per_parameter(rank, world, dump_dir):
     _check_grads(grads, [w.grad for w in ws])
 
 
-def _simple_fsdp(rank, world, dump_dir):
-    """SimpleFSDP-style: parameters are DTensors sharded on dim 0, gathered inside the forward."""
+def _simple_fsdp(rank, world, dump_dir, dims=(8, 16, 8)):
+    """SimpleFSDP-style: parameters are DTensors sharded on dim 0, gathered inside the forward.
+    Dims that do not divide among the ranks: DTensor pads the short shards, on some ranks only."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
     from commfuse import config
@@ -160,10 +182,11 @@ def _simple_fsdp(rank, world, dump_dir):
         def forward(self, x):  # the gradients' reduce-scatters come from the Partial placement
             w, b = (p.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()]) for p in (self.w, self.b))
             return torch.nn.functional.linear(x, w, b)
-    eager, model = (torch.nn.Sequential(Linear(8, 16), torch.nn.ReLU(), Linear(16, 8)) for _ in range(2))
+    eager, model = (torch.nn.Sequential(*[m for i, o in zip(dims, dims[1:]) for m in (Linear(i, o), torch.nn.ReLU())])
+                    for _ in range(2))
     compiled = torch.compile(model, backend="commfuse")
     torch.manual_seed(1 + rank)
-    x = torch.randn(4, 8, device=device())
+    x = torch.randn(4, dims[0], device=device())
     with config.patch(dump_dir=dump_dir):
         for _ in range(2):
             losses = [m(x).square().mean() for m in (compiled, eager)]
@@ -180,6 +203,8 @@ def _ranks(rank, world, dump_dir):
     _per_parameter(rank, world, f"{dump_dir}/per_parameter")
     torch._dynamo.reset()
     _simple_fsdp(rank, world, f"{dump_dir}/simple_fsdp")
+    torch._dynamo.reset()
+    _simple_fsdp(rank, world, f"{dump_dir}/uneven", dims=(8, 15, 7, 5))
     group = dist.group.WORLD.group_name  # an all-reduce our kernels run stays apart; c10d's may join
     return [choices.current().bucket_member(CommRequest(kind, "sum", group, dtype, device(), (16,)))
             for kind, dtype in (("all_reduce", torch.float32), ("all_reduce", torch.float64),
@@ -197,10 +222,12 @@ def _plans(root):
 def test_bucketed_forward_and_backward_match_eager(tmp_path):
     """Three per-parameter all-gathers and two all-reduces in the forward, three reduce-scatters in
     the backward; a SimpleFSDP-style model's four parameters, gathered and their gradients
-    reduce-scattered: one collective of each kind per graph."""
+    reduce-scattered, and one of six parameters that do not divide among the ranks: one collective
+    of each kind per graph."""
     assert run_ranks(_ranks, 2, args=(str(tmp_path),)) == [[False, True, True]] * 2
     plans = _plans(f"{tmp_path}/per_parameter")
     assert plans == {"forward": {"all_gather_into_tensor": 1, "all_reduce": 1},
                      "backward": {"reduce_scatter_tensor": 1}}, plans
-    plans = _plans(f"{tmp_path}/simple_fsdp")
-    assert plans == {"forward": {"all_gather_into_tensor": 1}, "backward": {"reduce_scatter_tensor": 1}}, plans
+    for model in ("simple_fsdp", "uneven"):
+        plans = _plans(f"{tmp_path}/{model}")
+        assert plans == {"forward": {"all_gather_into_tensor": 1}, "backward": {"reduce_scatter_tensor": 1}}, plans

@@ -4,10 +4,13 @@ FSDP-style programs all-gather each parameter and reduce-scatter each gradient o
 small collective costs its latency, not its bytes, so N of them cost N latencies. A bucket packs its
 members' inputs into one flat buffer, runs one collective and gives each member its result back as
 views (an all-gather's gathered buffer holds rank r's packed chunk in row r, so member i is a column
-range of every row). The bucket is issued right after its last member's input is produced and
+range of every row). The bucket is issued right after its last member's input is ready and
 waited before the first use of any member's result: members never read each other's results, and
-no bucket moves a collective across an op that may communicate or has side effects. Every rank
-compiles the same graph with this deterministic pass, so the collectives keep one order on all.
+no bucket moves a collective across an op that may communicate or has side effects. An input is
+ready once the last op it needs that is not pure is done: the pure ops between (a cast to the
+compute dtype, the padding DTensor adds to a short shard) move up with the bucket. Ranks may
+compile different graphs (a shard padded on some ranks only), so what merges depends on the
+collectives and on where their inputs' impure sources are, never on those pure ops.
 """
 from __future__ import annotations
 
@@ -38,6 +41,23 @@ def _barrier(node: torch.fx.Node) -> bool:
     return ir.meets_ranks(t) and not (ir.is_collective(t) and t._opname not in _P2P) or t._schema.is_mutable
 
 
+def _pure(node: torch.fx.Node) -> bool:
+    """An op that may run earlier than the program placed it: no effect, no peer, no random draw."""
+    t = node.target
+    return node.op == "call_function" and (t is operator.getitem or isinstance(t, torch._ops.OpOverload) and not (
+        _barrier(node) or ir.is_collective(t) or ir.is_wait(t) or torch.Tag.nondeterministic_seeded in t.tags))
+
+
+def _ready(x, pos: dict, memo: dict) -> tuple[int, bool]:
+    """Where `x` can be computed at the earliest: after the last impure op (or input) it needs;
+    and whether it reads a collective's result (then it stays: it may be a member's use)."""
+    if x not in memo:
+        deps = [_ready(d, pos, memo) for d in x.all_input_nodes]
+        reads = ir.is_wait(x.target) or _pure(x) and any(r for _, r in deps)
+        memo[x] = (max((p for p, _ in deps), default=0), False) if _pure(x) and not reads else (pos[x], reads)
+    return memo[x]
+
+
 def _candidate(node: torch.fx.Node, pos: dict, end: int):
     """(key, input, bytes, first use of the result) for a collective that may join a bucket."""
     kind = _KINDS.get(node.target)
@@ -66,13 +86,13 @@ def _find_bucket(graph: torch.fx.Graph):
     pos = {n: i for i, n in enumerate(nodes)}
     barriers = [i for i, n in enumerate(nodes) if _barrier(n)]
     last_input = max((i for i, n in enumerate(nodes) if n.op == "placeholder"), default=0)
-    policy, open_ = choices.current(), {}
+    policy, open_, memo = choices.current(), {}, {}
     for node in nodes:
         c = _candidate(node, pos, len(nodes) - 1)
         if c is None:
             continue
         key, x, nbytes, use = c
-        ready, b = max(pos[x], last_input), open_.get(key)
+        ready, b = max(_ready(x, pos, memo)[0], last_input), open_.get(key)
         if b is not None:
             start = max(b["start"], ready)  # where the merged collective goes
             lo = min(start, pos[b["members"][0]])
@@ -95,7 +115,7 @@ def _merge(graph: torch.fx.Graph, bucket: dict, nodes: list) -> None:
     xs = [m.args[0] for m in members]
     sizes = [x.meta["val"].numel() // (world if name == "reduce_scatter" else 1) for x in xs]
     total, offsets = sum(sizes), [sum(sizes[:i]) for i in range(len(sizes))]
-    with graph.inserting_before(nodes[bucket["start"]].next):  # after the last member's input
+    with graph.inserting_before(_hoist(xs, nodes, bucket["start"]).next):  # after the last member's input
         if name == "reduce_scatter":  # rank r's share of every member, side by side
             parts = [call(graph, aten.view.default, x, [world, n]) for x, n in zip(xs, sizes)]
             packed = call(graph, aten.view.default, call(graph, aten.cat.default, parts, 1), [world * total])
@@ -118,6 +138,20 @@ def _merge(graph: torch.fx.Graph, bucket: dict, nodes: list) -> None:
             wait.replace_all_uses_with(out)
             graph.erase_node(wait)
             graph.erase_node(m)
+
+
+def _hoist(xs: list, nodes: list, start: int) -> torch.fx.Node:
+    """Move the pure ops that the inputs `xs` need and that come after node `start` to just after
+    it, in their order (their impure sources are at or before it: `_ready`); returns the last."""
+    pos, late, stack, at = {n: i for i, n in enumerate(nodes)}, set(), list(xs), nodes[start]
+    while stack:
+        if pos[n := stack.pop()] > start and n not in late:
+            late.add(n)
+            stack.extend(n.all_input_nodes)
+    for n in sorted(late, key=pos.get):
+        at.append(n)
+        at = n
+    return at
 
 
 def bucket_collectives(gm: torch.fx.GraphModule) -> int:
