@@ -55,11 +55,16 @@ def _worker(rank, world, init_file, fn, args, results, env):
         dist.destroy_process_group()
 
 
-def run_ranks(fn, world: int = 2, args=(), timeout: float = 300) -> list:
-    """fn(rank, world, *args) on `world` ranks; returns their results, raising the first failure."""
+def skip_unless_ranks(world: int) -> None:
+    """Skip the test where `world` ranks cannot run: a GPU machine with fewer GPUs."""
     if torch.cuda.is_available() and not use_cuda(world):
         import pytest
         pytest.skip(f"needs {world} GPUs (CPU ranks need Triton's interpreter, off on a GPU machine)")
+
+
+def run_ranks(fn, world: int = 2, args=(), timeout: float = 300) -> list:
+    """fn(rank, world, *args) on `world` ranks; returns their results, raising the first failure."""
+    skip_unless_ranks(world)
     if use_cuda(world):
         ctx = mp.get_context("spawn")  # fresh interpreters: CUDA does not survive a fork once initialized
     else:

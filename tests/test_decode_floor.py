@@ -4,6 +4,7 @@ CPU, plain calls, aten's ops standing in for kernels) gives each matmul its inpu
 import torch
 
 from bench.llama import Config
+from tests.common import DEVICE
 from tests.dist_utils import device, run_ranks, use_cuda
 
 CFG = Config(dim=32, n_heads=4, n_kv_heads=2, ffn=64, n_layers=2, max_batch=3, max_seq=16)
@@ -55,8 +56,8 @@ def test_kernel_bytes_counts_a_tensor_passed_twice_once():
     the grouped gate / up launch moves both weights, a and its output once, not the weight twice."""
     from bench import decode_floor
     torch._dynamo.reset()
-    w1, w3 = (torch.randn(64, 32, dtype=torch.bfloat16) for _ in range(2))
-    x = torch.randn(4, 32, dtype=torch.bfloat16)
+    w1, w3 = (torch.randn(64, 32, dtype=torch.bfloat16, device=DEVICE) for _ in range(2))
+    x = torch.randn(4, 32, dtype=torch.bfloat16, device=DEVICE)
     f = torch.compile(lambda x: torch.nn.functional.silu(x @ w1.t()) * (x @ w3.t()), backend="commfuse")
     f(x)
     seen = decode_floor.kernel_bytes(lambda: f(x))

@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from tests.dist_utils import run_ranks
+from tests.dist_utils import skip_unless_ranks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -53,6 +53,7 @@ def _program(rank, world, diverge=False):
 
 def dump_program(dump_dir, seed: int, diverge=False):
     """_program on 2 ranks in a fresh process with its own hash seed, dump folder and caches."""
+    skip_unless_ranks(2)
     code = f"from tests.dist_utils import run_ranks; from tests.test_dumps import _program; run_ranks(_program, 2, args=({diverge},))"
     env = dict(os.environ, PYTHONHASHSEED=str(seed), COMMFUSE_DUMP_DIR=str(dump_dir),
                COMMFUSE_CACHE_DIR=f"{dump_dir}_cache", TORCHINDUCTOR_CACHE_DIR=f"{dump_dir}_cache/inductor")

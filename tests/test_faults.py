@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.dist_utils import FORKSERVER_PRELOAD
+from tests.dist_utils import FORKSERVER_PRELOAD, skip_unless_ranks
 
 GUARD = 150  # seconds: a case that takes longer hangs
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -404,6 +404,7 @@ def _gpu_peer_dies(rank, world, out, how):
 def test_dead_rank_on_gpus(how):
     """An exception runs rank 1's exit handlers (its header says so: the wait ends at once);
     os._exit runs none (the wait ends at comm.barrier_timeout_s). No trap: the context lives."""
+    skip_unless_ranks(2)
     r0, _ = _run(_gpu_peer_dies, how)
     assert r0["status"] == "error" and "PeerError" in r0["types"], r0
     assert "rank 1" in r0["message"] and "comm.barrier_timeout_s=2 s" in r0["message"], r0["message"]

@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_flatten
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import op_cases  # noqa: E402
 from op_cases import CASES, K, params  # noqa: E402
-from tests.common import Dumps  # noqa: E402
+from tests.common import DEVICE, Dumps  # noqa: E402
 
 BACKEND = os.environ.get("COMMFUSE_TEST_BACKEND", "commfuse")
 CHECK_GRAD = os.environ.get("COMMFUSE_TEST_GRAD", "1") != "0"
@@ -344,7 +344,7 @@ def test_asinh_acosh_sinh_cosh_keep_relative_precision(dtype):
     (x² - 1 cancelled: 1e5 ulps in fp64), sinh and cosh up to their own overflow (in fp32, e^|x|
     overflowed first: inf for 88.7 < |x| < 89.4, as eager's vectorized fp32 sinh on CPU does: the
     reference is fp64)."""
-    m, big = torch.logspace(-6, 2, 400, dtype=dtype), torch.linspace(80, 89.4, 60, dtype=dtype)
+    m, big = (t.to(DEVICE) for t in (torch.logspace(-6, 2, 400, dtype=dtype), torch.linspace(80, 89.4, 60, dtype=dtype)))
     args = (torch.cat([m, -m]), 1 + m, m * 1e8, torch.cat([big, -big]), big, m)
     fn = lambda *a: (a[0].asinh(), a[1].acosh(), a[2].acosh(), a[3].sinh(), a[4].cosh(), a[5].cosh())  # noqa: E731
     torch._dynamo.reset()
@@ -367,7 +367,7 @@ def test_reductions_over_no_elements_are_their_identity(fn, tmp_path):
     """A reduction over a zero-size dim is its identity (sum 0, prod 1, any False, all True), compiled
     with the rest of the graph: its loop over nothing divided by the empty dim's size."""
     from commfuse import config
-    x = torch.randn(3, 0)
+    x = torch.randn(3, 0, device=DEVICE)
     with config.patch(fallback_on_error=False, dump_dir=str(tmp_path)):
         torch._dynamo.reset()
         got = torch.compile(fn, backend="commfuse")(x)

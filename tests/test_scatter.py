@@ -147,7 +147,7 @@ def test_index_on_the_host_runs_through_aten(tmp_path):
 SCRIPT = """
 import json, pathlib, sys, torch, commfuse
 from commfuse import config
-w, idx, v = torch.ones(10, 3, 40), torch.tensor([0, 0, 3, 9]), torch.full((4, 3, 40), 2.0)
+w, idx, v = (t.to(sys.argv[2]) for t in (torch.ones(10, 3, 40), torch.tensor([0, 0, 3, 9]), torch.full((4, 3, 40), 2.0)))
 fn = lambda w, idx, v: torch.ops.aten.index_put(torch.zeros_like(w), [idx], v, accumulate=True) + w
 with config.patch(dump_dir=sys.argv[1]):
     out = torch.compile(fn, backend="commfuse")(w, idx, v)
@@ -159,9 +159,11 @@ print(json.dumps([summary["cache_hit"], torch.equal(out, fn(w, idx, v))]))
 def test_a_graph_from_the_cache_runs_in_a_new_process(tmp_path):
     """The generated code calls torch.ops.commfuse.index_add_at_; loaded from the on-disk cache
     in a process that lowered nothing, it registers the op itself."""
-    env = dict(os.environ, COMMFUSE_CACHE_DIR=str(tmp_path / "cache"))
+    env = dict(os.environ, COMMFUSE_CACHE_DIR=str(tmp_path / "cache"),
+               PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                           os.environ.get("PYTHONPATH", "")]))
     for hit in (False, True):
-        run = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / str(hit))], env=env, cwd=tmp_path,
+        run = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / str(hit)), DEVICE], env=env, cwd=tmp_path,
                              capture_output=True, text=True, timeout=600)
         assert run.returncode == 0, run.stderr[-3000:]
         assert json.loads(run.stdout.strip().splitlines()[-1]) == [hit, True], run.stdout

@@ -10,13 +10,14 @@ import sys
 import torch
 
 from commfuse import dump
+from tests.common import DEVICE
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROGRAM = """
 import torch, commfuse
 def f(x, w):
     return torch.relu(x @ w).sum(-1) * 2
-x, w = torch.randn(4, 8), torch.randn(8, 8)
+x, w = torch.randn(4, 8, device=DEVICE), torch.randn(8, 8, device=DEVICE)
 torch.testing.assert_close(torch.compile(f, backend="commfuse")(x, w), f(x, w))
 """
 
@@ -24,7 +25,7 @@ torch.testing.assert_close(torch.compile(f, backend="commfuse")(x, w), f(x, w))
 def _run(tmp_path, **env):
     env = dict(os.environ, COMMFUSE_CACHE_DIR=str(tmp_path / "cache"),
                TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache" / "inductor"), **env)
-    run = subprocess.run([sys.executable, "-c", PROGRAM], cwd=REPO, env=env, capture_output=True, text=True,
+    run = subprocess.run([sys.executable, "-c", f"DEVICE = {DEVICE!r}" + PROGRAM], cwd=REPO, env=env, capture_output=True, text=True,
                          timeout=600, check=True)
     return run.stderr
 
@@ -48,7 +49,7 @@ def test_a_long_compile_says_so_on_rank_0_by_default(capfd, monkeypatch):
 
     def f(x):
         return torch.sin(x) + 1
-    x = torch.randn(8)
+    x = torch.randn(8, device=DEVICE)
     torch.testing.assert_close(torch.compile(f, backend="commfuse")(x), f(x))
     err = capfd.readouterr().err
     assert "commfuse: graph g" in err and "aten nodes -> 1 kernels (0 comm)" in err, err
