@@ -45,6 +45,10 @@ DECODE_ATTENTION_WINS: list = [
     # bench/results/decode_attention_d64_blocks_h200_3e2d11d.md: 1.29-1.84x up to 2048 keys; at 8192,
     # 0.99x at B=8 with the whole cache valid
     {"gpu": "NVIDIA H200", "dtype": "torch.bfloat16", "head_dim": 64, "group": 4, "batch": (1, 8), "keys": (512, 2048)},
+    # bench/results/decode_attention_h100_e7b2d8f.md: 1.03-2.78x aten up to 8192 keys (head dim 128),
+    # 1.29-1.89x up to 2048 (64); beyond, 0.93-0.99x with the whole cache valid
+    {"gpu": "NVIDIA H100 80GB HBM3", "dtype": "torch.bfloat16", "head_dim": 128, "group": 4, "batch": (1, 8), "keys": (512, 8192)},
+    {"gpu": "NVIDIA H100 80GB HBM3", "dtype": "torch.bfloat16", "head_dim": 64, "group": 4, "batch": (1, 8), "keys": (512, 2048)},
 ]
 DEFAULT_SMS = 132  # H100 / H200
 # matmul throughput assumed per SM, TFLOP/s: about half of an H100's dense peak (tensor cores for
