@@ -242,6 +242,14 @@ if not interpreting():
     def erfc(x):  # noqa: F811
         return libdevice.erfc(x)
 
+    @triton.jit
+    def sinh(x):  # noqa: F811  (the forms above square tl.exp's approximate e^(|x|/2): 9 ulps off)
+        return libdevice.sinh(x)
+
+    @triton.jit
+    def cosh(x):  # noqa: F811
+        return libdevice.cosh(x)
+
 
 # A comm kernel's barrier wait, bounded (codegen/comm.py: barrier_lines). Only a poll that finds a
 # peer missing calls this: the first starts the clock (so the wait costs nothing where no peer is
