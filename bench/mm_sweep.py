@@ -62,7 +62,7 @@ class Forced(Choices):
     def use_mm_template(self, a, b) -> bool:
         return True
 
-    def mm_template_config(self, m, n, k, device=None, dots=1) -> dict:  # (one weight: dots is 1)
+    def mm_template_config(self, m, n, k, device=None, dots=1, width=16) -> dict:  # (one plain weight)
         self.used += 1
         return {"BLOCK_M": max(16, next_pow2(m)), **self.cfg}
 

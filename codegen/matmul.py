@@ -12,7 +12,8 @@ the next call, so the kernel needs no second pass and replays under CUDA graphs.
 as its x and the reduced dim as its r, so every op it can write can be a prologue. A group of
 matmuls of one `a` (commfuse/mm_group.py) is one kernel over all their column blocks, a branch per
 member (or per epilogue's members, computed side by side), and an epilogue is written by the same
-writer over the [rows, columns] tile.
+writer over the [rows, columns] tile; a read of a member half a block of columns off (rotate_half)
+is that member's tile with each block's halves swapped.
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ import re
 
 import torch
 
-from commfuse import ir
+from commfuse import ir, sizevars
+from commfuse.mm_group import epilogue_shifts
 from commfuse.runtime.loader import interpreting
 from commfuse.scheduler import RSYM, XSYM
 from commfuse.virtualized import V
@@ -43,6 +45,7 @@ class OperandLoads(TritonKernel):
         self.tmp, self.recompute, self.uses_assert, self.comm = itertools.count(), False, False, None
         self.prefetch: list[tuple[str, str]] = []  # (register, load text) of the next step
         self.internal, self.block_shape, self.epilogue = set(), "[XBLOCK, RBLOCK]", False
+        self.shifted: dict = {}  # an epilogue's member -> (its index, block, register): epilogue_shifts
         self.new_section(loop=True)
 
     def shape(self) -> str:
@@ -59,6 +62,23 @@ class OperandLoads(TritonKernel):
         return None  # plain pointer loads: the tile's row and K offsets are not a block's
 
     def load(self, name, index):
+        if self.epilogue and name in self.shifted and not sizevars.equal(index, self.shifted[name][0]):
+            return self._swapped(name)
+        return self._load(name, index)
+
+    def _swapped(self, name) -> Var:
+        """The member's tile with the halves of each block of columns swapped: the value half a
+        block off each element's own (epilogue_shifts proved every read of it stays in the block)."""
+        index, block, reg = self.shifted[name]
+        sw = f"{reg}_sw"
+        if not any(line.startswith(f"{sw} = ") for line in self.cur.body.lines):
+            self.cur.body.writelines([
+                f"{sw} = tl.permute(tl.reshape({reg}, [XBLOCK, BLOCK_N // {block}, 2, {block // 2}]), (0, 1, 3, 2))",
+                f"{sw}_lo, {sw}_hi = tl.split({sw})",
+                f"{sw} = tl.reshape(tl.permute(tl.join({sw}_hi, {sw}_lo), (0, 1, 3, 2)), [XBLOCK, BLOCK_N])"])
+        return Var(sw, V.graph.get_dtype(name))
+
+    def _load(self, name, index):
         """With a prologue, issued one step ahead (into `prefetch`, read at the top of the next
         step): Triton does not pipeline a load whose value goes through other ops before the dot,
         so each step would wait for it (44 µs instead of 18 for the decode's down projection).
@@ -86,16 +106,18 @@ def render(nodes: list, internal: set, name: str) -> tuple[str, dict]:
     first = members[0]
     m, k = (int(s) for s in first.a_size)
     ns = [int(b.layout.size[1]) for b in members]
+    shifts = [epilogue_shifts(e, [members[i] for i in seg], m, ns[seg[0]]) if e else {} for seg, e in segments]
     cfg = V.choices.mm_template_config(m, sum(ns[seg[0]] * len(seg) for seg, _ in segments), k, first.get_device(),
-                                       dots=max(len(seg) for seg, _ in segments))
+                                       dots=max(len(seg) for seg, _ in segments),  # whole blocks a program:
+                                       width=max([16, *(b for s in shifts for b in s.values())]))
     block_n, split = cfg["BLOCK_N"], cfg["SPLIT_K"]
     stored = [b.name not in internal for b in members]
     loads = OperandLoads(m, k, prefetch=first.prologue)
     with V.set_ops(TritonOps(loads)):
         a = first.a_loader([XSYM, RSYM])
     loads.producer.update({n.name: n for n in nodes if n.is_extern()})  # the epilogues read these
-    loader, epilogues = loads.cur.body, [_epilogue(loads, e, seg, members, m, ns[seg[0]]) if e else None
-                                         for seg, e in segments]
+    loader, epilogues = loads.cur.body, [_epilogue(loads, e, seg, members, m, ns[seg[0]], shift) if e else None
+                                         for (seg, e), shift in zip(segments, shifts)]
     dtype = triton_dtype(first.get_dtype())
     # Triton's interpreter multiplies bf16 tiles wrongly: there the dot takes the rounded values as fp32
     operand = ".to(tl.float32)" if interpreting() else ""
@@ -179,16 +201,20 @@ def _split_k_sum(code, seg: list, ws_of: dict, width: int):
     code.writeline("    tl.atomic_xchg(lock_ptr + pid, 0)")
 
 
-def _epilogue(loads: OperandLoads, node, seg: list, members: list, m: int, n: int) -> IndentedBuffer:
+def _epilogue(loads: OperandLoads, node, seg: list, members: list, m: int, n: int, shifts: dict) -> IndentedBuffer:
     """The epilogue's body on the [XBLOCK, BLOCK_N] tile of its columns (as `r`), in a section of
     its own: each member it reads is its accumulator, rounded to the member's dtype as a stored
-    value would be; its other loads and its store through the ordinary kernel writer."""
+    value would be (or that, its blocks' halves swapped: `shifts`); its other loads and its store
+    through the ordinary kernel writer."""
     loads.new_section(loop=True)
     loads.R, loads.prefetching, loads.block_shape, loads.epilogue = n, False, "[XBLOCK, BLOCK_N]", True
+    loads.mask_stack = []  # each epilogue is a branch of its own: no bounds mask of another's loads
     for i in seg:
-        dtype = members[i].get_dtype()
-        loads.cur.body.writeline(f"mv{i} = {store_text(f'acc{i}', torch.float32, dtype)}.to(tl.float32)")
-        loads.values[members[i].name] = (loads.cur.id, Var(f"mv{i}", dtype), None)
+        buf = members[i]
+        loads.cur.body.writeline(f"mv{i} = {store_text(f'acc{i}', torch.float32, buf.get_dtype())}.to(tl.float32)")
+        loads.values[buf.name] = (loads.cur.id, Var(f"mv{i}", buf.get_dtype()), None)
+        if buf.name in shifts:
+            loads.shifted[buf.name] = (buf.layout.index([XSYM, RSYM]), shifts[buf.name], f"mv{i}")
     with V.set_ops(TritonOps(loads)):
         node.run_body(node.body_index(node.kernel_index_map(m, n)))
     loads.cur.init.splice(loads.cur.body)  # after its loads of row values ([XBLOCK, 1])

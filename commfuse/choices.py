@@ -655,29 +655,32 @@ class Choices:
         return config.mm_group and members < MM_GROUP_MAX
 
     def mm_epilogue(self, members: int) -> bool:
-        """Does a pointwise consumer of `members` of a matmul group join it as its epilogue? Where it
-        reads two or more (SiLU(gate) * up): their outputs need not be stored, and its launch goes."""
-        return members >= 2
+        """Does a pointwise consumer of `members` of a matmul group join it as its epilogue? Yes: its
+        launch goes, and the members only it reads are never stored (SiLU(gate) * up; the rotary
+        embedding of q, and of k stored into the KV cache beside v)."""
+        return members >= 1
 
-    def mm_template_config(self, m: int, n: int, k: int, device=None, dots: int = 1) -> dict:
+    def mm_template_config(self, m: int, n: int, k: int, device=None, dots: int = 1, width: int = 16) -> dict:
         """Blocks of the few-row matmul streaming `n` weight columns in all: the fastest measured on
         this GPU at this K and N (tables/mm, bench/mm_sweep.py), else one program per 64 columns,
         and K split over several (partial sums added atomically) when the columns alone leave SMs
         idle. Thresholds from the H200 sweep (132 SMs): 7168 columns run best unsplit with 256-deep
         steps, 4096 split in 4. A program of `dots` weights' tiles (an epilogue's members) streams
         what one matmul's would, so each tile is 1/dots as wide: gate and up of 3584 columns each
-        took 21.1 µs a launch in 64-column tiles, one matmul of 7168 takes 16.9 (H200)."""
-        cfg = self._mm_config(m, n, k, device)
-        bm, bn, bk = cfg["BLOCK_M"], max(16, cfg["BLOCK_N"] // dots), cfg["BLOCK_K"]
+        took 21.1 µs a launch in 64-column tiles, one matmul of 7168 takes 16.9 (H200). Tiles are
+        at least `width` columns (an epilogue's rotary embedding: a whole head), K split the more."""
+        cfg = self._mm_config(m, n, k, device, width)
+        bm, bn, bk = cfg["BLOCK_M"], max(width, cfg["BLOCK_N"] // dots), cfg["BLOCK_K"]
         while bk > 64 and (bm + dots * bn) * bk > (bm + cfg["BLOCK_N"]) * cfg["BLOCK_K"]:
             bk //= 2  # (tiles kept 16 wide take more shared memory a step)
         return {**cfg, "BLOCK_N": bn, "BLOCK_K": bk}
 
-    def _mm_config(self, m: int, n: int, k: int, device) -> dict:
+    def _mm_config(self, m: int, n: int, k: int, device, width: int) -> dict:
         row = mm_row(device, m, k, n)
-        if row is not None:
+        if row is not None and row["config"]["BLOCK_N"] >= width:
             return {"BLOCK_M": max(16, next_pow2(m)), **row["config"]}
-        programs = -(-n // 64)
+        block_n = max(64, width)
+        programs = -(-n // block_n)
         split, block_k = 1, 256
         if programs < 96:
             block_k = 128
@@ -685,7 +688,7 @@ class Choices:
                 split *= 2
         while block_k > 16 and k < block_k * split:
             block_k //= 2
-        return {"BLOCK_M": max(16, next_pow2(m)), "BLOCK_N": 64, "BLOCK_K": block_k, "SPLIT_K": split,
+        return {"BLOCK_M": max(16, next_pow2(m)), "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split,
                 "num_warps": 4, "num_stages": 4 if split == 1 else 3}
 
 

@@ -1,15 +1,20 @@
 """Horizontal fusion of few-row matmuls: the `ir.MatmulTemplate`s that load the same `a` (q, k, v
 of a decode step; gate and up) become one group, one launch whose programs run over the
 concatenated column blocks of every member (codegen/matmul.py). No weight is concatenated: each
-program picks its member's `b` and output. A pointwise consumer that reads several members
-elementwise (SiLU(gate) * up) joins the group as an epilogue: one program computes those members'
-column block for each of them and stores the consumer's value; a member only it reads is never
-stored. Run by the scheduler after fusion, on groups of one matmul each (externs never fuse)."""
+program picks its member's `b` and output. A pointwise consumer of members (SiLU(gate) * up; a
+rotary embedding of q or k, stored into the KV cache) joins the group as an epilogue: one program
+computes those members' column block for each of them and stores the consumer's value; a member
+only it reads is never stored. The consumer reads each member at the element it computes, or at
+the other half of an aligned block of columns (rotate_half within a head), under masks that keep
+that read inside the block: the program swaps its tile's halves in registers. Run by the
+scheduler after fusion, on groups of one matmul each (externs never fuse)."""
 from __future__ import annotations
 
 import collections
 
+import numpy as np
 import sympy
+from sympy.logic.boolalg import Boolean
 
 from . import ir, sizevars
 from .dependencies import trace_body
@@ -63,25 +68,82 @@ def _replace(sched, old: list, nodes: list):
 
 
 def _epilogue_members(sched, g, c) -> list:
-    """The members of matmul group `g` that group `c` can take as an epilogue: `c` is one pointwise
-    node that reads them, all of N columns, at the element it computes ([m, n] of its M x N
-    elements), and whose output is an ordinary buffer; nothing else `c` reads depends on `g`.
-    [] where it cannot."""
-    if len(c.nodes) != 1 or c.is_extern() or c.is_reduction() or c.reads_peers():
-        return []
-    if type((node := c.nodes[0]).buf.layout) not in (ir.FixedLayout, ir.FlexibleLayout):
+    """The members of matmul group `g` that group `c` can take as an epilogue: each node of `c` is
+    pointwise, reads its own members (all of N columns) at the element it computes or at a column
+    `epilogue_shifts` allows, and stores an ordinary or scattered buffer; nothing else `c` reads
+    depends on `g`. [] where it cannot."""
+    if c.is_extern() or c.is_reduction() or c.reads_peers():
         return []
     free = {n.name: n.buf for n in g.nodes if isinstance(n.buf, ir.MatmulTemplate) and n.buf.out_view is None
             and type(n.buf.layout) is ir.FixedLayout}
     taken = {name for n in g.nodes if not n.is_extern() for name in n.read_names}
-    members = [free[r] for r in sorted(node.read_names) if r in free and r not in taken]
-    if not members or len({int(b.layout.size[1]) for b in members}) != 1:
-        return []
-    m, n = (int(s) for s in members[0].layout.size)
-    if node.kernel_index_map(m, n) is None or sched._path_between(g, c):
-        return []
-    names = {b.name: b.layout.index([XSYM, RSYM]) for b in members}
-    for _, kind, name, index in type(g)([node], m, n, c.order).kernel_accesses(set(names)):
-        if kind == "read" and name in names and (index is None or not sizevars.equal(index, names[name])):
+    out = []
+    for node in c.nodes:
+        if type(node.buf.layout) not in (ir.FixedLayout, ir.FlexibleLayout, ir.ScatterLayout):
             return []
-    return members
+        members = [free[r] for r in sorted(node.read_names) if r in free and r not in taken]
+        if not members or len({int(b.layout.size[1]) for b in members}) != 1 or set(members) & set(out):
+            return []
+        m, n = (int(s) for s in members[0].layout.size)
+        if node.kernel_index_map(m, n) is None or epilogue_shifts(node, members, m, n) is None:
+            return []
+        out += members
+    return [] if sched._path_between(g, c) else out
+
+
+def epilogue_shifts(node, members: list, m: int, n: int) -> dict | None:
+    """{member name: B} for the members pointwise `node` reads B/2 columns off the element it
+    computes (a rotary embedding's other half), each such read under masks that keep it inside
+    its own aligned block of B columns, B a power of two; {} where it reads them all in place;
+    None where it reads one otherwise."""
+    own = {b.name: b.layout.index([XSYM, RSYM]) for b in members}
+    handler = _MaskedLoads()
+    with V.set_ops(handler):
+        node.run_body(node.body_index(node.kernel_index_map(m, n)))
+    cols, out = np.arange(n), {}
+    for name, index, where in handler.loads:
+        if name not in own or sizevars.equal(index, own[name]):
+            continue
+        shift = sizevars.simplify(index - own[name])
+        block = 2 * abs(int(shift)) if shift.is_Integer else 3
+        if block & (block - 1) or out.get(name, block) != block or where.free_symbols - {RSYM}:
+            return None
+        kept = np.broadcast_to(sympy.lambdify(RSYM, where, [{"FloorDiv": np.floor_divide, "Mod": np.mod}, "numpy"])(cols), n)
+        to = cols + int(shift)
+        if not np.all(((to >= 0) & (to < n) & (to // block == cols // block))[kept]):
+            return None
+        out[name] = block
+    return out
+
+
+class _MaskedLoads:
+    """An ops handler that records each load with the index conditions of the `ops.masked` around
+    it (a concatenation's halves), as one sympy condition; other values are opaque (None)."""
+    _RELATIONS = {"lt": sympy.Lt, "le": sympy.Le, "gt": sympy.Gt, "ge": sympy.Ge, "eq": sympy.Eq, "ne": sympy.Ne}
+
+    def __init__(self):
+        self.loads, self._masks = [], []
+
+    def index_expr(self, expr, dtype):
+        return sympy.sympify(expr)
+
+    def logical_and(self, a, b):  # an opaque side widens the condition: what is checked is a superset
+        return sympy.And(*[v for v in (a, b) if isinstance(v, Boolean)])
+
+    def masked(self, mask, body, other):
+        self._masks.append(mask if isinstance(mask, Boolean) else sympy.true)
+        try:
+            body()
+        finally:
+            self._masks.pop()
+
+    def load(self, name, index):
+        self.loads.append((name, index, sympy.And(*self._masks)))
+
+    def indirect_indexing(self, value, size, check=True):
+        return sympy.Dummy("indirect", integer=True)  # an index that depends on data: no shift
+
+    def __getattr__(self, op):
+        rel = self._RELATIONS.get(op)
+        return (lambda a, b: rel(a, b) if isinstance(a, sympy.Expr) and isinstance(b, sympy.Expr) else None) \
+            if rel else (lambda *args, **kwargs: None)

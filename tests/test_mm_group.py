@@ -116,3 +116,50 @@ def test_members_write_a_cats_slices(tmp_path):
     summary, code, launches = _check(lambda x: (torch.cat([F.linear(x * 2, w1), F.linear(x * 2, w2)], 1) + 1,),
                                      (x,), tmp_path)
     assert _mms(summary) == [(2, 0)] and len(launches) == 2 and "cat written in place" in code, (summary, launches)
+
+
+def _rotate_half(x):
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+def _rotate_one(x):  # each column from its neighbour: crosses every pair of columns
+    return torch.cat((x[..., 1:], x[..., :1]), dim=-1)
+
+
+@pytest.mark.parametrize("dtype,hd,rotate", [(torch.bfloat16, 16, _rotate_half), (torch.float16, 32, _rotate_half),
+                                             (torch.bfloat16, 16, _rotate_one)])
+def test_rotary_and_cache_store_are_the_qkv_epilogue(tmp_path, dtype, hd, rotate):
+    """A decode step's q, k and v in one launch whose epilogues apply the rotary embedding (each
+    column and the other half of its head: the tile's halves swapped in registers) and store k and
+    v into the static cache at a position read from the device: no other kernel, q/k/v never
+    stored. A rotation by one column instead reads across the halves: it stays a kernel apart."""
+    wq, wk, wv = _weights(64, (4 * hd, 2 * hd, 2 * hd), dtype)
+    cos, sin = (torch.randn(24, hd, dtype=dtype, device=DEVICE) for _ in range(2))
+    b = 3
+
+    def step(x, pos, cache_k, cache_v):
+        q, k, v = (F.linear(x, w).view(b, 1, -1, hd).transpose(1, 2) for w in (wq, wk, wv))
+        c, s = cos[pos], sin[pos]
+        q, k = q * c + rotate(q) * s, k * c + rotate(k) * s
+        cache_k.index_copy_(2, pos, k)
+        cache_v.index_copy_(2, pos, v)
+        return (q,)
+
+    x, pos = torch.randn(b, 1, 64, dtype=dtype, device=DEVICE), torch.tensor([13], device=DEVICE)
+    caches = [torch.randn(b, 2, 24, hd, dtype=dtype, device=DEVICE) for _ in range(2)]
+    want_caches = [c.clone() for c in caches]
+    want = step(x, pos, *want_caches)
+    torch._dynamo.reset()
+    with config.patch(dump_dir=str(tmp_path)):
+        got = torch.compile(step, backend="commfuse", dynamic=False)(x, pos, *caches)
+    for g, w in zip([*got, *caches], [*want, *want_caches]):
+        torch.testing.assert_close(g.float(), w.float(), atol=2e-2, rtol=2e-2)
+    summary, code = Dumps(tmp_path).only()
+    launches = re.findall(r"\b(cf_\w+?)_launch\d+\(", code.split("def call(", 1)[1])
+    (mm,) = [k for k in summary["kernels"] if k.get("template") == "mm"]
+    if rotate is _rotate_half:
+        assert mm["members"] == 3 and len(mm["epilogues"]) == 3 and launches == [mm["name"]], (summary, launches)
+        assert not summary["extern_calls"] and "tl.split(" in code, summary
+    else:  # q's and k's rotations run apart (v's store still joins)
+        assert len(launches) > 1 and "tl.split(" not in code, (summary, launches)
