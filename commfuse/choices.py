@@ -122,8 +122,6 @@ class Choices:
             # H200: 810 us, Inductor 481); apart, the column sum may join it in mixed order
             # (mix_order.py). A norm of `x.transpose(1, 2)` shares no data walked both ways.
             return False, "a row reduction and a reduction over columns of the same data"
-        if (a.reads_peers() or b.reads_peers()) and not all(map(sizevars.is_static, (a.X, a.R, b.X, b.R))):
-            return False, "a comm kernel's grid is part of the plan the ranks agree on: static sizes only"
         return True, ""
 
     def keep_apart_for_memory(self, stored_anyway: bool) -> bool:

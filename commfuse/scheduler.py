@@ -543,6 +543,8 @@ class Scheduler:
             return None
         if len(a.peer_groups() | b.peer_groups()) > 1:  # a kernel meets the ranks of one group
             return None
+        if (a.reads_peers() or b.reads_peers()) and not all(map(sizevars.is_static, (a.X, a.R, b.X, b.R))):
+            return None  # a comm kernel's grid is part of the plan the ranks agree on: static sizes only
         merged, undo = self._merge(a, b), None
         if config.loop_ordering_after_fusion and (merged is None or self._walked_apart(merged, a, b)):
             reordered, undo = self._merge_reordered(a, b)
