@@ -81,25 +81,26 @@ def test_small_collectives_merge_per_kind_group_and_op(group):
         assert bucket_collectives(gm := make_fx(f, tracing_mode="fake")(*args)) == 0
 
 
-def test_pure_ops_of_an_input_move_up_with_its_bucket(group):
-    """A member's input made by pure ops after another member's result is used (DTensor's padding
+def test_layout_ops_of_an_input_move_up_with_its_bucket(group):
+    """A member's input made by layout ops after another member's result is used (DTensor's padding
     of a short shard, on some ranks only) still merges: the ops move up, so every rank buckets as
-    the rank whose inputs need no padding does."""
+    the rank whose inputs need no padding does. An op that computes values stays where the program
+    put it (a producer the collective's kernel may fuse), and so does its collective."""
     def padded(a, b):
         x = funcol.all_gather_tensor(torch.nn.functional.pad(a, (0, 0, 0, 1)), 0, group)
         y = x.sum() * b  # uses the first result before the second input is made
-        return x, funcol.all_gather_tensor(torch.nn.functional.pad(b, (0, 1)).to(torch.float64).float(), 0, group), y
+        return x, funcol.all_gather_tensor(torch.cat([b[:3], torch.nn.functional.pad(b[3:], (0, 1))]), 0, group), y
 
-    def drawn(a, b):  # a random draw never moves: the stream of draws would change
+    def computed(a, b):
         x = funcol.all_gather_tensor(a, 0, group)
         y = x.sum() * b
-        return x, funcol.all_gather_tensor(b + torch.rand_like(b), 0, group), y
+        return x, funcol.all_gather_tensor(b * 2, 0, group), y
     a, b = torch.randn(3, 4), torch.randn(5)
     before, after, gm = _bucketed(padded, a, b)
     assert before == {"all_gather_into_tensor": 2} and after == {"all_gather_into_tensor": 1}, gm.code
     for got, want in zip(gm(a, b), padded(a, b)):
         torch.testing.assert_close(got, want)
-    assert _bucketed(drawn, a, b)[1] == {"all_gather_into_tensor": 2}
+    assert _bucketed(computed, a, b)[1] == {"all_gather_into_tensor": 2}
 
 
 def test_what_never_merges(group):

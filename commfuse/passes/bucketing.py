@@ -7,10 +7,10 @@ views (an all-gather's gathered buffer holds rank r's packed chunk in row r, so 
 range of every row). The bucket is issued right after its last member's input is ready and
 waited before the first use of any member's result: members never read each other's results, and
 no bucket moves a collective across an op that may communicate or has side effects. An input is
-ready once the last op it needs that is not pure is done: the pure ops between (a cast to the
-compute dtype, the padding DTensor adds to a short shard) move up with the bucket. Ranks may
-compile different graphs (a shard padded on some ranks only), so what merges depends on the
-collectives and on where their inputs' impure sources are, never on those pure ops.
+ready once the last op it needs that computes values is done, and a result used where an op that
+computes values first reads it: the views, pads and cats between (what DTensor adds around a short
+shard and its result, on some ranks only) move with the bucket's collective and wait, so what
+merges is the same on every rank.
 """
 from __future__ import annotations
 
@@ -41,20 +41,24 @@ def _barrier(node: torch.fx.Node) -> bool:
     return ir.meets_ranks(t) and not (ir.is_collective(t) and t._opname not in _P2P) or t._schema.is_mutable
 
 
-def _pure(node: torch.fx.Node) -> bool:
-    """An op that may run earlier than the program placed it: no effect, no peer, no random draw."""
+# ops that only lay values out: DTensor adds them around a short shard on some ranks only
+_LAYOUT = (aten.constant_pad_nd.default, aten.cat.default, aten.clone.default)
+
+
+def _layout_only(node: torch.fx.Node) -> bool:
+    """A view, pad, cat or copy: it may run as soon as its inputs exist, earlier than placed."""
     t = node.target
-    return node.op == "call_function" and (t is operator.getitem or isinstance(t, torch._ops.OpOverload) and not (
-        _barrier(node) or ir.is_collective(t) or ir.is_wait(t) or torch.Tag.nondeterministic_seeded in t.tags))
+    return node.op == "call_function" and (t is operator.getitem or t in _LAYOUT or getattr(t, "is_view", False))
 
 
 def _ready(x, pos: dict, memo: dict) -> tuple[int, bool]:
-    """Where `x` can be computed at the earliest: after the last impure op (or input) it needs;
-    and whether it reads a collective's result (then it stays: it may be a member's use)."""
+    """Where `x` can be computed at the earliest: after the last op it needs that computes values
+    (or input); and whether it reads a collective's result (then it stays: it may be a member's use)."""
     if x not in memo:
         deps = [_ready(d, pos, memo) for d in x.all_input_nodes]
-        reads = ir.is_wait(x.target) or _pure(x) and any(r for _, r in deps)
-        memo[x] = (max((p for p, _ in deps), default=0), False) if _pure(x) and not reads else (pos[x], reads)
+        moves = _layout_only(x)
+        reads = ir.is_wait(x.target) or moves and any(r for _, r in deps)
+        memo[x] = (max((p for p, _ in deps), default=0), False) if moves and not reads else (pos[x], reads)
     return memo[x]
 
 
@@ -77,7 +81,18 @@ def _candidate(node: torch.fx.Node, pos: dict, end: int):
     if not choices.current().bucket_member(request):
         return None
     key = (name, str(node.args[g]), node.args[op] if op else None, world, v.dtype, v.device)
-    return key, x, request.nbytes, min((pos[u] for u in wait.users), default=end)
+    return key, x, request.nbytes, min((pos[u] for u in _users(wait) if not _layout_only(u)), default=end)
+
+
+def _users(node: torch.fx.Node) -> list:
+    """The nodes that read `node`, and through layout ops its value: a view or slice of a result (a
+    short shard's unpadding, on some ranks only) is no use of it; it moves down with the wait."""
+    out, stack = [], list(node.users)
+    while stack:
+        out.append(u := stack.pop())
+        if _layout_only(u):
+            stack.extend(u.users)
+    return out
 
 
 def _find_bucket(graph: torch.fx.Graph):
@@ -123,7 +138,8 @@ def _merge(graph: torch.fx.Graph, bucket: dict, nodes: list) -> None:
             packed = call(graph, aten.cat.default, [call(graph, aten.view.default, x, [-1]) for x in xs])
         merged = call(graph, members[0].target, packed, *members[0].args[1:])
         merged.meta["bucket"] = len(members)
-    first_use = nodes[bucket["use"]]
+    first_use, pos = nodes[bucket["use"]], {n: i for i, n in enumerate(nodes)}
+    layout = sorted({u for m in members for u in _users(next(iter(m.users))) if _layout_only(u)}, key=pos.get)
     with graph.inserting_before(first_use):  # waited before any member's result is read
         done = call(graph, c10d.wait_tensor.default, merged)
         rows = call(graph, aten.view.default, done, [world, total]) if name == "all_gather" else None
@@ -138,11 +154,14 @@ def _merge(graph: torch.fx.Graph, bucket: dict, nodes: list) -> None:
             wait.replace_all_uses_with(out)
             graph.erase_node(wait)
             graph.erase_node(m)
+    for u in layout:  # after the results they lay out, in their order
+        if pos[u] < bucket["use"]:
+            first_use.prepend(u)
 
 
 def _hoist(xs: list, nodes: list, start: int) -> torch.fx.Node:
-    """Move the pure ops that the inputs `xs` need and that come after node `start` to just after
-    it, in their order (their impure sources are at or before it: `_ready`); returns the last."""
+    """Move the layout ops that the inputs `xs` need and that come after node `start` to just after
+    it, in their order (what they read is computed at or before it: `_ready`); returns the last."""
     pos, late, stack, at = {n: i for i, n in enumerate(nodes)}, set(), list(xs), nodes[start]
     while stack:
         if pos[n := stack.pop()] > start and n not in late:
