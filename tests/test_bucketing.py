@@ -165,9 +165,10 @@ def _per_parameter(rank, world, dump_dir):
     _check_grads(grads, [w.grad for w in ws])
 
 
-def _simple_fsdp(rank, world, dump_dir, dims=(8, 16, 8)):
+def _simple_fsdp(rank, world, dump_dir, dims=(8, 16, 8), dtype=torch.float32):
     """SimpleFSDP-style: parameters are DTensors sharded on dim 0, gathered inside the forward.
-    Dims that do not divide among the ranks: DTensor pads the short shards, on some ranks only."""
+    Dims that do not divide among the ranks: DTensor pads the short shards, and unpads what the
+    collectives return, on some ranks only."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
     from commfuse import config
@@ -178,6 +179,7 @@ def _simple_fsdp(rank, world, dump_dir, dims=(8, 16, 8)):
             super().__init__()
             torch.manual_seed(i * 100 + o)
             w, b = torch.randn(o, i, device=device()) / i ** 0.5, torch.randn(o, device=device()) / 10
+            w, b = w.to(dtype), b.to(dtype)
             self.w, self.b = (torch.nn.Parameter(distribute_tensor(t, mesh, [Shard(0)])) for t in (w, b))
 
         def forward(self, x):  # the gradients' reduce-scatters come from the Partial placement
@@ -187,14 +189,16 @@ def _simple_fsdp(rank, world, dump_dir, dims=(8, 16, 8)):
                     for _ in range(2))
     compiled = torch.compile(model, backend="commfuse")
     torch.manual_seed(1 + rank)
-    x = torch.randn(4, dims[0], device=device())
+    x = torch.randn(4, dims[0], device=device(), dtype=dtype)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
     with config.patch(dump_dir=dump_dir):
         for _ in range(2):
-            losses = [m(x).square().mean() for m in (compiled, eager)]
+            losses = [m(x).float().square().mean() for m in (compiled, eager)]
             for loss in losses:
                 loss.backward()
-            torch.testing.assert_close(*losses, rtol=1e-5, atol=1e-5)
-            _check_grads(*([p.grad.to_local() for p in m.parameters()] for m in (model, eager)))
+            torch.testing.assert_close(*losses, rtol=tol, atol=tol)
+            for a, b in zip(*([p.grad.to_local() for p in m.parameters()] for m in (model, eager)), strict=True):
+                torch.testing.assert_close(a, b, rtol=tol, atol=tol)
             model.zero_grad(set_to_none=True), eager.zero_grad(set_to_none=True)
 
 
@@ -206,6 +210,8 @@ def _ranks(rank, world, dump_dir):
     _simple_fsdp(rank, world, f"{dump_dir}/simple_fsdp")
     torch._dynamo.reset()
     _simple_fsdp(rank, world, f"{dump_dir}/uneven", dims=(8, 15, 7, 5))
+    torch._dynamo.reset()
+    _simple_fsdp(rank, world, f"{dump_dir}/uneven_bf16", dims=(8, 15, 7, 5), dtype=torch.bfloat16)
     group = dist.group.WORLD.group_name  # an all-reduce our kernels run stays apart; c10d's may join
     return [choices.current().bucket_member(CommRequest(kind, "sum", group, dtype, device(), (16,)))
             for kind, dtype in (("all_reduce", torch.float32), ("all_reduce", torch.float64),
@@ -229,6 +235,6 @@ def test_bucketed_forward_and_backward_match_eager(tmp_path):
     plans = _plans(f"{tmp_path}/per_parameter")
     assert plans == {"forward": {"all_gather_into_tensor": 1, "all_reduce": 1},
                      "backward": {"reduce_scatter_tensor": 1}}, plans
-    for model in ("simple_fsdp", "uneven"):
+    for model in ("simple_fsdp", "uneven", "uneven_bf16"):
         plans = _plans(f"{tmp_path}/{model}")
         assert plans == {"forward": {"all_gather_into_tensor": 1}, "backward": {"reduce_scatter_tensor": 1}}, plans
