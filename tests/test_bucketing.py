@@ -108,6 +108,10 @@ def test_what_never_merges(group):
         x = funcol.all_reduce(a, "sum", group)
         return funcol.all_reduce(x * b, "sum", group)
 
+    def chain_view(a, b):  # the second all-gather's input is a view of the first one's result
+        x = funcol.all_gather_tensor(a, 0, group)
+        return funcol.all_gather_tensor(x.view(-1)[:6], 0, group), b
+
     def across(a, b):  # a side-effecting op between the two
         x = funcol.all_reduce(a, "sum", group)
         s = side_effect(b)
@@ -123,7 +127,7 @@ def test_what_never_merges(group):
     a, b, c = torch.randn(4, 3), torch.randn(4, 3), torch.randn(4, 3)
     # functional send/recv exist from torch 2.12 (not in 2.11)
     p2p_case = ((p2p, (a, b), {}, 2),) if hasattr(torch.ops._c10d_functional, "isend") else ()
-    for fn, args, patch, want in ((chain, (a, b), {}, 2), (across, (a, b), {}, 2), *p2p_case,
+    for fn, args, patch, want in ((chain, (a, b), {}, 2), (chain_view, (a, b), {}, 2), (across, (a, b), {}, 2), *p2p_case,
                                   (capped, (a, b, c), {"comm.bucket_cap_bytes": 100}, 2),
                                   (capped, (a, b, c), {"comm.bucket_member_max_bytes": 40}, 3),
                                   (capped, (a, b, c), {}, 1)):

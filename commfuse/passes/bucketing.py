@@ -107,13 +107,15 @@ def _find_bucket(graph: torch.fx.Graph):
         if c is None:
             continue
         key, x, nbytes, use = c
-        ready, b = max(_ready(x, pos, memo)[0], last_input), open_.get(key)
+        (ready, reads), b = _ready(x, pos, memo), open_.get(key)
+        ready = max(ready, last_input)
         if b is not None:
             start = max(b["start"], ready)  # where the merged collective goes
             lo = min(start, pos[b["members"][0]])
             fits = b["bytes"] + nbytes <= policy.bucket_cap_bytes(key[0], key[3])
             crossed = bisect.bisect_right(barriers, lo) < bisect.bisect_left(barriers, max(pos[node], start))
-            if fits and not crossed and start < min(b["use"], use):
+            # (an input laid out from a collective's result may be laid out from a member's)
+            if fits and not crossed and not reads and start < min(b["use"], use):
                 b["members"].append(node)
                 b.update(start=start, use=min(b["use"], use), bytes=b["bytes"] + nbytes)
                 continue
