@@ -91,26 +91,33 @@ def _epilogue_members(sched, g, c) -> list:
     return [] if sched._path_between(g, c) else out
 
 
+MIN_HALF = 8  # blocks of 16 columns and up (heads): the swap's narrower reshapes have not run on a GPU
+
+
 def epilogue_shifts(node, members: list, m: int, n: int) -> dict | None:
-    """{member name: B} for the members pointwise `node` reads B/2 columns off the element it
-    computes (a rotary embedding's other half), each such read under masks that keep it inside
-    its own aligned block of B columns, B a power of two; {} where it reads them all in place;
-    None where it reads one otherwise."""
+    """{member name: B} for the members pointwise `node` reads, wherever its masks let it read, at
+    the column of the other half of each aligned block of B columns, B a power of two (column
+    c ^ B/2: a rotary embedding's rotate_half within a head, GPT-J's within a pair); {} where it
+    reads them all in place; None where it reads one otherwise."""
     own = {b.name: b.layout.index([XSYM, RSYM]) for b in members}
     handler = _MaskedLoads()
     with V.set_ops(handler):
         node.run_body(node.body_index(node.kernel_index_map(m, n)))
-    cols, out = np.arange(n), {}
+    cols, out, modules = np.arange(n), {}, [{"FloorDiv": np.floor_divide, "Mod": np.mod}, "numpy"]
     for name, index, where in handler.loads:
         if name not in own or sizevars.equal(index, own[name]):
             continue
-        shift = sizevars.simplify(index - own[name])
-        block = 2 * abs(int(shift)) if shift.is_Integer else 3
-        if block & (block - 1) or out.get(name, block) != block or where.free_symbols - {RSYM}:
+        shift = sizevars.simplify(index - own[name])  # columns off the element's own, per column
+        if (shift.free_symbols | where.free_symbols) - {RSYM}:
             return None
-        kept = np.broadcast_to(sympy.lambdify(RSYM, where, [{"FloorDiv": np.floor_divide, "Mod": np.mod}, "numpy"])(cols), n)
-        to = cols + int(shift)
-        if not np.all(((to >= 0) & (to < n) & (to // block == cols // block))[kept]):
+        try:
+            kept = np.broadcast_to(sympy.lambdify(RSYM, where, modules)(cols), n)
+            to = cols + np.broadcast_to(sympy.lambdify(RSYM, shift, modules)(cols), n)
+        except Exception:  # what numpy cannot evaluate is not proven: not fused
+            return None
+        half = int(abs(to - cols)[kept].max(initial=0))
+        block = out.get(name, 2 * half)
+        if half < MIN_HALF or block != 2 * half or half & (half - 1) or not np.all((to == cols ^ half)[kept]):
             return None
         out[name] = block
     return out

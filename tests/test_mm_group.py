@@ -123,17 +123,22 @@ def _rotate_half(x):
     return torch.cat((-b, a), dim=-1)
 
 
+def _rotate_pairs(x):  # GPT-J's rotate_every_two: (-x1, x0) in each pair of columns
+    return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+
+
 def _rotate_one(x):  # each column from its neighbour: crosses every pair of columns
     return torch.cat((x[..., 1:], x[..., :1]), dim=-1)
 
 
 @pytest.mark.parametrize("dtype,hd,rotate", [(torch.bfloat16, 16, _rotate_half), (torch.float16, 32, _rotate_half),
-                                             (torch.bfloat16, 16, _rotate_one)])
+                                             (torch.bfloat16, 16, _rotate_pairs), (torch.bfloat16, 16, _rotate_one)])
 def test_rotary_and_cache_store_are_the_qkv_epilogue(tmp_path, dtype, hd, rotate):
     """A decode step's q, k and v in one launch whose epilogues apply the rotary embedding (each
     column and the other half of its head: the tile's halves swapped in registers) and store k and
     v into the static cache at a position read from the device: no other kernel, q/k/v never
-    stored. A rotation by one column instead reads across the halves: it stays a kernel apart."""
+    stored. A rotation by one column reads across the blocks, and GPT-J's within pairs of columns
+    (blocks narrower than mm_group.MIN_HALF allows): both stay kernels apart."""
     wq, wk, wv = _weights(64, (4 * hd, 2 * hd, 2 * hd), dtype)
     cos, sin = (torch.randn(24, hd, dtype=dtype, device=DEVICE) for _ in range(2))
     b = 3
@@ -161,5 +166,5 @@ def test_rotary_and_cache_store_are_the_qkv_epilogue(tmp_path, dtype, hd, rotate
     if rotate is _rotate_half:
         assert mm["members"] == 3 and len(mm["epilogues"]) == 3 and launches == [mm["name"]], (summary, launches)
         assert not summary["extern_calls"] and "tl.split(" in code, summary
-    else:  # q's and k's rotations run apart (v's store still joins)
+    else:  # q's and k's rotations run apart (v's store still joins); pairs: blocks of 2 (MIN_HALF)
         assert len(launches) > 1 and "tl.split(" not in code, (summary, launches)
