@@ -47,8 +47,8 @@ def group_matmuls(sched) -> None:
             groups = rest
     for g in [g for g in sched.groups if isinstance(g.nodes[0].buf, ir.MatmulTemplate) and len(g.nodes) > 1]:
         for c in sorted(sched.groups, key=lambda c: c.order):
-            members = _epilogue_members(sched, g, c)
-            if members and V.choices.mm_epilogue(len(members)):
+            members, width = _epilogue_members(sched, g, c)
+            if members and V.choices.mm_epilogue(len(members), _shape(g), width):
                 g = _replace(sched, [g, c], g.nodes + c.nodes)
 
 
@@ -67,28 +67,36 @@ def _replace(sched, old: list, nodes: list):
     return group
 
 
-def _epilogue_members(sched, g, c) -> list:
-    """The members of matmul group `g` that group `c` can take as an epilogue: each node of `c` is
-    pointwise, reads its own members (all of N columns) at the element it computes or at a column
+def _shape(g) -> tuple:
+    """(M, N of all members, K, device) of matmul group `g`: what its blocks are chosen for."""
+    members = [n.buf for n in g.nodes if isinstance(n.buf, ir.MatmulTemplate)]
+    m, k = (int(s) for s in members[0].a_size)
+    return m, sum(int(b.layout.size[1]) for b in members), k, members[0].get_device()
+
+
+def _epilogue_members(sched, g, c) -> tuple[list, int]:
+    """The members of matmul group `g` that group `c` can take as an epilogue, and the columns a
+    program's tile must span for it (`epilogue_shifts`' blocks): each node of `c` is pointwise,
+    reads its own members (all of N columns) at the element it computes or at a column
     `epilogue_shifts` allows, and stores an ordinary or scattered buffer; nothing else `c` reads
-    depends on `g`. [] where it cannot."""
+    depends on `g`. ([], 0) where it cannot."""
     if c.is_extern() or c.is_reduction() or c.reads_peers():
-        return []
+        return [], 0
     free = {n.name: n.buf for n in g.nodes if isinstance(n.buf, ir.MatmulTemplate) and n.buf.out_view is None
             and type(n.buf.layout) is ir.FixedLayout}
     taken = {name for n in g.nodes if not n.is_extern() for name in n.read_names}
-    out = []
+    out, width = [], 16
     for node in c.nodes:
         if type(node.buf.layout) not in (ir.FixedLayout, ir.FlexibleLayout, ir.ScatterLayout):
-            return []
+            return [], 0
         members = [free[r] for r in sorted(node.read_names) if r in free and r not in taken]
         if not members or len({int(b.layout.size[1]) for b in members}) != 1 or set(members) & set(out):
-            return []
+            return [], 0
         m, n = (int(s) for s in members[0].layout.size)
-        if node.kernel_index_map(m, n) is None or epilogue_shifts(node, members, m, n) is None:
-            return []
-        out += members
-    return [] if sched._path_between(g, c) else out
+        if node.kernel_index_map(m, n) is None or (shifts := epilogue_shifts(node, members, m, n)) is None:
+            return [], 0
+        out, width = out + members, max([width, *shifts.values()])
+    return ([], 0) if sched._path_between(g, c) else (out, width)
 
 
 MIN_HALF = 8  # blocks of 16 columns and up (heads): the swap's narrower reshapes have not run on a GPU

@@ -41,3 +41,20 @@ def test_written_table_is_what_the_policy_picks(tmp_path, monkeypatch):
     heuristic = Choices().mm_template_config(8, 3072, 4096)  # no device, another shape: the heuristic
     assert Choices().mm_template_config(8, 3072, 4096, torch.device("cpu")) == heuristic
     assert Choices().mm_template_config(8, 4096, 4096, cuda)["BLOCK_N"] == 64
+
+
+def test_a_measured_narrower_tile_keeps_a_rotary_epilogue_apart(tmp_path, monkeypatch):
+    """A rotary embedding's epilogue needs tiles a head wide; where this GPU's table measured the
+    group's matmul with narrower tiles, the measured configuration stays and the epilogue does not
+    join (where no row exists, or the row's tiles are wide enough, it does)."""
+    monkeypatch.setattr(tuned_tables, "MM_TABLE_DIR", str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: GPU)
+    cfg = {"BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 8, "num_warps": 4, "num_stages": 3}
+    sweep = tmp_path / "sweep.json"
+    sweep.write_text(json.dumps({"meta": {"device_name": GPU, "commit": "abc", "date": "today"}, "results": [
+        {"m": 8, "k": 4096, "n": 1536, "best": {"config": cfg, "us": 7.5}, "cublas": {"us": 8.4}}]}))
+    mm_sweep.write_table(str(sweep))
+    cuda, policy = torch.device("cuda", 0), Choices()
+    assert not policy.mm_epilogue(2, (8, 1536, 4096, cuda), 128)  # the measured 32-wide tiles stay
+    assert policy.mm_epilogue(2, (8, 1536, 4096, cuda), 32) and policy.mm_epilogue(2, (8, 1536, 4096, cuda), 16)
+    assert policy.mm_epilogue(2, (8, 3072, 4096, cuda), 128)  # no row for this group: the heuristic, widened
