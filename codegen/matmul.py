@@ -23,7 +23,7 @@ import re
 import torch
 
 from commfuse import ir, sizevars
-from commfuse.mm_group import epilogue_shifts
+from commfuse.mm_group import tile_width
 from commfuse.runtime.loader import interpreting
 from commfuse.scheduler import RSYM, XSYM
 from commfuse.virtualized import V
@@ -69,7 +69,7 @@ class OperandLoads(TritonKernel):
     def _swapped(self, name) -> Var:
         """The member's tile with the halves of each block of columns swapped: the value half a
         block off each element's own (epilogue_shifts proved every read of it stays in the block)."""
-        index, block, reg = self.shifted[name]
+        _, block, reg = self.shifted[name]
         sw = f"{reg}_sw"
         if not any(line.startswith(f"{sw} = ") for line in self.cur.body.lines):
             self.cur.body.writelines([
@@ -106,10 +106,9 @@ def render(nodes: list, internal: set, name: str) -> tuple[str, dict]:
     first = members[0]
     m, k = (int(s) for s in first.a_size)
     ns = [int(b.layout.size[1]) for b in members]
-    shifts = [epilogue_shifts(e, [members[i] for i in seg], m, ns[seg[0]]) if e else {} for seg, e in segments]
+    shifts = [e.half_swaps if e else {} for _, e in segments]  # (mm_group.epilogue_shifts)
     cfg = V.choices.mm_template_config(m, sum(ns[seg[0]] * len(seg) for seg, _ in segments), k, first.get_device(),
-                                       dots=max(len(seg) for seg, _ in segments),  # whole blocks a program:
-                                       width=max([16, *(b for s in shifts for b in s.values())]))
+                                       dots=max(len(seg) for seg, _ in segments), width=tile_width(shifts))
     block_n, split = cfg["BLOCK_N"], cfg["SPLIT_K"]
     stored = [b.name not in internal for b in members]
     loads = OperandLoads(m, k, prefetch=first.prologue)

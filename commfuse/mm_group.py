@@ -47,8 +47,10 @@ def group_matmuls(sched) -> None:
             groups = rest
     for g in [g for g in sched.groups if isinstance(g.nodes[0].buf, ir.MatmulTemplate) and len(g.nodes) > 1]:
         for c in sorted(sched.groups, key=lambda c: c.order):
-            members, width = _epilogue_members(sched, g, c)
-            if members and V.choices.mm_epilogue(len(members), _shape(g), width):
+            members, swaps = _epilogue_members(sched, g, c)
+            if members and V.choices.mm_epilogue(len(members), _shape(g), tile_width(swaps.values())):
+                for node in c.nodes:
+                    node.half_swaps = swaps[node.name]
                 g = _replace(sched, [g, c], g.nodes + c.nodes)
 
 
@@ -74,29 +76,34 @@ def _shape(g) -> tuple:
     return m, sum(int(b.layout.size[1]) for b in members), k, members[0].get_device()
 
 
-def _epilogue_members(sched, g, c) -> tuple[list, int]:
-    """The members of matmul group `g` that group `c` can take as an epilogue, and the columns a
-    program's tile must span for it (`epilogue_shifts`' blocks): each node of `c` is pointwise,
-    reads its own members (all of N columns) at the element it computes or at a column
-    `epilogue_shifts` allows, and stores an ordinary or scattered buffer; nothing else `c` reads
-    depends on `g`. ([], 0) where it cannot."""
+def tile_width(swaps) -> int:
+    """The columns a program's tile spans at least: 16 (tl.dot's least), or the widest block whose
+    halves an epilogue swaps (`swaps`: epilogue_shifts' results)."""
+    return max([16, *(b for s in swaps for b in s.values())])
+
+
+def _epilogue_members(sched, g, c) -> tuple[list, dict]:
+    """The members of matmul group `g` that group `c` can take as an epilogue, and each node's
+    `epilogue_shifts`: each node of `c` is pointwise, reads its own members (all of N columns) at
+    the element it computes or at a column `epilogue_shifts` allows, and stores an ordinary or
+    scattered buffer; nothing else `c` reads depends on `g`. ([], {}) where it cannot."""
     if c.is_extern() or c.is_reduction() or c.reads_peers():
-        return [], 0
+        return [], {}
     free = {n.name: n.buf for n in g.nodes if isinstance(n.buf, ir.MatmulTemplate) and n.buf.out_view is None
             and type(n.buf.layout) is ir.FixedLayout}
     taken = {name for n in g.nodes if not n.is_extern() for name in n.read_names}
-    out, width = [], 16
+    out, swaps = [], {}
     for node in c.nodes:
         if type(node.buf.layout) not in (ir.FixedLayout, ir.FlexibleLayout, ir.ScatterLayout):
-            return [], 0
+            return [], {}
         members = [free[r] for r in sorted(node.read_names) if r in free and r not in taken]
         if not members or len({int(b.layout.size[1]) for b in members}) != 1 or set(members) & set(out):
-            return [], 0
+            return [], {}
         m, n = (int(s) for s in members[0].layout.size)
         if node.kernel_index_map(m, n) is None or (shifts := epilogue_shifts(node, members, m, n)) is None:
-            return [], 0
-        out, width = out + members, max([width, *shifts.values()])
-    return ([], 0) if sched._path_between(g, c) else (out, width)
+            return [], {}
+        out, swaps[node.name] = out + members, shifts
+    return ([], {}) if sched._path_between(g, c) else (out, swaps)
 
 
 MIN_HALF = 8  # blocks of 16 columns and up (heads): the swap's narrower reshapes have not run on a GPU

@@ -32,6 +32,7 @@ class SchedulerNode:
         self.device = buf.get_device()
         self.inlined: dict = {}  # stored buffers whose loads this node recomputes (remat.py)
         self.column_partial = False  # a column sum's first stage in a row kernel (mix_order.py)
+        self.half_swaps: dict = {}  # as a matmul group's epilogue: member -> block (mm_group.epilogue_shifts)
         if isinstance(buf, ir.ComputedBuffer):
             self.body_ranges = list(buf.data.ranges)
             self.rranges = list(buf.data.reduction_ranges) if buf.is_reduction() else []

@@ -132,7 +132,8 @@ def _merge(graph: torch.fx.Graph, bucket: dict, nodes: list) -> None:
     xs = [m.args[0] for m in members]
     sizes = [x.meta["val"].numel() // (world if name == "reduce_scatter" else 1) for x in xs]
     total, offsets = sum(sizes), [sum(sizes[:i]) for i in range(len(sizes))]
-    with graph.inserting_before(_hoist(xs, nodes, bucket["start"]).next):  # after the last member's input
+    pos = {n: i for i, n in enumerate(nodes)}
+    with graph.inserting_before(_hoist(xs, nodes, pos, bucket["start"]).next):  # after the last member's input
         if name == "reduce_scatter":  # rank r's share of every member, side by side
             parts = [call(graph, aten.view.default, x, [world, n]) for x, n in zip(xs, sizes)]
             packed = call(graph, aten.view.default, call(graph, aten.cat.default, parts, 1), [world * total])
@@ -140,7 +141,7 @@ def _merge(graph: torch.fx.Graph, bucket: dict, nodes: list) -> None:
             packed = call(graph, aten.cat.default, [call(graph, aten.view.default, x, [-1]) for x in xs])
         merged = call(graph, members[0].target, packed, *members[0].args[1:])
         merged.meta["bucket"] = len(members)
-    first_use, pos = nodes[bucket["use"]], {n: i for i, n in enumerate(nodes)}
+    first_use = nodes[bucket["use"]]
     layout = sorted({u for m in members for u in _users(next(iter(m.users))) if _layout_only(u)}, key=pos.get)
     with graph.inserting_before(first_use):  # waited before any member's result is read
         done = call(graph, c10d.wait_tensor.default, merged)
@@ -161,10 +162,10 @@ def _merge(graph: torch.fx.Graph, bucket: dict, nodes: list) -> None:
             first_use.prepend(u)
 
 
-def _hoist(xs: list, nodes: list, start: int) -> torch.fx.Node:
+def _hoist(xs: list, nodes: list, pos: dict, start: int) -> torch.fx.Node:
     """Move the layout ops that the inputs `xs` need and that come after node `start` to just after
     it, in their order (what they read is computed at or before it: `_ready`); returns the last."""
-    pos, late, stack, at = {n: i for i, n in enumerate(nodes)}, set(), list(xs), nodes[start]
+    late, stack, at = set(), list(xs), nodes[start]
     while stack:
         if pos[n := stack.pop()] > start and n not in late:
             late.add(n)
