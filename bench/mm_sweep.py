@@ -59,7 +59,7 @@ class Forced(Choices):
     def __init__(self, cfg: dict):
         self.cfg, self.used = cfg, 0
 
-    def use_mm_template(self, a, b) -> bool:
+    def use_mm_template(self, a, b, siblings=0) -> bool:
         return True
 
     def mm_template_config(self, m, n, k, device=None, dots=1, width=16) -> dict:  # (one plain weight)

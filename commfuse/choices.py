@@ -628,12 +628,15 @@ class Choices:
                 "num_warps": 4, "num_stages": 3 if d <= 64 else 2}
 
     # ------------------------------------------------------------------------- matmuls
-    def use_mm_template(self, a, b) -> bool:
+    def use_mm_template(self, a, b, siblings: int = 0) -> bool:
         """Our Triton kernel for `a @ b` (codegen/matmul.py) instead of aten's mm: few rows and
         static sizes, where the weight streams once from memory. On H200 it reached 3.3–3.7 TB/s
         against cuBLAS's 3.0–3.5 at 1–16 rows, and a fused activation costs it nothing (a
         341-configuration sweep, docs/results.md); at 32 rows they tie. bf16/fp16 only: fp32 would
-        need tl.dot's slow IEEE mode to match aten (whose fp32 mm does not use TF32)."""
+        need tl.dot's slow IEEE mode to match aten (whose fp32 mm does not use TF32). Where this
+        GPU's table has cuBLAS faster at the shape, cuBLAS, unless `siblings` other matmuls read
+        the same `a`: one launch for them all, with their epilogues (q's rotary embedding), beats
+        a lone matmul's edge (H200, 1B decode: q by cuBLAS left its group and its rotary apart)."""
         if not config.mm_template or a.get_dtype() not in MM_TEMPLATE_DTYPES or b.get_dtype() != a.get_dtype():
             return False
         if a.get_device().type not in ("cuda", "cpu"):  # the CPU runs Triton's interpreter
@@ -644,7 +647,7 @@ class Choices:
         if not (1 <= int(m) <= config.mm_template_max_rows and int(k) >= 16 and int(n) >= 16):
             return False
         row = mm_row(a.get_device(), int(m), int(k), int(n))  # this GPU's measured table: cuBLAS where it won
-        return row is None or row["us"] <= row["cublas_us"]
+        return row is None or row["us"] <= row["cublas_us"] or (siblings > 0 and self.mm_group_member(1))
 
     def mm_group_member(self, members: int) -> bool:
         """May a few-row matmul join a group of `members` that load the same `a` (one launch over

@@ -82,6 +82,26 @@ def _zero_padded(x, pad):
     return permute(copies[key], [1, 0]).realize() if transposed else copies[key].realize()
 
 
+def _sibling_mms(node) -> int:
+    """Other mms whose left operand is this mm's, through views (each nn.Linear views it anew)."""
+    views = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+    if node is None or node.target is not aten.mm.default or not isinstance(node.args[0], torch.fx.Node):
+        return 0  # (an mm this lowering makes for another op)
+    root = node.args[0]
+    while root.target in views and isinstance(root.args[0], torch.fx.Node):
+        root = root.args[0]
+    seen, todo, mms = set(), [root], 0
+    while todo:
+        n = todo.pop()
+        for u in n.users:
+            if u.target in views and u not in seen:
+                seen.add(u)
+                todo.append(u)
+            elif u.target is aten.mm.default and u.args[0] is n and u is not node:
+                mms += 1
+    return mms
+
+
 def _pad_key(view, x, pad, transposed=False) -> tuple:
     stride = view.layout.stride[::-1] if transposed else view.layout.stride
     return view.base.name, view.layout.offset, tuple(x.get_size()), tuple(stride), tuple(pad)
@@ -91,7 +111,7 @@ def _pad_key(view, x, pad, transposed=False) -> tuple:
 def mm(a, b):
     if not (isinstance(a, TensorBox) and isinstance(b, TensorBox)):
         return None
-    if not V.choices.use_mm_template(a, b):
+    if not V.choices.use_mm_template(a, b, _sibling_mms(V.graph.current_node)):
         return aligned_mm(a, b)
     prologue = isinstance(a.data, ir.Pointwise)
     if not prologue:

@@ -43,18 +43,63 @@ def test_written_table_is_what_the_policy_picks(tmp_path, monkeypatch):
     assert Choices().mm_template_config(8, 4096, 4096, cuda)["BLOCK_N"] == 64
 
 
+def _one_row_table(tmp_path, monkeypatch, mkn, block_n, us, cublas_us):
+    """This test GPU's table: one measured shape, its tiles `block_n` wide."""
+    monkeypatch.setattr(tuned_tables, "MM_TABLE_DIR", str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: GPU)
+    cfg = {"BLOCK_N": block_n, "BLOCK_K": 128, "SPLIT_K": 8, "num_warps": 4, "num_stages": 3}
+    sweep = tmp_path / "sweep.json"
+    sweep.write_text(json.dumps({"meta": {"device_name": GPU, "commit": "abc", "date": "today"}, "results": [
+        dict(zip("mkn", mkn), best={"config": cfg, "us": us}, cublas={"us": cublas_us})]}))
+    mm_sweep.write_table(str(sweep))
+
+
 def test_a_measured_narrower_tile_keeps_a_rotary_epilogue_apart(tmp_path, monkeypatch):
     """A rotary embedding's epilogue needs tiles a head wide; where this GPU's table measured the
     group's matmul with narrower tiles, the measured configuration stays and the epilogue does not
     join (where no row exists, or the row's tiles are wide enough, it does)."""
-    monkeypatch.setattr(tuned_tables, "MM_TABLE_DIR", str(tmp_path))
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: GPU)
-    cfg = {"BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 8, "num_warps": 4, "num_stages": 3}
-    sweep = tmp_path / "sweep.json"
-    sweep.write_text(json.dumps({"meta": {"device_name": GPU, "commit": "abc", "date": "today"}, "results": [
-        {"m": 8, "k": 4096, "n": 1536, "best": {"config": cfg, "us": 7.5}, "cublas": {"us": 8.4}}]}))
-    mm_sweep.write_table(str(sweep))
+    _one_row_table(tmp_path, monkeypatch, (8, 4096, 1536), 32, 7.5, 8.4)
     cuda, policy = torch.device("cuda", 0), Choices()
     assert not policy.mm_epilogue(2, (8, 1536, 4096, cuda), 128)  # the measured 32-wide tiles stay
     assert policy.mm_epilogue(2, (8, 1536, 4096, cuda), 32) and policy.mm_epilogue(2, (8, 1536, 4096, cuda), 16)
     assert policy.mm_epilogue(2, (8, 3072, 4096, cuda), 128)  # no row for this group: the heuristic, widened
+
+
+class _Box:  # what use_mm_template asks of a lowered operand
+    def __init__(self, size, device):
+        self.size, self.device = size, device
+
+    def get_size(self):
+        return self.size
+
+    def get_dtype(self):
+        return torch.bfloat16
+
+    def get_device(self):
+        return self.device
+
+
+def test_cublas_where_it_won_unless_other_matmuls_share_the_operand(tmp_path, monkeypatch):
+    """Where the table has cuBLAS faster at a shape, a lone matmul runs cuBLAS, but one whose left
+    operand other matmuls read (q beside k and v) stays in the template: one launch for the group."""
+    _one_row_table(tmp_path, monkeypatch, (8, 2048, 2048), 64, 6.4, 6.2)
+    cuda = torch.device("cuda", 0)
+    a, b = _Box([8, 2048], cuda), _Box([2048, 2048], cuda)
+    assert not Choices().use_mm_template(a, b)
+    assert Choices().use_mm_template(a, b, siblings=2)
+    assert Choices().use_mm_template(a, _Box([2048, 512], cuda))  # no row: the template
+
+
+def test_sibling_matmuls_are_counted_through_views():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from lowering.matmul import _sibling_mms
+
+    def layer(x, wq, wk, wo):  # q and k each view x anew, as nn.Linear does; o reads another operand
+        q = x.view(8, 64) @ wq
+        k = x.reshape(8, 64) @ wk
+        return q, k, q @ wo
+
+    gm = make_fx(layer)(torch.randn(8, 1, 64), torch.randn(64, 64), torch.randn(64, 16), torch.randn(64, 64))
+    mms = [n for n in gm.graph.nodes if n.target is torch.ops.aten.mm.default]
+    assert [_sibling_mms(n) for n in mms] == [1, 1, 0]
