@@ -19,6 +19,7 @@ import re
 import torch
 import torch.distributed as dist
 
+import commfuse.choices
 from bench import timing
 
 
@@ -236,6 +237,10 @@ def kernel_table(call, steps, dev, bandwidth_gbs, elem=2, graph_steps=10, replay
     ranks = [None] * dist.get_world_size()  # every rank's times: a rank waiting in a collective waits for another
     dist.all_gather_object(ranks, (per, order))
     others = [r for r, _ in ranks[:dist.get_rank()] + ranks[dist.get_rank() + 1:]]
+    if gpu and commfuse.choices.current().dependent_launch(dev):
+        how += (". Kernels launched as dependents (config.dependent_launch) start before the one ahead has"
+                " finished and wait for it, so their times overlap and include that wait: for each kernel's"
+                " own time, run with COMMFUSE_DEPENDENT_LAUNCH=0")
     lines = [f"Profiled: {how}; per step.", "",
              f"| kernel | µs per step | other ranks' µs | launches per step | MB per step | GB/s | of {bandwidth_gbs:.0f} GB/s |",
              "|---|---|---|---|---|---|---|"]

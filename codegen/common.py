@@ -7,6 +7,10 @@ import math
 import torch
 from sympy.printing.str import StrPrinter
 
+# a kernel's first line where it launches as a programmatic dependent (choices.dependent_launch);
+# the wrapper launches a kernel with `launch_pdl` exactly where its source has it
+AFTER_PREDECESSOR = "triton_helpers.after_predecessor()"
+
 
 class IndentedBuffer:
     def __init__(self, indent: int = 0):

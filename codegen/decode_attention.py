@@ -22,6 +22,8 @@ import torch
 from commfuse import sizevars
 from commfuse.virtualized import V
 
+from .common import AFTER_PREDECESSOR
+
 SPLIT = '''
 @triton.jit
 def {name}(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, part_acc, part_ml, S, scale,
@@ -29,7 +31,7 @@ def {name}(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, part_acc, part_ml, S, scale,
         HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, GBLOCK: tl.constexpr, DBLOCK: tl.constexpr,
         BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, MASK: tl.constexpr, MASK_HEADS: tl.constexpr,
         SCAN: tl.constexpr, F32: tl.constexpr):
-    bh = tl.program_id(0).to(tl.int64)
+    {after}bh = tl.program_id(0).to(tl.int64)
     b, kvh = bh // HKV, bh % HKV
     split = tl.program_id(1)
     g = tl.arange(0, GBLOCK)[:, None]          # query heads of the group, rows
@@ -113,7 +115,7 @@ COMBINE = '''
 @triton.jit
 def {name}(part_acc, part_ml, out_ptr, sob, soh, sod, HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr,
         D: tl.constexpr, DBLOCK: tl.constexpr, SPLITS: tl.constexpr, SBLOCK: tl.constexpr):
-    bq = tl.program_id(0).to(tl.int64)        # (b, query head)
+    {after}bq = tl.program_id(0).to(tl.int64)        # (b, query head)
     b, h = bq // HQ, bq % HQ
     s = tl.arange(0, SBLOCK)[:, None]
     d = tl.arange(0, DBLOCK)[None, :]
@@ -157,12 +159,13 @@ def launches(buf, value) -> tuple[dict, list[tuple]]:
               f"SPLITS={splits}, MASK={_MASKS[buf.mask]}, MASK_HEADS={heads}, SCAN={scan}, F32={cfg['F32'] or dtype == torch.float32}, "
               f"num_warps={cfg['num_warps']}, num_stages={cfg['num_stages']}")
     name = f"cf_attn_{buf.name}"
-    out = [(name, SPLIT.format(name=name).lstrip("\n"), f"({b * hkv}, {splits})", args, specs, consts)]
+    after = AFTER_PREDECESSOR + "\n    " if V.choices.dependent_launch(q.get_device()) else ""
+    out = [(name, SPLIT.format(name=name, after=after).lstrip("\n"), f"({b * hkv}, {splits})", args, specs, consts)]
     if splits > 1:
         name = f"cf_attn_combine_{buf.name}"
         consts = (f"HQ={hq}, HKV={hkv}, G={g}, D={d}, DBLOCK={cfg['DBLOCK']}, SPLITS={splits}, "
                   f"SBLOCK={sizevars.next_pow2(splits)}, num_warps=4")
-        out.append((name, COMBINE.format(name=name).lstrip("\n"), f"({b * hq},)",
+        out.append((name, COMBINE.format(name=name, after=after).lstrip("\n"), f"({b * hq},)",
                     [*scratch, buf.name, *map(str, strides[-3:])], [*scratch_dtypes, dtype, *strides[-3:]], consts))
     return cfg, out
 

@@ -28,7 +28,7 @@ from commfuse.runtime.loader import interpreting
 from commfuse.scheduler import RSYM, XSYM
 from commfuse.virtualized import V
 
-from .common import IndentedBuffer, triton_dtype
+from .common import AFTER_PREDECESSOR, IndentedBuffer, triton_dtype
 from .triton import TritonKernel
 from .triton_ops import TritonOps, Var, store_text
 
@@ -132,6 +132,8 @@ def render(nodes: list, internal: set, name: str) -> tuple[str, dict]:
     code.writeline(f"def {name}({', '.join(params + pointers)}, ws_ptr, lock_ptr, xnumel, rnumel, {', '.join(ints)}, "
                    "XBLOCK: tl.constexpr, RBLOCK: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr):")
     with code.indent():
+        if V.choices.dependent_launch(first.get_device()):
+            code.writeline(AFTER_PREDECESSOR)
         code.writelines(["pid = tl.program_id(0)", "xindex = tl.arange(0, XBLOCK)[:, None]", "xmask = xindex < xnumel",
                          "k_len = tl.cdiv(rnumel, SPLIT_K * RBLOCK) * RBLOCK  # this program's share of K",
                          "k_start = tl.program_id(1) * k_len"])

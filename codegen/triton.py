@@ -22,7 +22,7 @@ from commfuse.virtualized import V
 
 from . import comm as comm_codegen
 from .block_ptr import Axis, block_ptr
-from .common import IndentedBuffer, compute_dtype, literal, texpr, triton_dtype
+from .common import AFTER_PREDECESSOR, IndentedBuffer, compute_dtype, literal, texpr, triton_dtype
 from .triton_ops import TritonOps, Var, store_text
 
 XNAME, RNAME = sympy.Symbol("xindex", integer=True, nonnegative=True), \
@@ -527,6 +527,8 @@ class TritonKernel:
         typed = [f"{p}: tl.float64" if sympy.Symbol(p) in V.graph.float_scalars else p for p in params]
         code.writeline(f"def {self.name}({', '.join(typed + consts)}):")
         with code.indent():
+            if self.comm is None and V.choices.dependent_launch(self.group.nodes[0].device):
+                code.writeline(AFTER_PREDECESSOR)
             if self.is_red:
                 code.writeline("rbase = tl.arange(0, RBLOCK)[None, :]")
             if self.comm is None and self.group.mixed_programs:  # programs stride over the rows

@@ -14,7 +14,7 @@ from commfuse.choices import group_size_or_0
 from commfuse.runtime.compile_worker import HOST_CODE
 from commfuse.virtualized import V
 
-from .common import IndentedBuffer, pexpr
+from .common import AFTER_PREDECESSOR, IndentedBuffer, pexpr
 from . import comm as comm_codegen
 from . import decode_attention as attention_codegen
 from . import matmul as matmul_codegen
@@ -102,9 +102,12 @@ class WrapperCodegen:
         self.constants[name] = x
         return f"constants[{name!r}]"
 
-    def launch(self, name: str, grid: str, args: list, specs: list, consts: str) -> str:
+    def launch(self, name: str, grid: str, args: list, specs: list, consts: str, src: str = "") -> str:
         """A kernel launch's line; the launch is listed in `_launches` with `specs` for its `args`:
-        a tensor's dtype, an integer's value (its hint if dynamic)."""
+        a tensor's dtype, an integer's value (its hint if dynamic). A kernel whose source `src`
+        waits for the kernel ahead launches as its programmatic dependent."""
+        if AFTER_PREDECESSOR in src:
+            consts += ", launch_pdl=True"
         self.launches[f"({name}, ({', '.join(map(str, specs))},), dict({consts})),"] = None
         # a site of its own per line, even for a kernel launched twice: each launch's pointers
         # may be aligned differently, and its site keeps the kernel compiled for its own
@@ -366,7 +369,7 @@ class WrapperCodegen:
         if sizevars.is_static(X) and int(X) == 0:
             self.body.writeline(f"# {name} skipped: empty")
         else:
-            launch = self.launch(name, grid, args, specs, f"{consts}, num_warps={blocks['num_warps']}")
+            launch = self.launch(name, grid, args, specs, f"{consts}, num_warps={blocks['num_warps']}", src)
             if plans:
                 self.effect("issues a collective")
             if not sizevars.is_static(X):
@@ -473,7 +476,7 @@ class WrapperCodegen:
         specs += [*scratch_dtypes, *(sizevars.hint(i) for i in ints)]
         consts = (f"XBLOCK={cfg['BLOCK_M']}, RBLOCK={cfg['BLOCK_K']}, BLOCK_N={cfg['BLOCK_N']}, "
                   f"SPLIT_K={cfg['SPLIT_K']}, num_warps={cfg['num_warps']}, num_stages={cfg['num_stages']}")
-        self.body.writeline(self.launch(kernel, f"({meta['programs']}, {cfg['SPLIT_K']})", args, specs, consts))
+        self.body.writeline(self.launch(kernel, f"({meta['programs']}, {cfg['SPLIT_K']})", args, specs, consts, src))
         writes = [n.name for n in grp.nodes if n.name not in self.sched.internal]
         reads = sorted({r for n in grp.nodes for r in n.read_names} - set(grp.names))
         self.kernel_info.append({"name": kernel, "reads": reads, "writes": writes, "nodes": grp.names,
@@ -487,7 +490,7 @@ class WrapperCodegen:
         reads = [getattr(r, "base", r).name for r in buf.inputs()]
         for name, src, grid, args, specs, consts in kernels:
             name = self.define(name, src)
-            self.body.writeline(self.launch(name, grid, args, specs, consts))
+            self.body.writeline(self.launch(name, grid, args, specs, consts, src))
             self.kernel_info.append({"name": name, "reads": reads, "writes": [buf.name], "nodes": [buf.name], "config": cfg,
                                      "template": "decode_attention", "reduction": False, "persistent": False, "tiled": False})
 

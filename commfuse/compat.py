@@ -16,6 +16,21 @@ def triton_has_block_ptr() -> bool:
 
 
 @functools.lru_cache(None)
+def triton_has_dependent_launch() -> bool:
+    """Programmatic dependent launch: `tl.extra.cuda.gdc_wait` in a kernel and the `launch_pdl`
+    launch option (Triton >= 3.4, CUDA backend)."""
+    try:
+        import dataclasses
+
+        import triton.language as tl
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return hasattr(tl.extra, "cuda") and hasattr(tl.extra.cuda, "gdc_wait") and \
+        "launch_pdl" in {f.name for f in dataclasses.fields(CUDAOptions)}
+
+
+@functools.lru_cache(None)
 def patch_interpreter_index() -> None:
     """Triton < 3.7's interpreter turns a scalar into a Python int (a `range()` bound that is a
     kernel argument) with `int()` of a 1-element 1-d array, which numpy >= 2.4 refuses ("only

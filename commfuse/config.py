@@ -40,6 +40,9 @@ cuda_graphs = False           # capture each compiled graph in a CUDA graph afte
 compile_workers: int | None = None  # processes that compile a graph's Triton kernels before its first
                                    # call, for all graphs (CUDA only); 0: each compiles at its first
                                    # launch; None: this host's CPUs / its ranks (LOCAL_WORLD_SIZE)
+dependent_launch = True       # on Hopper and later, generated kernels launch as programmatic dependents
+                              # of the kernel before them: each waits at its top for that one to finish,
+                              # so its launch (and a matmul's weight prefetch) overlaps that one's tail
 
 # Attention.
 sdpa_gqa = True               # K/V repeated for grouped-query attention reach SDPA unrepeated,

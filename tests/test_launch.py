@@ -2,12 +2,15 @@
 its compiled kernel directly; a call under any other key (an input aligned otherwise, other
 sizes) goes through the JIT, which specializes for it."""
 import collections
+import re
 
 import pytest
 import torch
 
+from commfuse.choices import Choices
 from commfuse.runtime import launch
 from commfuse.runtime.launch import Launches, Site
+from tests.common import DEVICE, compile_and_run
 
 Param = collections.namedtuple("Param", "name is_constexpr")
 
@@ -88,3 +91,33 @@ def test_an_input_aligned_otherwise_is_launched_for_its_alignment():
     for offset in (0, 0, 1, 0, 1, 4):
         x = storage[offset:offset + 64 * 256].view(64, 256)
         torch.testing.assert_close(compiled(x, y), fn(x, y))
+
+
+class _Dependent(Choices):
+    def dependent_launch(self, device):  # Hopper's choice, forced: the interpreter waits for nothing
+        return True
+
+
+def test_dependent_launch_waits_first(tmp_path):
+    """Where kernels launch as programmatic dependents (Choices.dependent_launch), each generated
+    kernel (pointwise and reduction, matmul, decode attention) waits for the kernel ahead before it
+    touches memory, and launches with `launch_pdl`. Results are eager's."""
+    def step(x, w1, w2, q, k, v):
+        h = x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5).to(x.dtype)
+        y = torch.nn.functional.silu(h @ w1.t()) @ w2.t()
+        return y, torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+    bf = dict(dtype=torch.bfloat16, device=DEVICE)
+    args = (torch.randn(4, 64, **bf), torch.randn(96, 64, **bf) / 8, torch.randn(64, 96, **bf) / 8,
+            torch.randn(2, 4, 1, 16, **bf), torch.randn(2, 4, 40, 16, **bf), torch.randn(2, 4, 40, 16, **bf))
+    want = step(*args)
+    got, dumps = compile_and_run(step, *args, tmp_path=tmp_path, choices=_Dependent(), decode_attention=True)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=2e-2, rtol=2e-2)
+    _, code = dumps.only()
+    kernels = re.findall(r"^def (cf_\w+)\(.*?\):\n(.*?)(?=^\S|\Z)", code, re.S | re.M)
+    assert {"mm", "attn", "red"} <= {name.split("_")[1] for name, _ in kernels}, [n for n, _ in kernels]
+    for name, body in kernels:
+        assert body.lstrip().startswith("triton_helpers.after_predecessor()\n"), (name, body)
+    sites = re.findall(r"^\w+_launch\d+ = Site\((\w+), dict\((.*)\)\)$", code, re.M)
+    assert sites and all("launch_pdl=True" in options for _, options in sites), sites

@@ -251,6 +251,21 @@ if not interpreting():
         return libdevice.cosh(x)
 
 
+# Programmatic dependent launch (choices.dependent_launch): a kernel launched with `launch_pdl`
+# may start before the kernel ahead of it in its stream has finished; it touches memory only after
+# `after_predecessor`, which waits for that kernel and its writes, then lets the next one launch
+# (after the wait, not before: no chain of kernels started early holding the SMs).
+if interpreting():  # one program at a time, in launch order
+    @triton.jit
+    def after_predecessor():
+        pass
+else:
+    @triton.jit
+    def after_predecessor():
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
 # A comm kernel's barrier wait, bounded (codegen/comm.py: barrier_lines). Only a poll that finds a
 # peer missing calls this: the first starts the clock (so the wait costs nothing where no peer is
 # missing). Past the timeout in this rank's header (runtime/peers.py; comm.barrier_timeout_s), or
