@@ -312,3 +312,37 @@ def _two_levels(rank, world):
 
 def test_sub_group_and_world_in_one_graph():
     assert run_ranks(_two_levels, world=4) == [True] * 4
+
+
+def _initialized_again(rank, world, init_dir, second):
+    """The same all-reduce compiled and checked by every rank, then the process group destroyed and
+    initialized anew, and the all-reduce compiled again with algorithm `second[rank % 2]`: its
+    largest error against eager, or its error message."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    from tests.dist_utils import use_cuda
+    x = torch.randn(64, device=device()) + rank
+    fn = lambda t: funcol.all_reduce(t * 2, "sum", dist.group.WORLD) + 1  # noqa: E731
+
+    def run(algorithm):
+        torch._dynamo.reset()
+        options = {"comm.plan_check_timeout_s": 3, "comm.algorithm": algorithm}
+        return (torch.compile(fn, backend="commfuse", options=options)(x) - fn(x)).abs().max().item()
+    first = run("one_shot")
+    dist.destroy_process_group()
+    dist.init_process_group("nccl" if use_cuda(world) else "gloo", init_method=f"file://{init_dir}/again",
+                            rank=rank, world_size=world)
+    try:
+        return max(first, run(second[rank % 2]))
+    except Exception as e:
+        return str(e)
+
+
+def test_a_group_initialized_again_runs_and_checks_its_plans_anew(tmp_path):
+    """What the ranks agreed on lives with the store of one init_process_group. After a new one,
+    the all-reduce runs as before; and where an odd rank picks another algorithm, every rank names
+    the disagreement (rank 0, whose plan was agreed before, skipped the check its peer waited in)."""
+    (tmp_path / "same").mkdir(), (tmp_path / "other").mkdir()
+    assert max(run_ranks(_initialized_again, WORLD, args=(str(tmp_path / "same"), ("one_shot",) * 2))) < 1e-5
+    for message in run_ranks(_initialized_again, WORLD, args=(str(tmp_path / "other"), ("one_shot", "two_shot"))):
+        assert "ranks disagree" in message and "two_shot" in message, message

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import re
 import time
+import weakref
 
 import torch.distributed as dist
 
@@ -20,9 +21,14 @@ from commfuse import config
 
 from .peers import PeerError, proc_gone, proc_id
 
-_sequence: dict = {}
-_agreed: dict = {}  # group -> the plans every rank of it checked
-_announced = False
+# per c10d default store, so per init_process_group (a process that destroys its group and inits
+# anew starts over): each group's check count, the plans every rank of a group checked, and whether
+# this process announced itself there
+_by_store: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _state(store) -> dict:
+    return _by_store.setdefault(store, {"sequence": {}, "agreed": {}, "announced": False})
 
 # what a rank's comm kernel does beside its peers' without changing what they exchange: its own
 # input written by a producer fused in (program i writes the slice program i of every rank reads:
@@ -89,15 +95,16 @@ def announce() -> None:
     """Tell the peers once where this process is, at its first compile: a peer waiting at a plan
     check for a rank that exits without reaching one (its branch had no collective) sees it gone at
     once, not after the timeout."""
-    global _announced
-    if _announced or not (dist.is_available() and dist.is_initialized()):
+    if not (dist.is_available() and dist.is_initialized()):
         return
     from torch.distributed.distributed_c10d import _get_default_store
     try:
-        _get_default_store().set(f"commfuse/proc/{dist.get_rank()}", proc_id())
+        store = _get_default_store()
+        if not _state(store)["announced"]:
+            store.set(f"commfuse/proc/{dist.get_rank()}", proc_id())
     except (RuntimeError, ValueError):  # no default store (a group made without one): the checks set it
         return
-    _announced = True
+    _state(store)["announced"] = True
 
 
 def check_plans_agree(graph_id: str, pools: dict, buffers: list, groups: dict, protocol: list = (),
@@ -117,12 +124,13 @@ def check_plans_agree(graph_id: str, pools: dict, buffers: list, groups: dict, p
         mine = json.dumps({"graph": graph_id.split("_", 1)[1], "pools": own,
                            "protocol": _protocol(protocol, group_name), "buffers": _describe(bufs),
                            "names": {"buffers": [b["name"] for b in bufs], "protocol": [p["kernel"] for p in protocol]}})
-        agreed, wire = _agreed.setdefault(group_name, set()), _collectives(mine)
+        store = _get_default_store()
+        state = _state(store)
+        agreed, wire = state["agreed"].setdefault(group_name, set()), _collectives(mine)
         if wire in agreed:  # every rank of the group checked this plan already: a graph compiled
             continue  # again on this rank alone (its last batch shorter) runs it as the peers do
         ranks = dist.get_process_group_ranks(groups[group_name])
-        seq = _sequence[group_name] = _sequence.get(group_name, 0) + 1
-        store = _get_default_store()
+        seq = state["sequence"][group_name] = state["sequence"].get(group_name, 0) + 1
         prefix = f"commfuse/plan/{group_name}/{seq}"
         me = dist.get_rank()
         announce()  # where the peers find this process, to see it gone
