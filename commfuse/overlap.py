@@ -11,7 +11,8 @@ alone sinks to just before the first group that needs it (or to the end). Nothin
 other ranks crosses another, so every rank issues its collectives in the program's order; a
 collective is only ever moved earlier. Where that raises the estimated peak past the policy's
 bound (`Choices.overlap_within_peak`: the program order's peak, or a share over the memory
-order's), the collective keeps its place in the memory order.
+order's), the collective is issued as early as the bound allows; where none does, it keeps its
+place in the memory order.
 Our own symmetric comm kernels run on the compute stream and stay where they are.
 """
 from __future__ import annotations
@@ -40,13 +41,24 @@ def schedule(sched, order: list, inplace: dict, program: list) -> tuple[list, di
     estimate = lambda o: memory.peak_memory(sched, o, memory.inplace_updates(o, inplace))  # noqa: E731
     base, program_peak, notes = estimate(order), estimate(program), {}
     for c in collectives:
-        candidate = _sink_waits(_hoist(order, c, preds), c, preds, succs, at)
-        peak = estimate(candidate)
-        if V.choices.overlap_within_peak(peak, base, program_peak):
-            order, notes[c.nodes[0].name] = candidate, "issued early, waited at first use"
-        else:
-            notes[c.nodes[0].name] = f"kept in the memory order: overlapped, the estimated peak would be {peak}, " \
-                                     f"not {base}"
+        place = lambda p: _sink_waits(_hoist(order, c, preds, p), c, preds, succs, at)  # noqa: E731
+        fits = lambda o: V.choices.overlap_within_peak(estimate(o), base, program_peak)  # noqa: E731
+        candidate, name = place(0), c.nodes[0].name
+        if fits(candidate):
+            order, notes[name] = candidate, "issued early, waited at first use"
+            continue
+        # as early as the bound allows: held gathered weights grow the further ahead it is issued
+        # (FSDP's all-gathers, one block ahead rather than every one at the start or none)
+        lo, hi = _earliest(order, c, preds), order.index(c)
+        if not fits(place(hi)):
+            notes[name] = f"kept in the memory order: overlapped, the estimated peak would be " \
+                          f"{estimate(candidate)}, not {base}"
+            continue
+        while hi - lo > 1:  # the peak grows (about) monotonically with how early it is issued
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if fits(place(mid)) else (mid, hi)
+        order, notes[name] = place(hi), f"issued {order.index(c) - hi} groups early (within the estimated peak's " \
+                                         "bound), waited at first use"
     done = set()
     for g in order:
         assert preds[id(g)] <= done, f"overlap order runs {g!r} before what it needs"
@@ -78,12 +90,20 @@ def _reach(g, edges) -> set:
     return seen
 
 
-def _hoist(order: list, c, preds) -> list:
-    """`c` right after the last group that meets other ranks before it (or first), with the groups
-    it needs that lie between moved up before it, in their order."""
+def _earliest(order: list, c, preds) -> int:
+    """Where `c` may go at the earliest: right after the last group that meets other ranks before
+    it (or first)."""
     ancestors = _reach(c, preds)
     i = order.index(c)
-    p = 1 + max((k for k, g in enumerate(order[:i]) if id(g) in ancestors and memory.communicates(g)), default=-1)
+    return 1 + max((k for k, g in enumerate(order[:i]) if id(g) in ancestors and memory.communicates(g)), default=-1)
+
+
+def _hoist(order: list, c, preds, at_least: int = 0) -> list:
+    """`c` at its earliest place (or at place `at_least`, if later), with the groups it needs that
+    lie between moved up before it, in their order."""
+    ancestors = _reach(c, preds)
+    i = order.index(c)
+    p = max(_earliest(order, c, preds), min(at_least, i))
     between = order[p:i]
     return order[:p] + [g for g in between if id(g) in ancestors] + [c] + \
         [g for g in between if id(g) not in ancestors] + order[i + 1:]

@@ -61,7 +61,13 @@ def _programs(g1: str, g2: str) -> dict:
         y = c10d.all_reduce(x * 2, "sum", g1)
         return c10d.wait_tensor(y).sum(0), h
 
-    return dict(early=early, far_wait=far_wait, barrier=barrier, two_groups=two_groups, late=late)
+    def blocks(x, *ws):  # FSDP: each block's weight gathered just before the block uses it
+        h = x
+        for w in ws:
+            h = torch.relu(h @ c10d.wait_tensor(c10d.all_gather_into_tensor(w, 1, g1)))
+        return h
+
+    return dict(early=early, far_wait=far_wait, barrier=barrier, two_groups=two_groups, late=late, blocks=blocks)
 
 
 def _swapped(rank: int, group: str):
@@ -107,7 +113,11 @@ def _ranks(rank, world, tmp):
         big = [torch.randn(n, n, device=device()) for n in (576, 512, 512)]  # a 1.3 MB all-reduce
         cases = {"early": (small, {}), "far_wait": (big, {}), "far_wait_off": (big, {"overlap_collectives": False}),
                  "barrier": (small, {}), "two_groups": (small, {}), "late": ([big[0], *small[1:]], {}),
-                 "late_loose": ([big[0], *small[1:]], {"overlap_peak_share": 1.0})}
+                 "late_loose": ([big[0], *small[1:]], {"overlap_peak_share": 1.0}),
+                 # a gathered weight is 64 KB against a peak of about 576 KB: one more held fits the bound
+                 "blocks": ([torch.randn(512, 128, device=device()), *(torch.randn(128, 128, device=device()) / 8
+                                                                        for _ in range(4))],
+                            {"overlap_peak_share": 0.15, "comm.bucketing": False})}
         programs = _programs(g1, g2)
         for name, (args, patch) in cases.items():
             fn = programs[name.removesuffix("_off").removesuffix("_loose")]
@@ -172,6 +182,16 @@ def test_overlap_orders(tmp_path):
     assert summary["c10d_overlap"][0]["placed"].startswith("kept in the memory order"), summary["c10d_overlap"]
     summary, code, *_ = res["late_loose"]  # ... as it may, under a looser bound: waited after them
     FileCheck().check(ar).check_count(mm, 2).check(wait).run(_call(code))
+
+    # every all-gather at the start would hold all gathered weights past the bound; the last is
+    # issued as early as the bound allows, not left where its block needs it: each is issued at
+    # least a block ahead
+    summary, code, *_ = res["blocks"]
+    lines = _call(code).splitlines()
+    issued = [k for k, line in enumerate(lines) if "_c10d_functional.all_gather_into_tensor" in line]
+    mms = [k for k, line in enumerate(lines) if mm in line]
+    assert len(issued) == len(mms) == 4 and all(issued[i] < mms[i - 1] for i in (1, 2, 3)), (issued, mms)
+    assert issued[3] > mms[0] and "groups early" in summary["c10d_overlap"][3]["placed"], summary["c10d_overlap"]
 
     # c10d where the independent matmuls outlast it, though the table has our kernel faster alone
     for plans, code in (o["hidden"] for o in out):
