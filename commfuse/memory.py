@@ -76,9 +76,11 @@ def recyclable(sched) -> set:
 
 
 # ----------------------------------------------------------------------------- liveness
-def storage_of(sched, inplace: dict | None = None) -> dict:
-    """{buffer: the buffer whose allocation holds it}, for every stored buffer the graph owns."""
-    alias = dict(inplace or {})
+def storage_basis(sched) -> tuple:
+    """What `storage_of` needs that no order changes: the graph's own aliases (an extern writing
+    into a view of another buffer, a view returned by aten, a wait returning its input), the
+    stored buffers the graph owns, in order, and which buffers it owns; and a cache of sizes."""
+    alias = {}
     for g in sched.groups:
         for n in g.nodes:
             buf = n.buf
@@ -86,23 +88,29 @@ def storage_of(sched, inplace: dict | None = None) -> dict:
                 alias[n.name] = buf.out_view.base.name
             elif getattr(buf, "aliases", False) and not buf.multi_output or is_wait(g):  # a wait returns its input
                 alias[n.name] = next((r for r in sorted(n.read_names) if owned(r)), None)
+    names = dict.fromkeys(name for g in sched.groups for name in g.read_names | g.write_names)
+    is_owned = {name: owned(name) for name in [*names, *alias.values()] if name is not None}
+    return alias, [n for n in names if n not in sched.internal and is_owned[n]], is_owned, {}
+
+
+def storage_of(sched, inplace: dict | None = None, basis: tuple | None = None) -> dict:
+    """{buffer: the buffer whose allocation holds it}, for every stored buffer the graph owns."""
+    graph_alias, names, is_owned, _ = basis or storage_basis(sched)
+    alias = {**(inplace or {}), **graph_alias}
     out = {}
-    for g in sched.groups:
-        for name in g.read_names | g.write_names:
-            if name in sched.internal or not owned(name) or name in out:
-                continue
-            root = name
-            while root in alias:
-                root = alias[root]
-            if root is not None and owned(root):
-                out[name] = root
+    for name in names:
+        root = name
+        while root in alias:
+            root = alias[root]
+        if root is not None and (is_owned[root] if root in is_owned else owned(root)):
+            out[name] = root
     return out
 
 
-def lifetimes(sched, order, inplace: dict | None = None) -> dict:
+def lifetimes(sched, order, inplace: dict | None = None, basis: tuple | None = None) -> dict:
     """{storage: (first step, last step)}; donated inputs live from the start, storages holding
     graph outputs to the end."""
-    storage = storage_of(sched, inplace)
+    storage = storage_of(sched, inplace, basis)
     span = {}
     for step, g in enumerate(order):
         for name in g.read_names | g.write_names:
@@ -113,18 +121,28 @@ def lifetimes(sched, order, inplace: dict | None = None) -> dict:
     return {s: (a, len(order) - 1 if s in kept else b) for s, (a, b) in span.items()}
 
 
-def live_bytes(sched, order, inplace: dict | None = None) -> list:
+def live_bytes(sched, order, inplace: dict | None = None, basis: tuple | None = None) -> list:
     """Bytes alive while each group runs: its inputs, its outputs and everything still needed."""
+    sizes = basis[3] if basis else {}
     delta = [0] * (len(order) + 1)
-    for s, (first, last) in lifetimes(sched, order, inplace).items():
-        delta[first] += buffer_bytes(s)
-        delta[last + 1] -= buffer_bytes(s)
+    for s, (first, last) in lifetimes(sched, order, inplace, basis).items():
+        n = sizes[s] if s in sizes else sizes.setdefault(s, buffer_bytes(s))
+        delta[first] += n
+        delta[last + 1] -= n
     return list(itertools.accumulate(delta[:-1]))
 
 
 def peak_memory(sched, order, inplace: dict | None = None) -> int:
     """Liveness-based estimate of the peak bytes the graph's own buffers take in this order."""
     return max(live_bytes(sched, order, inplace), default=0)
+
+
+def peak_estimator(sched, inplace: dict):
+    """order -> its estimated peak, counting the in-place updates that order allows (`inplace`
+    from `inplace_candidates`), with what no order changes worked out once: a schedule compares
+    many orders of the same groups."""
+    basis = storage_basis(sched)
+    return lambda order: max(live_bytes(sched, order, inplace_updates(order, inplace), basis), default=0)
 
 
 # ----------------------------------------------------------------------------- in-place updates
@@ -182,8 +200,7 @@ def reorder_for_peak_memory(sched, order: list, inplace: dict) -> tuple[list, di
     """(order, {method: estimated peak}): tries memory-aware topological orders and keeps the one
     with the lowest estimated peak, counting the in-place updates each allows (`inplace` from
     `inplace_candidates`); the given order wins ties, so the result is never worse than it."""
-    def estimate(o):
-        return peak_memory(sched, o, inplace_updates(o, inplace))
+    estimate = peak_estimator(sched, inplace)
     best, best_peak = order, estimate(order)
     peaks = {"original": best_peak}
     for method in V.choices.peak_memory_orders():

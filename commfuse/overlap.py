@@ -38,7 +38,7 @@ def schedule(sched, order: list, inplace: dict, program: list) -> tuple[list, di
         for p in ps:
             succs[p].add(gid)
     at = {id(g): i for i, g in enumerate(program)}
-    estimate = lambda o: memory.peak_memory(sched, o, memory.inplace_updates(o, inplace))  # noqa: E731
+    estimate = memory.peak_estimator(sched, inplace)
     base, program_peak, notes = estimate(order), estimate(program), {}
     for c in collectives:
         place = lambda p: _sink_waits(_hoist(order, c, preds, p), c, preds, succs, at)  # noqa: E731
