@@ -640,8 +640,8 @@ class Choices:
         kernel's tail: a decode step is a chain of short kernels (Llama-3.2-1B's on one H100: 1251
         -> 1202 µs). Prefetching a matmul's first weight tiles into L2 before the wait measured
         slower (1268 µs; 1581 for 16 steps). Comm kernels launch as before."""
-        return bool(config.dependent_launch) and device.type == "cuda" and _capability(device.index)[0] >= 9 \
-            and compat.triton_has_dependent_launch()
+        return bool(config.dependent_launch) and device.type == "cuda" and torch.version.hip is None \
+            and _capability(device.index)[0] >= 9 and compat.triton_has_dependent_launch()
 
     # ------------------------------------------------------------------------- matmuls
     def use_mm_template(self, a, b, siblings: int = 0) -> bool:
