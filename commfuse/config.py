@@ -42,7 +42,7 @@ compile_workers: int | None = None  # processes that compile a graph's Triton ke
                                    # launch; None: this host's CPUs / its ranks (LOCAL_WORLD_SIZE)
 dependent_launch = True       # on Hopper and later, generated kernels launch as programmatic dependents
                               # of the kernel before them: each waits at its top for that one to finish,
-                              # so its launch (and a matmul's weight prefetch) overlaps that one's tail
+                              # so its launch and start-up overlap that one's tail
 
 # Attention.
 sdpa_gqa = True               # K/V repeated for grouped-query attention reach SDPA unrepeated,
