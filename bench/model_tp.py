@@ -16,7 +16,7 @@ only, skipped on CPU and at world 1), commfuse, commfuse with options={"cuda_gra
 commfuse unhidden (options {"comm.hide_behind_compute": False}: each collective by the tuned table
 alone, for an A/B of the c10d-where-hidden choice; not run by default), commfuse single-buffered
 (options {"comm.double_buffer_max_bytes": 0}: every comm kernel closes with its own barrier; not
-run by default); all
+run by default), commfuse serial launch (options {"dependent_launch": False}; not run by default); all
 share one model per workload (its weights and its KV cache). On one rank (torchrun
 --nproc-per-node 1) the model is the plain one, no DTensor: the single-GPU row.
 

@@ -10,11 +10,12 @@ UNCHUNKED = "commfuse no async-TP"  # comm.async_tp off: every all-gather / redu
 UNCHUNKED_GRAPHED = "commfuse cuda_graphs no async-TP"
 CHUNKED_GRAPHED = "commfuse cuda_graphs async-TP"  # comm.async_tp on: chunked where the plan allows, replayed
 SINGLE_BUFFERED = "commfuse single-buffered"  # comm.double_buffer_max_bytes 0: every comm kernel closes with a barrier
+SERIAL = "commfuse serial launch"  # dependent_launch off: every kernel starts after the one before has finished
 VARIANTS = ("eager", "inductor", "inductor reduce-overhead", ASYNC_TP, "commfuse", "commfuse cuda_graphs", UNHIDDEN,
-            UNCHUNKED, UNCHUNKED_GRAPHED, CHUNKED_GRAPHED, SINGLE_BUFFERED)
+            UNCHUNKED, UNCHUNKED_GRAPHED, CHUNKED_GRAPHED, SINGLE_BUFFERED, SERIAL)
 SELF_GRAPHED = ("inductor reduce-overhead", "commfuse cuda_graphs", UNCHUNKED_GRAPHED, CHUNKED_GRAPHED)
 WORKLOADS = ("decode", "train", "sp", "fsdp")
-OPT_IN = (UNHIDDEN, UNCHUNKED, UNCHUNKED_GRAPHED, CHUNKED_GRAPHED, SINGLE_BUFFERED)  # A/B variants, not run by default
+OPT_IN = (UNHIDDEN, UNCHUNKED, UNCHUNKED_GRAPHED, CHUNKED_GRAPHED, SINGLE_BUFFERED, SERIAL)  # A/B variants, not run by default
 
 
 def compile_options(name) -> dict | None:
@@ -29,7 +30,8 @@ def compile_options(name) -> dict | None:
             UNCHUNKED: dict(backend="commfuse", dynamic=False, options={"comm.async_tp": "off"}),
             UNCHUNKED_GRAPHED: dict(backend="commfuse", dynamic=False, options={"cuda_graphs": True, "comm.async_tp": "off"}),
             CHUNKED_GRAPHED: dict(backend="commfuse", dynamic=False, options={"cuda_graphs": True, "comm.async_tp": "on"}),
-            SINGLE_BUFFERED: dict(backend="commfuse", dynamic=False, options={"comm.double_buffer_max_bytes": 0})}[name]
+            SINGLE_BUFFERED: dict(backend="commfuse", dynamic=False, options={"comm.double_buffer_max_bytes": 0}),
+            SERIAL: dict(backend="commfuse", dynamic=False, options={"dependent_launch": False})}[name]
 
 
 def compiled(model, name):
