@@ -41,22 +41,22 @@ def schedule(sched, order: list, inplace: dict, program: list) -> tuple[list, di
     estimate = memory.peak_estimator(sched, inplace)
     base, program_peak, notes = estimate(order), estimate(program), {}
     for c in collectives:
-        place = lambda p: _sink_waits(_hoist(order, c, preds, p), c, preds, succs, at)  # noqa: E731
-        fits = lambda o: V.choices.overlap_within_peak(estimate(o), base, program_peak)  # noqa: E731
-        candidate, name = place(0), c.nodes[0].name
-        if fits(candidate):
+        ancestors, name = _reach(c, preds), c.nodes[0].name
+        lo, hi = _earliest(order, c, ancestors), order.index(c)
+        place = lambda p: _sink_waits(_hoist(order, c, ancestors, p), c, preds, succs, at)  # noqa: E731
+        fits = lambda peak: V.choices.overlap_within_peak(peak, base, program_peak)  # noqa: E731
+        candidate = place(lo)
+        if fits(peak := estimate(candidate)):
             order, notes[name] = candidate, "issued early, waited at first use"
             continue
         # as early as the bound allows: held gathered weights grow the further ahead it is issued
         # (FSDP's all-gathers, one block ahead rather than every one at the start or none)
-        lo, hi = _earliest(order, c, preds), order.index(c)
-        if not fits(place(hi)):
-            notes[name] = f"kept in the memory order: overlapped, the estimated peak would be " \
-                          f"{estimate(candidate)}, not {base}"
+        if not fits(estimate(place(hi))):
+            notes[name] = f"kept in the memory order: overlapped, the estimated peak would be {peak}, not {base}"
             continue
         while hi - lo > 1:  # the peak grows (about) monotonically with how early it is issued
             mid = (lo + hi) // 2
-            lo, hi = (lo, mid) if fits(place(mid)) else (mid, hi)
+            lo, hi = (lo, mid) if fits(estimate(place(mid))) else (mid, hi)
         order, notes[name] = place(hi), f"issued {order.index(c) - hi} groups early (within the estimated peak's " \
                                          "bound), waited at first use"
     done = set()
@@ -90,20 +90,17 @@ def _reach(g, edges) -> set:
     return seen
 
 
-def _earliest(order: list, c, preds) -> int:
+def _earliest(order: list, c, ancestors: set) -> int:
     """Where `c` may go at the earliest: right after the last group that meets other ranks before
-    it (or first)."""
-    ancestors = _reach(c, preds)
+    it (or first). `ancestors`: the groups `c` follows (`_reach(c, preds)`)."""
     i = order.index(c)
     return 1 + max((k for k, g in enumerate(order[:i]) if id(g) in ancestors and memory.communicates(g)), default=-1)
 
 
-def _hoist(order: list, c, preds, at_least: int = 0) -> list:
-    """`c` at its earliest place (or at place `at_least`, if later), with the groups it needs that
-    lie between moved up before it, in their order."""
-    ancestors = _reach(c, preds)
+def _hoist(order: list, c, ancestors: set, p: int) -> list:
+    """`c` at place `p` (at least its earliest), with the groups it needs that lie between moved
+    up before it, in their order."""
     i = order.index(c)
-    p = max(_earliest(order, c, preds), min(at_least, i))
     between = order[p:i]
     return order[:p] + [g for g in between if id(g) in ancestors] + [c] + \
         [g for g in between if id(g) not in ancestors] + order[i + 1:]
