@@ -64,7 +64,7 @@ mm_template = True            # few-row matmuls (decode) by our own Triton kerne
                               # operand's pointwise producer fused into it, instead of aten's mm
 mm_template_max_rows = 16     # ... up to this many rows (beyond, cuBLAS is as fast: bench/results)
 mm_group = True               # those that read the same left operand run as one kernel, with a
-                              # pointwise consumer of several of them as its epilogue (mm_group.py)
+                              # pointwise consumer of one or more of them as its epilogue (mm_group.py)
 
 # Memory.
 reorder_for_peak_memory = True  # memory-aware kernel orders (lowest estimated peak), no fusion raising it

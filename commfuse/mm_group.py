@@ -2,7 +2,8 @@
 of a decode step; gate and up) become one group, one launch whose programs run over the
 concatenated column blocks of every member (codegen/matmul.py). No weight is concatenated: each
 program picks its member's `b` and output. A pointwise consumer of members (SiLU(gate) * up; a
-rotary embedding of q or k, stored into the KV cache) joins the group as an epilogue: one program
+rotary embedding of q or k, stored into the KV cache; a lone matmul's bias) joins the group (of
+one matmul or several) as an epilogue: one program
 computes those members' column block for each of them and stores the consumer's value; a member
 only it reads is never stored. The consumer reads each member at the element it computes, or at
 the other half of an aligned block of columns (rotate_half within a head), under masks that keep
@@ -45,7 +46,7 @@ def group_matmuls(sched) -> None:
                 else:
                     rest.append(g)
             groups = rest
-    for g in [g for g in sched.groups if isinstance(g.nodes[0].buf, ir.MatmulTemplate) and len(g.nodes) > 1]:
+    for g in [g for g in sched.groups if isinstance(g.nodes[0].buf, ir.MatmulTemplate)]:
         for c in sorted(sched.groups, key=lambda c: c.order):
             members, swaps = _epilogue_members(sched, g, c)
             if members and V.choices.mm_epilogue(len(members), _shape(g), tile_width(swaps.values())):

@@ -17,6 +17,7 @@ from commfuse.virtualized import V
 
 from . import register
 from .extern import realize_arg
+from .pointwise import add_sub
 from .views import constant_pad_nd, permute, slice_
 from .views import view as reshape
 
@@ -25,8 +26,14 @@ aten = torch.ops.aten
 
 @register(aten.addmm.default)
 def addmm(bias, a, b, beta=1, alpha=1):
+    """A biased Linear. Where the few-row template takes the product, the bias is its pointwise
+    consumer, so it becomes the template's epilogue (with q's rotary embedding, k's cache store:
+    Qwen2's biased q/k/v), not a cuBLAS addmm apart from its group."""
     if beta != 1 or alpha != 1 or not isinstance(bias, TensorBox) or len(bias.get_size()) != 1:
         return None
+    if isinstance(a, TensorBox) and isinstance(b, TensorBox) and \
+            V.choices.use_mm_template(a, b, _sibling_mms(V.graph.current_node)):
+        return add_sub(aten.add.Tensor, _template_mm(a, b), bias)
     return aligned_mm(a, b, bias)
 
 
@@ -82,12 +89,16 @@ def _zero_padded(x, pad):
     return permute(copies[key], [1, 0]).realize() if transposed else copies[key].realize()
 
 
+_LEFT = {aten.mm.default: 0, aten.addmm.default: 1}  # where each product op takes its left operand
+
+
 def _sibling_mms(node) -> int:
-    """Other mms whose left operand is this mm's, through views (each nn.Linear views it anew)."""
+    """Other mms (or addmms) whose left operand is this one's, through views (each nn.Linear views
+    it anew)."""
     views = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
-    if node is None or node.target is not aten.mm.default or not isinstance(node.args[0], torch.fx.Node):
+    if node is None or node.target not in _LEFT or not isinstance(node.args[_LEFT[node.target]], torch.fx.Node):
         return 0  # (an mm this lowering makes for another op)
-    root = node.args[0]
+    root = node.args[_LEFT[node.target]]
     while root.target in views and isinstance(root.args[0], torch.fx.Node):
         root = root.args[0]
     seen, todo, mms = set(), [root], 0
@@ -97,7 +108,7 @@ def _sibling_mms(node) -> int:
             if u.target in views and u not in seen:
                 seen.add(u)
                 todo.append(u)
-            elif u.target is aten.mm.default and u.args[0] is n and u is not node:
+            elif u.target in _LEFT and u.args[_LEFT[u.target]] is n and u is not node:
                 mms += 1
     return mms
 
@@ -113,6 +124,10 @@ def mm(a, b):
         return None
     if not V.choices.use_mm_template(a, b, _sibling_mms(V.graph.current_node)):
         return aligned_mm(a, b)
+    return _template_mm(a, b)
+
+
+def _template_mm(a, b):
     prologue = isinstance(a.data, ir.Pointwise)
     if not prologue:
         a.realize()

@@ -45,7 +45,8 @@ def _mms(summary):
                                      (torch.float32, 64)])
 def test_decode_block(tmp_path, dtype, k):
     """q, k, v of one normed x (odd N) in one launch; gate and up of another in one launch whose
-    epilogue is SiLU(gate) * up; the down projection reads it. K=512 splits K (atomics)."""
+    epilogue is SiLU(gate) * up; the down projection reads it, the residual add its epilogue. K=512
+    splits K (atomics)."""
     wq, wk, wv, wg, wu = _weights(k, (97, 33, 33, 45, 45), dtype)
     (wd,) = _weights(45, (k,), dtype)
 
@@ -61,12 +62,12 @@ def test_decode_block(tmp_path, dtype, k):
     if dtype == torch.float32:  # no template (fp32 is aten's): nothing to group
         assert not _mms(summary) and summary["extern_calls"].count("aten.mm.out") == 6, summary
         return
-    assert _mms(summary) == [(3, 0), (2, 1), (1, 0)], summary  # q/k/v; gate/up + SiLU*mul; down
+    assert _mms(summary) == [(3, 0), (2, 1), (1, 1)], summary  # q/k/v; gate/up + SiLU*mul; down + residual
     assert not summary["extern_calls"], summary
     gate_up = next(k for k in summary["kernels"] if k.get("members") == 2)
     assert len(gate_up["writes"]) == 1, gate_up  # only the epilogue's value: gate and up never stored
-    # 2 norms, the sum of q, 3 matmuls, the residual add (ungrouped: q, k, v, gate, up, silu * mul apart)
-    assert len(launches) == len(summary["kernels"]) == 7, launches
+    # 2 norms, the sum of q, 3 matmuls (ungrouped: q, k, v, gate, up, silu * mul and the residual add apart)
+    assert len(launches) == len(summary["kernels"]) == 6, launches
     (sigmoid_kernel,) = {name for name in re.findall(r"def (cf_\w+)\(", code)
                          if "tl.sigmoid(" in code.split(f"def {name}(", 1)[1].split("\n@triton.jit", 1)[0]}
     assert sigmoid_kernel == gate_up["name"], (sigmoid_kernel, gate_up)
@@ -91,15 +92,15 @@ def test_intermediate_with_another_user_is_stored(tmp_path):
 
 
 def test_different_k_does_not_group(tmp_path):
-    """The same stored x, loaded as [M, 48] and as [M, 64]: two left operands, two launches."""
+    """The same stored x, loaded as [M, 48] and as [M, 64]: two left operands, two matmul launches."""
     w1, w2 = _weights(48, (40,), torch.bfloat16) + _weights(64, (40,), torch.bfloat16)
 
     def two(x):
         return (F.linear(x[:, :48], w1) * F.linear(x, w2),)
 
     x = torch.randn(4, 64, dtype=torch.bfloat16, device=DEVICE)
-    summary, _, launches = _check(two, (x,), tmp_path)
-    assert _mms(summary) == [(1, 0), (1, 0)] and len(launches) == 3, (summary, launches)
+    summary, _, launches = _check(two, (x,), tmp_path)  # (the product: one of them's epilogue)
+    assert sorted(_mms(summary)) == [(1, 0), (1, 1)] and len(launches) == 2, (summary, launches)
 
 
 def test_off(tmp_path):
@@ -133,18 +134,19 @@ def _rotate_one(x):  # each column from its neighbour: crosses every pair of col
 
 @pytest.mark.parametrize("dtype,hd,rotate", [(torch.bfloat16, 16, _rotate_half), (torch.float16, 32, _rotate_half),
                                              (torch.bfloat16, 16, _rotate_pairs), (torch.bfloat16, 16, _rotate_one)])
-def test_rotary_and_cache_store_are_the_qkv_epilogue(tmp_path, dtype, hd, rotate):
+def test_rotary_and_cache_store_are_the_qkv_epilogue(tmp_path, dtype, hd, rotate, bias=False):
     """A decode step's q, k and v in one launch whose epilogues apply the rotary embedding (each
     column and the other half of its head: the tile's halves swapped in registers) and store k and
     v into the static cache at a position read from the device: no other kernel, q/k/v never
     stored. A rotation by one column reads across the blocks, and GPT-J's within pairs of columns
     (blocks narrower than mm_group.MIN_HALF allows): both stay kernels apart."""
     wq, wk, wv = _weights(64, (4 * hd, 2 * hd, 2 * hd), dtype)
+    biases = [torch.randn(w.shape[0], dtype=dtype, device=DEVICE) if bias else None for w in (wq, wk, wv)]
     cos, sin = (torch.randn(24, hd, dtype=dtype, device=DEVICE) for _ in range(2))
     b = 3
 
     def step(x, pos, cache_k, cache_v):
-        q, k, v = (F.linear(x, w).view(b, 1, -1, hd).transpose(1, 2) for w in (wq, wk, wv))
+        q, k, v = (F.linear(x, w, bb).view(b, 1, -1, hd).transpose(1, 2) for w, bb in zip((wq, wk, wv), biases))
         c, s = cos[pos], sin[pos]
         q, k = q * c + rotate(q) * s, k * c + rotate(k) * s
         cache_k.index_copy_(2, pos, k)
@@ -168,3 +170,21 @@ def test_rotary_and_cache_store_are_the_qkv_epilogue(tmp_path, dtype, hd, rotate
         assert not summary["extern_calls"] and "tl.split(" in code, summary
     else:  # q's and k's rotations run apart (v's store still joins); pairs: blocks of 2 (MIN_HALF)
         assert len(launches) > 1 and "tl.split(" not in code, (summary, launches)
+
+
+def test_biased_qkv_add_their_biases_in_the_epilogue(tmp_path):
+    """Qwen2's q, k and v carry biases (aten.addmm): each bias is added by the launch's epilogue,
+    before the rotary embedding and the cache store; no addmm runs apart."""
+    test_rotary_and_cache_store_are_the_qkv_epilogue(tmp_path, torch.bfloat16, 16, _rotate_half, bias=True)
+
+
+def test_lone_biased_matmul_takes_its_consumer(tmp_path):
+    """One biased Linear and its activation (GPT-2's MLP): the bias and the GELU are the matmul's
+    epilogue, one launch, the product never stored."""
+    (w,) = _weights(64, (72,), torch.bfloat16)
+    bias = torch.randn(72, dtype=torch.bfloat16, device=DEVICE)
+    x = torch.randn(4, 64, dtype=torch.bfloat16, device=DEVICE)
+    summary, _, launches = _check(lambda x: (F.gelu(F.linear(x, w, bias), approximate="tanh"),), (x,), tmp_path)
+    (kernel,) = summary["kernels"]
+    assert _mms(summary) == [(1, 1)] and len(kernel["writes"]) == 1 and len(launches) == 1, (summary, launches)
+    assert not summary["extern_calls"], summary
