@@ -5,8 +5,8 @@ or tensor-parallel over the ranks, `model.forward` compiled by each variant side
     torchrun --standalone --nproc-per-node 2 bench/hf_generate.py --out bench/results/hf_generate_2xh100.md
     torchrun --standalone --nproc-per-node 2 bench/hf_generate.py --cpu --tiny     # checks the script on CPU (fp32)
 
-The model: transformers' `LlamaForCausalLM` built from a config with random weights (nothing
-downloaded), Llama-3-8B-shaped decoder layers (H 4096, 32 query / 8 KV heads of 128, F 14336), 4 of
+The model: transformers' `LlamaForCausalLM` (or with `--arch qwen2`, `Qwen2ForCausalLM`: the same
+shapes, q/k/v with biases) built from a config with random weights (nothing downloaded), Llama-3-8B-shaped decoder layers (H 4096, 32 query / 8 KV heads of 128, F 14336), 4 of
 them, a vocabulary of 32000 (the head's share of the step's bytes about that of the whole 8B
 model), bf16, SDPA attention. At world > 1 it is tensor-parallel with torch's `parallelize_module`,
 as torch's TP tutorial does for Llama: column-parallel q/k/v and gate/up, row-parallel o and down,
@@ -72,18 +72,20 @@ VARIANTS = ("eager", "inductor reduce-overhead", "inductor", "commfuse", "commfu
 RATIOS = (("eager", "commfuse"), ("eager", "commfuse cuda_graphs"), ("inductor reduce-overhead", "commfuse"),
           ("inductor reduce-overhead", "commfuse cuda_graphs"), ("inductor", "commfuse"))
 FULL = dict(hidden=4096, heads=32, kv_heads=8, ffn=14336, layers=4, vocab=32000, batch=8, prompt=32, new_tokens=64)
+ARCHS = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}
 TINY = dict(hidden=64, heads=4, kv_heads=2, ffn=128, layers=2, vocab=128, batch=2, prompt=5, new_tokens=4)
 
 
 # ------------------------------------------------------------------------------------------ model
 def build(a, world, dev):
-    """LlamaForCausalLM with random weights (the same on every rank), in a.dtype on `dev`; at
-    world > 1 tensor-parallel as torch's TP tutorial does for Llama."""
+    """LlamaForCausalLM (Qwen2ForCausalLM with --arch qwen2) with random weights (the same on every
+    rank), in a.dtype on `dev`; at world > 1 tensor-parallel as torch's TP tutorial does for Llama."""
     import transformers
     if not hasattr(transformers, "StaticCache"):
         sys.exit(f"transformers {transformers.__version__} has no StaticCache: generate() with "
                  "cache_implementation='static' needs transformers >= 4.38")
-    cfg = transformers.LlamaConfig(
+    config_cls, model_cls = ARCHS[a.arch]
+    cfg = getattr(transformers, config_cls)(
         vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.ffn, num_hidden_layers=a.layers,
         num_attention_heads=a.heads, num_key_value_heads=a.kv_heads, head_dim=a.hidden // a.heads,
         max_position_embeddings=max(2048, a.prompt + a.new_tokens), attn_implementation="sdpa",
@@ -93,7 +95,7 @@ def build(a, world, dev):
     torch.set_default_dtype(a.dtype)
     try:
         with torch.device(dev):
-            model = transformers.LlamaForCausalLM(cfg).eval()
+            model = getattr(transformers, model_cls)(cfg).eval()
     finally:
         torch.set_default_dtype(default)
     gc = model.generation_config
@@ -234,7 +236,7 @@ def table(a, res, failed, variants, world, device_name, scale) -> tuple[str, boo
     flagged = False
     ratios = [(o, c) for o, c in RATIOS if o in variants and c in variants]
     head = ["", *variants, *(f"{c} vs {o}" for o, c in ratios)]
-    lines = [f"HF LlamaForCausalLM generate(), static cache: {a.layers} layers, H {a.hidden}, {a.heads} query / "
+    lines = [f"HF {ARCHS[a.arch][1]} generate(), static cache: {a.layers} layers, H {a.hidden}, {a.heads} query / "
              f"{a.kv_heads} KV heads, F {a.ffn}, vocab {a.vocab}, {a.dtype_name}, "
              f"{'tensor-parallel over ' + str(world) if world > 1 else 'one'} x {device_name}; B={a.batch}, prompt "
              f"{a.prompt}, {a.new_tokens} new tokens (greedy, and teacher-forced); "
@@ -274,6 +276,7 @@ def main(argv=None) -> int:
                     help="forward: model.forward = torch.compile(model.forward, ...) (default); generate: "
                          "generate(compile_config=CompileConfig(...)), transformers compiling its decode steps")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of: " + ", ".join(VARIANTS))
+    ap.add_argument("--arch", choices=sorted(ARCHS), default="llama", help="the decoder's transformers class (default %(default)s)")
     add_run_args(ap, "decode_attention=True")
     a = ap.parse_args(argv)
     fill_sizes(a, FULL, TINY)
