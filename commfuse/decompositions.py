@@ -7,7 +7,7 @@ import torch
 import torch._inductor.inductor_prims  # noqa: F401  (registers prims.prepare_softmax_online, max-pool's offsets)
 from torch._decomp import core_aten_decompositions, get_decompositions
 from torch._prims_common import suggest_memory_format
-from torch.fx.experimental.symbolic_shapes import guard_or_false
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 aten = torch.ops.aten
 _prepare_softmax = torch.ops.prims.prepare_softmax_online.default
@@ -52,9 +52,8 @@ def _softmax_from_stats(log: bool):
     where for `_softmax`, which it may not recompute, it saves the whole probability matrix (a
     language model's vocabulary-wide rows)."""
     def decompose(x, dim, half_to_float):
-        # (a size known only at run time, x[mask]'s, is taken as nonzero: over no elements the
-        # statistics are their reductions' identities and the output is empty)
-        if x.dim() == 0 or guard_or_false(x.numel() == 0) or not x.dtype.is_floating_point:
+        # (nor over a size known only at run time, x[mask]'s: its max would assert a nonzero size)
+        if x.dim() == 0 or not statically_known_true(x.numel() != 0) or not x.dtype.is_floating_point:
             return NotImplemented  # the op stays whole (lowered or run through aten)
         compute = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
         result = torch.float32 if half_to_float else x.dtype
