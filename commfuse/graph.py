@@ -278,10 +278,13 @@ class GraphLowering(torch.fx.Interpreter):
         vals = self.current_node.args[0]
         outs = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
         nodes = vals if isinstance(vals, (list, tuple)) else [vals]
-        for node, value in zip(nodes, outs):
-            if isinstance(value, TensorBox):  # with eager's strides, but for a free one
-                meta = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-                value = realize_output(value, None if node in self.free_outputs else meta)
+        # with eager's strides, but for a free one
+        metas = [node.meta.get("val") if isinstance(node, torch.fx.Node) and node not in self.free_outputs else None
+                 for node in nodes]
+        _store_shared_bases(outs, metas)
+        for value, meta in zip(outs, metas):
+            if isinstance(value, TensorBox):
+                value = realize_output(value, meta)
             self.graph_outputs.append(value)
         return self.graph_outputs
 
@@ -403,6 +406,30 @@ def _touches_complex(args, kwargs, meta) -> bool:
     return False
 
 
+def _store_shared_bases(outs: list, metas: list) -> None:
+    """Outputs that view one value not stored yet (`h[0]` and `h.view(-1)`, unbind's parts, `h`
+    and `h.t()`) alias each other in eager: a write through one shows in the others. That value is
+    stored once (as eager lays it out where it is an output itself), so that each output is a
+    strided view of it, rather than each computed into a buffer of its own."""
+    boxes = [(v, m) for v, m in zip(outs, metas) if isinstance(v, TensorBox)]
+    shared = collections.Counter(id(ir.view_root(v)) for v, _ in boxes)
+    own_meta = {id(v): m for v, m in boxes if not isinstance(v.data, ir.View)}
+    for v, _ in boxes:
+        root = ir.view_root(v)
+        if shared[id(root)] > 1 and isinstance(root.data, ir.Loops) and _store_dense(root, own_meta.get(id(root))) is None:
+            root.realize()
+
+
+def _store_dense(box: TensorBox, meta) -> ir.Buffer | None:
+    """Loops stored with the layout of `meta` (eager's value) where that is dense; else None."""
+    if isinstance(box.data, ir.Loops) and isinstance(meta, torch.Tensor):
+        layout = meta_layout(meta)
+        if layout.is_dense():
+            box.data = V.graph.register_buffer(ir.ComputedBuffer, layout=layout, data=box.data)
+            return box.data
+    return None
+
+
 def realize_output(box: TensorBox, meta) -> ir.IRNode:
     """Store a graph output with the strides eager would have given it."""
     d = box.data
@@ -414,12 +441,8 @@ def realize_output(box: TensorBox, meta) -> ir.IRNode:
         # a view of values not stored yet (e.g. `y.t()` of a pointwise y): computed in its
         # logical order and stored with eager's strides
         box.data = d = ir.Pointwise(d.get_device(), d.get_dtype(), d.make_loader(), list(d.get_size()))
-    if isinstance(d, ir.Loops) and isinstance(meta, torch.Tensor):
-        layout = meta_layout(meta)
-        if layout.is_dense():
-            buf = V.graph.register_buffer(ir.ComputedBuffer, layout=layout, data=d)
-            box.data = buf
-            return buf
+    if (buf := _store_dense(box, meta)) is not None:
+        return buf
     stored = box.realize()
     if isinstance(meta, torch.Tensor) and not stored.layout.has_strides([sizevars.from_torch(s) for s in meta.stride()]):
         if V.graph.restrided_outputs and V.choices.keep_padded_output(stored, meta):

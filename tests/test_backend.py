@@ -152,6 +152,23 @@ def test_output_laid_over_a_buffer_is_updated_in_place_under_autograd():
     torch.testing.assert_close(*grads)
 
 
+def test_outputs_viewing_one_value_alias_as_in_eager():
+    """Outputs that are views of one computed value (`h[0]` and `h.view(-1)`; `h` and `h.t()`;
+    unbind's parts) share its storage as eager's do: a write through one shows in the others,
+    with eager's strides and offsets."""
+    fns = [lambda x: ((h := x * 2)[0], h.view(-1)), lambda x: ((h := x + 1), h.t()), lambda x: (x - 1).unbind(0)]
+    for fn in fns:
+        torch._dynamo.reset()
+        x = torch.randn(3, 4, device=DEVICE)
+        got, want = torch.compile(fn, backend="commfuse")(x), fn(x)
+        assert [(g.shape, g.stride(), g.storage_offset()) for g in got] == \
+            [(w.shape, w.stride(), w.storage_offset()) for w in want]
+        for outs in (got, want):
+            outs[0].add_(100)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w)
+
+
 @pytest.mark.parametrize("train", [False, True])
 def test_twin_random_draws_stay_two(train):
     """Two draws of the same kind from the same arguments are two draws: common-subexpression
