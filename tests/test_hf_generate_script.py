@@ -35,7 +35,7 @@ def test_hf_generate_tp_cpu_smoke(tmp_path):
 
 def test_table_flags_a_logit_error_above_the_rule():
     from bench import hf_generate
-    a = SimpleNamespace(layers=1, hidden=8, heads=2, kv_heads=2, ffn=8, vocab=8, dtype_name="float32", compile="forward",
+    a = SimpleNamespace(arch="llama", layers=1, hidden=8, heads=2, kv_heads=2, ffn=8, vocab=8, dtype_name="float32", compile="forward",
                         dtype=torch.float32, batch=1, prompt=2, new_tokens=2)
     variants = ["eager", "inductor", "commfuse"]
     res = {"eager": {"err logits": 0.0, "ms/generate": 4.0}, "inductor": {"err logits": 1e-3, "ms/generate": 2.0},
