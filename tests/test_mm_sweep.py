@@ -54,15 +54,15 @@ def _one_row_table(tmp_path, monkeypatch, mkn, block_n, us, cublas_us):
     mm_sweep.write_table(str(sweep))
 
 
-def test_a_measured_narrower_tile_keeps_a_rotary_epilogue_apart(tmp_path, monkeypatch):
+def test_a_rotary_epilogue_joins_and_widens_a_measured_narrower_tile(tmp_path, monkeypatch):
     """A rotary embedding's epilogue needs tiles a head wide; where this GPU's table measured the
-    group's matmul with narrower tiles, the measured configuration stays and the epilogue does not
-    join (where no row exists, or the row's tiles are wide enough, it does)."""
+    group's matmul with narrower tiles, the epilogue still joins and the group takes the heuristic's
+    blocks, widened to a head; where the row's tiles are wide enough, the row's."""
     _one_row_table(tmp_path, monkeypatch, (8, 4096, 1536), 32, 7.5, 8.4)
     cuda, policy = torch.device("cuda", 0), Choices()
-    assert not policy.mm_epilogue(2, (8, 1536, 4096, cuda), 128)  # the measured 32-wide tiles stay
-    assert policy.mm_epilogue(2, (8, 1536, 4096, cuda), 32) and policy.mm_epilogue(2, (8, 1536, 4096, cuda), 16)
-    assert policy.mm_epilogue(2, (8, 3072, 4096, cuda), 128)  # no row for this group: the heuristic, widened
+    assert policy.mm_epilogue(2, (8, 1536, 4096, cuda), 128) and policy.mm_epilogue(2, (8, 1536, 4096, cuda), 16)
+    assert policy.mm_template_config(8, 1536, 4096, cuda, dots=2, width=128)["BLOCK_N"] == 128
+    assert policy.mm_template_config(8, 1536, 4096, cuda)["BLOCK_N"] == 32  # the measured row
 
 
 class _Box:  # what use_mm_template asks of a lowered operand
