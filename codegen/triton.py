@@ -530,7 +530,7 @@ class TritonKernel:
             if self.comm is None and V.choices.dependent_launch(self.group.nodes[0].device):
                 code.writeline(AFTER_PREDECESSOR)
             if self.is_red:
-                code.writeline("rbase = tl.arange(0, RBLOCK)[None, :]")
+                code.writeline("rbase = tl.arange(0, RBLOCK)[None, :]" + (".to(tl.int64)" if self.int64 else ""))
             if self.comm is None and self.group.mixed_programs:  # programs stride over the rows
                 code.writeline("xpid = tl.program_id(0)" + (".to(tl.int64)" if self.int64 else ""))
                 code.splice(self.partials[0])

@@ -513,6 +513,10 @@ def test_offsets_past_int32_in_a_read_buffer(tmp_path):
     out, dumps = compile_and_run(lambda t: (t * 2)[-4:], x, tmp_path=tmp_path)
     assert out.tolist() == [2, 4, 6, 8]
     assert "tl.program_id(0).to(tl.int64)" in dumps.only()[1]
+    # a reduction's along its rows too: `rindex + 2147483643` wrapped past int32 (out of bounds)
+    out, dumps = compile_and_run(lambda t: t[2**31 - 5:].sum(), x, tmp_path=tmp_path / "red")
+    assert out.item() == 1 + 2 + 3 + 4
+    assert "rbase = tl.arange(0, RBLOCK)[None, :].to(tl.int64)" in dumps.only()[1]
 
 
 @pytest.mark.parametrize("mode", ["nearest", "bilinear"])
