@@ -1,7 +1,8 @@
 """Sums of one-hot tensors, taken without a pass over them. A cross-entropy's backward builds
 `g = scatter(zeros, d, target, c) * w` (nll_loss_backward) and sums its rows (log_softmax's
 backward): a reduction over the vocabulary that compares every column with the target. Where w is
-constant along d the sum is `c * w`, exactly; `g` stays for the pointwise kernel that reads it."""
+constant along d the sum is `c * w + 0 * w`, exactly (the other columns' zeros: NaN where w is
+infinite); `g` stays for the pointwise kernel that reads it."""
 from __future__ import annotations
 
 import torch
@@ -16,7 +17,8 @@ _FULL = {aten.full_like.default: 1, aten.full.default: 1, aten.new_full.default:
 
 
 def sum_one_hot(gm: torch.fx.GraphModule) -> int:
-    """`sum(scatter(zeros, d, idx, c) * w, [d])` -> `c * w` (one index per row, w constant along d)."""
+    """`sum(scatter(zeros, d, idx, c) * w, [d])` -> `c * w + 0 * w` (one index per row, w constant
+    along d)."""
     changed = 0
     for node in list(gm.graph.find_nodes(op="call_function", target=aten.sum.dim_IntList)):
         match = _match(node)
@@ -27,6 +29,9 @@ def sum_one_hot(gm: torch.fx.GraphModule) -> int:
         shape[d] = 1
         with gm.graph.inserting_before(node):
             value = _add(gm.graph, aten.mul.Tensor, w, c)
+            if not (isinstance(shape[d], int) and node.args[0].meta["val"].shape[d] == 1):
+                # the other columns' 0 * w: nothing where w is finite, NaN where it is not, as eager's sum
+                value = _add(gm.graph, aten.add.Tensor, value, _add(gm.graph, aten.mul.Tensor, w, 0))
             if value.meta["val"].dtype != node.meta["val"].dtype:
                 value = _add(gm.graph, aten._to_copy.default, value, dtype=node.meta["val"].dtype)
             value = _add(gm.graph, aten.expand.default, value, shape)
