@@ -19,6 +19,7 @@ from torch._prims_common import is_contiguous_or_false
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from commfuse.codegen.common import TRITON_DTYPES
 from commfuse.lowering import load_all, lowerings
 from commfuse.lowering.extern import fallback
 
@@ -378,8 +379,8 @@ def _why_not_lowered(target, lowerings, args, kwargs, meta) -> str | None:
         return "listed in config.fallback_ops"
     if target not in lowerings:
         return "no lowering"
-    if _touches_complex(args, kwargs, meta):
-        return "complex dtype"
+    if (dtype := _dtype_without_kernels(args, kwargs, meta)) is not None:
+        return f"{dtype}: no kernel of ours computes in it"
     if _touches_cpu_on_gpu_host(args, kwargs, meta):
         return "CPU tensors on a GPU host (Triton runs compiled for the GPU)"
     return None
@@ -397,13 +398,14 @@ def _touches_cpu_on_gpu_host(args, kwargs, meta) -> bool:
     return False
 
 
-def _touches_complex(args, kwargs, meta) -> bool:
-    """Our kernels have no complex arithmetic: such ops run through aten."""
+def _dtype_without_kernels(args, kwargs, meta) -> torch.dtype | None:
+    """A dtype our kernels have no arithmetic for (complex, float8, wide unsigned) that the op
+    reads or makes: such ops run through aten."""
     for x in torch.utils._pytree.tree_leaves((args, kwargs, meta)):
         dtype = x.dtype if isinstance(x, torch.Tensor) else x.get_dtype() if isinstance(x, TensorBox) else None
-        if dtype is not None and dtype.is_complex:
-            return True
-    return False
+        if dtype is not None and dtype not in TRITON_DTYPES:
+            return dtype
+    return None
 
 
 def _store_shared_bases(outs: list, metas: list) -> None:

@@ -309,3 +309,12 @@ def test_a_view_run_by_aten_sees_the_strides_the_graph_meant():
     torch._dynamo.reset()
     for got, want in zip(torch.compile(fn, backend="commfuse", dynamic=True)(x), fn(x)):
         torch.testing.assert_close(got, want)
+
+
+def test_float8_casts_run_through_aten_alone(tmp_path):
+    """A float8 round trip (no kernel of ours computes in float8): each cast runs through aten,
+    the graph around it compiles (it fell back whole)."""
+    x = rand(8, 16)
+    fn = lambda x: (x * 3).to(torch.float8_e4m3fn).to(torch.float32) + 1  # noqa: E731
+    summaries = check(fn, x, tmp_path=tmp_path, externs=["aten._to_copy"], grad=False)
+    assert sum(len(s["kernels"]) for s in summaries) >= 2, summaries
