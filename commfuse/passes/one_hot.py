@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 import torch.fx
+from torch.fx.experimental.symbolic_shapes import guard_or_true
 
 from .fx_rewrite import erase_unused, finish
 
@@ -29,7 +30,7 @@ def sum_one_hot(gm: torch.fx.GraphModule) -> int:
         shape[d] = 1
         with gm.graph.inserting_before(node):
             value = _add(gm.graph, aten.mul.Tensor, w, c)
-            if not (isinstance(shape[d], int) and node.args[0].meta["val"].shape[d] == 1):
+            if guard_or_true(node.args[0].meta["val"].shape[d] != 1):  # (a dim of 1 has no other column)
                 # the other columns' 0 * w: nothing where w is finite, NaN where it is not, as eager's sum
                 value = _add(gm.graph, aten.add.Tensor, value, _add(gm.graph, aten.mul.Tensor, w, 0))
             if value.meta["val"].dtype != node.meta["val"].dtype:
