@@ -18,8 +18,7 @@ _FULL = {aten.full_like.default: 1, aten.full.default: 1, aten.new_full.default:
 
 
 def sum_one_hot(gm: torch.fx.GraphModule) -> int:
-    """`sum(scatter(zeros, d, idx, c) * w, [d])` -> `c * w + 0 * w` (one index per row, w constant
-    along d)."""
+    """`sum(scatter(zeros, d, idx, c) * w, [d])` -> `c * w + 0 * w` (one index per row, w constant along d)."""
     changed = 0
     for node in list(gm.graph.find_nodes(op="call_function", target=aten.sum.dim_IntList)):
         match = _match(node)
