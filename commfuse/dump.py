@@ -19,26 +19,31 @@ def rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def dump_dir(graph_id: str) -> str | None:
+def write(graph_id: str, files: dict[str, str], summary: dict) -> str | None:
+    """The graph's dump folder, written; None without `dump_dir`, or where it cannot be written
+    (a warning once: the compile goes on, undumped)."""
     if not config.dump_dir:
         return None
     path = os.path.join(config.dump_dir, f"rank{rank()}", graph_id)
-    os.makedirs(path, exist_ok=True)
-    return path
-
-
-def write(graph_id: str, files: dict[str, str], summary: dict) -> str | None:
-    path = dump_dir(graph_id)
-    if path is None:
-        return None
-    for name, text in files.items():
-        with open(os.path.join(path, name), "w") as f:
-            f.write(text)
     run = {k: summary[k] for k in RUN_KEYS if k in summary}
-    for name, value in (("summary.json", {k: v for k, v in summary.items() if k not in run}), ("timing.json", run)):
-        with open(os.path.join(path, name), "w") as f:
-            json.dump(value, f, indent=1, default=str)
+    files = {**files, **{name: json.dumps(value, indent=1, default=str) for name, value in (
+        ("summary.json", {k: v for k, v in summary.items() if k not in run}), ("timing.json", run))}}
+    try:
+        os.makedirs(path, exist_ok=True)
+        for name, text in files.items():
+            with open(os.path.join(path, name), "w") as f:
+                f.write(text)
+    except OSError as e:
+        if config.dump_dir not in _unwritable:
+            _unwritable.add(config.dump_dir)
+            logging.getLogger("commfuse").warning(
+                "commfuse: cannot write dumps under dump_dir=%r (COMMFUSE_DUMP_DIR): %s; compiling without "
+                "them. Point it at a folder this process may create and write.", config.dump_dir, e)
+        return None
     return path
+
+
+_unwritable: set = set()  # dump folders already warned about
 
 
 # ---- torch's logging: TORCH_LOGS and the structured trace (TORCH_TRACE, read by tlparse)

@@ -115,3 +115,20 @@ def test_rank_diff_usage_errors(tmp_path):
     status, report = rank_diff(tmp_path)
     assert status == 2 and "need two or more" in report
     assert rank_diff(tmp_path, "--no-such-flag")[0] == 2
+
+
+def test_an_unwritable_dump_dir_warns_and_compiles(tmp_path, caplog):
+    """A dump_dir that cannot be created (under a file) costs the dumps, said once with the option
+    to fix, not the compile (it raised a raw NotADirectoryError from the backend)."""
+    from commfuse import config
+    from tests.common import DEVICE
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    x = torch.arange(4.0, device=DEVICE)
+    torch._dynamo.reset()
+    with config.patch(dump_dir=str(blocker / "dumps"), fallback_on_error=False), caplog.at_level("WARNING", "commfuse"):
+        out = torch.compile(lambda x: x * 2 + 1, backend="commfuse")(x)
+        torch.compile(lambda x: x - 1, backend="commfuse")(x)
+    assert torch.equal(out, x * 2 + 1)
+    warnings = [r.getMessage() for r in caplog.records if "cannot write dumps" in r.getMessage()]
+    assert len(warnings) == 1 and "dump_dir=" in warnings[0], warnings
