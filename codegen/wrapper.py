@@ -543,8 +543,9 @@ class WrapperCodegen:
             with code.indent():
                 code.writelines(f"{b}," for b in bufs)
             # the check runs at the first call, outside the compile's options: it takes its timeout now
-            code.writeline(f"], {self.comm_protocol!r}, timeout_s={config.comm.plan_check_timeout_s!r}, "
-                           f"barrier_timeout_s={config.comm.barrier_timeout_s!r})")
+            timeouts = [f"float({str(t)!r})" if isinstance(t, float) else repr(t)  # (inf: no name for it)
+                        for t in (config.comm.plan_check_timeout_s, config.comm.barrier_timeout_s)]
+            code.writeline(f"], {self.comm_protocol!r}, timeout_s={timeouts[0]}, barrier_timeout_s={timeouts[1]})")
         return code
 
     def comm_kernel(self, buf: ir.CommKernel, step: int, pool):

@@ -224,6 +224,19 @@ def test_rank_that_never_arrives():
     _record("rank 1 never arrives (comm.plan_check_timeout_s=3)", r0["message"], r0["seconds"])
 
 
+def _infinite_timeouts(rank, world, out):
+    x = torch.full((8,), float(rank + 1))
+    return {"sum": _all_reduce_fn({"comm.barrier_timeout_s": float("inf"), "comm.plan_check_timeout_s": 60})(x).tolist()}
+
+
+@cpu_pools
+def test_an_infinite_barrier_timeout_compiles_and_runs():
+    """comm.barrier_timeout_s=inf (no bound) passes the option check; the generated module had
+    written it as a name `inf`, a NameError at the first call."""
+    r0, r1 = _run(_infinite_timeouts)
+    assert r0["sum"] == r1["sum"] == [7.0] * 8, (r0, r1)
+
+
 def _dies_before_new_graph(rank, world, out):
     x = torch.randn(32)
     _all_reduce_fn({})(x)
