@@ -231,6 +231,8 @@ def _check(name: str, value: Any) -> None:
     if not isinstance(value, accepted) or (kind is not bool and isinstance(value, bool)):
         raise TypeError(f"commfuse option {name}={value!r}: expected {_SPELLED.get(kind, kind.__name__)}"
                         f"{' or None' if nullable else ''} (docs/config.md)")
+    if isinstance(value, dict) and not all(type(k) is int for k in value):  # ("2" would never match a world size)
+        raise TypeError(f"commfuse option {name}={value!r}: its keys must be ints, world sizes (docs/config.md)")
     numbers = list(value.values()) if isinstance(value, dict) else [value]
     for what, ok, names in _RULES:
         if name in names and not all(type(v) in (int, float) and ok(v) for v in numbers):

@@ -42,6 +42,7 @@ def test_unknown_option_is_a_clear_error():
     ("comm.algorithm", "bogus", "comm.algorithm='bogus': must be one of"),
     ("max_fusion_size", 0, "max_fusion_size=0: must be above 0"),
     ("fallback_ops", ["aten.not_an_op"], "'aten.not_an_op' names no op"),
+    ("comm.one_shot_max_bytes", {"2": 1 << 20}, "keys must be ints"),  # no world size is "2": silently unused
 ])
 def test_a_bad_option_value_is_a_clear_error(option, value, error):
     """Refused when set, naming the option: not taken, or failing later in a kernel."""
