@@ -42,12 +42,12 @@ def test_environment_values_of_each_type():
     """A float option takes `1.5` (its default is None: the annotation gives the type), `none`
     unsets an optional one, `0` is an int where the option is one, and an empty value is unset."""
     out = _import_commfuse("print(repr((config.comm.barrier_timeout_s, config.compile_workers, config.pad_rows, "
-                           "config.comm.groups, config.comm.algorithm, config.dump_dir)))",
+                           "config.comm.groups, config.comm.algorithm, config.dump_dir, config.comm.plan_check_timeout_s)))",
                            COMMFUSE_COMM_BARRIER_TIMEOUT_S="1.5", COMMFUSE_COMPILE_WORKERS="0",
                            COMMFUSE_PAD_ROWS="none", COMMFUSE_COMM_GROUPS="tp,dp", COMMFUSE_COMM_ALGORITHM="two_shot",
-                           COMMFUSE_DUMP_DIR="")
+                           COMMFUSE_DUMP_DIR="", COMMFUSE_COMM_PLAN_CHECK_TIMEOUT_S="2.5")
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "(1.5, 0, None, ['tp', 'dp'], 'two_shot', None)"
+    assert out.stdout.strip() == "(1.5, 0, None, ['tp', 'dp'], 'two_shot', None, 2.5)"  # (both timeouts in seconds)
 
 
 def test_a_misspelled_variable_is_a_warning_naming_the_closest_option():
