@@ -12,6 +12,7 @@ import sys
 from . import config
 
 RUN_KEYS = ("compile_seconds", "cache_hit", "cache", "cache_key", "cache_skipped")  # timing.json's
+_unwritable: set = set()  # dump folders already warned about
 
 
 def rank() -> int:
@@ -41,9 +42,6 @@ def write(graph_id: str, files: dict[str, str], summary: dict) -> str | None:
                 "them. Point it at a folder this process may create and write.", config.dump_dir, e)
         return None
     return path
-
-
-_unwritable: set = set()  # dump folders already warned about
 
 
 # ---- torch's logging: TORCH_LOGS and the structured trace (TORCH_TRACE, read by tlparse)

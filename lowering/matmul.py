@@ -31,8 +31,7 @@ def addmm(bias, a, b, beta=1, alpha=1):
     Qwen2's biased q/k/v), not a cuBLAS addmm apart from its group."""
     if beta != 1 or alpha != 1 or not isinstance(bias, TensorBox) or len(bias.get_size()) != 1:
         return None
-    if isinstance(a, TensorBox) and isinstance(b, TensorBox) and \
-            V.choices.use_mm_template(a, b, _sibling_mms(V.graph.current_node)):
+    if _use_template(a, b):
         return add_sub(aten.add.Tensor, _template_mm(a, b), bias)
     return aligned_mm(a, b, bias)
 
@@ -122,9 +121,12 @@ def _pad_key(view, x, pad, transposed=False) -> tuple:
 def mm(a, b):
     if not (isinstance(a, TensorBox) and isinstance(b, TensorBox)):
         return None
-    if not V.choices.use_mm_template(a, b, _sibling_mms(V.graph.current_node)):
-        return aligned_mm(a, b)
-    return _template_mm(a, b)
+    return _template_mm(a, b) if _use_template(a, b) else aligned_mm(a, b)
+
+
+def _use_template(a, b) -> bool:  # the policy's choice for the mm or addmm being lowered
+    return isinstance(a, TensorBox) and isinstance(b, TensorBox) and \
+        V.choices.use_mm_template(a, b, _sibling_mms(V.graph.current_node))
 
 
 def _template_mm(a, b):
