@@ -37,9 +37,24 @@ CASES = {
 }
 
 
+def _torch_traces_empty_softmax() -> bool:
+    """torch 2.11 on CUDA traces softmax over x[mask] with an assert u0 >= 1: the empty call fails
+    under aot_eager too, so there is nothing of ours to hold to eager."""
+    torch._dynamo.reset()
+    traced = torch.compile(CASES["mask_softmax"][0], backend="aot_eager")
+    try:
+        traced(torch.randn(9, device=DEVICE))
+        traced(torch.randn(5, device=DEVICE) - 5)
+    except RuntimeError:
+        return False
+    return True
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_data_dependent_sizes_match_eager(name):
     fn, backward = CASES[name]
+    if name == "mask_softmax" and not _torch_traces_empty_softmax():
+        pytest.skip("this torch's own trace of softmax over x[mask] asserts a nonzero size (aot_eager and Inductor fail too)")
     torch._dynamo.reset()
     compiled = torch.compile(fn, backend="commfuse", options={"fallback_on_error": False})
     for n, seed in ((9, 0), (13, 1), (9, 2), (5, 3)):  # counts vary from call to call; the last has none > 0
