@@ -224,6 +224,32 @@ def test_rank_that_never_arrives():
     _record("rank 1 never arrives (comm.plan_check_timeout_s=3)", r0["message"], r0["seconds"])
 
 
+def _arrives_after_its_peer_gave_up(rank, world, out):
+    fn = _all_reduce_fn({"comm.plan_check_timeout_s": 3})
+    if rank == 0:  # gives up at the plan check, then stays alive until rank 1 is done
+        r = _failing_call(fn, torch.randn(32))
+        open(f"{out}/gave_up", "w").close()
+        _wait_for(f"{out}/late_done")
+        return r
+    _wait_for(f"{out}/gave_up")
+    r = _failing_call(fn, torch.randn(32))  # rank 0's plan is in the store: the check passes
+    open(f"{out}/late_done", "w").close()
+    return r
+
+
+@cpu_pools
+def test_rank_that_arrives_after_its_peer_gave_up():
+    """The late rank passes the plan check (its peer's plan is in the store) and waits for it at
+    the pool's creation: bounded by comm.plan_check_timeout_s and naming the rank, where c10d's
+    barrier there waited out the group's timeout and ended in an error naming no rank."""
+    r0, r1 = _run(_arrives_after_its_peer_gave_up)
+    _assert_peer_error(r0, "rank(s) [1] did not reach the comm-buffer plan check")
+    _assert_peer_error(r1, "rank(s) [0] did not reach the creation of the", "symmetric pool", "within 3s",
+                       "comm.plan_check_timeout_s")
+    _record("rank 1 arrives after rank 0 gave up at the plan check (plan_check_timeout_s=3)", r1["message"],
+            r1["seconds"])
+
+
 def _infinite_timeouts(rank, world, out):
     x = torch.full((8,), float(rank + 1))
     return {"sum": _all_reduce_fn({"comm.barrier_timeout_s": float("inf"), "comm.plan_check_timeout_s": 60})(x).tolist()}

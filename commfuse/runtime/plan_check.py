@@ -115,7 +115,6 @@ def check_plans_agree(graph_id: str, pools: dict, buffers: list, groups: dict, p
     order of collectives, from a differing program, config or table) would combine different
     things, or wait at barriers and collectives the others never reach."""
     from torch.distributed.distributed_c10d import _get_default_store  # c10d internals: only when checking
-    timeout_s = config.comm.plan_check_timeout_s if timeout_s is None else timeout_s  # the compile's option
     for group_name in sorted({g for g, _, _ in pools.values()}):
         # the ranks of a group compare that group's pools: a sub-group's name differs between the
         # ranks of WORLD ({0, 1} and {2, 3} of a 2-D mesh), rightly
@@ -124,21 +123,12 @@ def check_plans_agree(graph_id: str, pools: dict, buffers: list, groups: dict, p
         mine = json.dumps({"graph": graph_id.split("_", 1)[1], "pools": own,
                            "protocol": _protocol(protocol, group_name), "buffers": _describe(bufs),
                            "names": {"buffers": [b["name"] for b in bufs], "protocol": [p["kernel"] for p in protocol]}})
-        store = _get_default_store()
-        state = _state(store)
-        agreed, wire = state["agreed"].setdefault(group_name, set()), _collectives(mine)
+        agreed = _state(_get_default_store())["agreed"].setdefault(group_name, set())
+        wire, me = _collectives(mine), dist.get_rank()
         if wire in agreed:  # every rank of the group checked this plan already: a graph compiled
             continue  # again on this rank alone (its last batch shorter) runs it as the peers do
-        ranks = dist.get_process_group_ranks(groups[group_name])
-        seq = state["sequence"][group_name] = state["sequence"].get(group_name, 0) + 1
-        prefix = f"commfuse/plan/{group_name}/{seq}"
-        me = dist.get_rank()
-        announce()  # where the peers find this process, to see it gone
-        store.set(f"{prefix}/{me}", mine)
-        _wait(store, prefix, ranks, timeout_s, f"the comm-buffer plan check of graph {graph_id} "
-              f"(group {group_name}, check #{seq})")
-        for r in ranks:
-            theirs = store.get(f"{prefix}/{r}").decode()
+        plans = meet(groups[group_name], f"the comm-buffer plan check of graph {graph_id}", mine, timeout_s, "plan")
+        for r, theirs in plans.items():
             if _collectives(theirs) != wire:
                 raise RuntimeError(f"commfuse: ranks disagree on the comm-buffer plan of graph {graph_id} "
                                    f"(group {group_name}): {_first_difference(me, mine, r, theirs)}. The ranks "
@@ -147,6 +137,23 @@ def check_plans_agree(graph_id: str, pools: dict, buffers: list, groups: dict, p
                                    "the ranks' dumps (dump_dir) show both, and `python -m commfuse.diff DUMP_DIR` "
                                    "compares them")
         agreed.add(wire)
+
+
+def meet(group, what: str, value: str = "", timeout_s: float | None = None, kind: str = "pool") -> dict:
+    """The ranks of `group` meet through the c10d store (a plan check, a step of a symmetric pool's
+    creation): each posts `value` and gets every rank's, {global rank: value}. A rank gone ends the
+    wait at once, one missing past `timeout_s` is named (a c10d barrier would wait out the group's
+    timeout, then fail naming no rank). Meetings of a `kind` are numbered per group, in call order."""
+    from torch.distributed.distributed_c10d import _get_default_store
+    store, name = _get_default_store(), group.group_name
+    count = _state(store)["sequence"].setdefault(kind, {})
+    seq = count[name] = count.get(name, 0) + 1
+    prefix, ranks = f"commfuse/{kind}/{name}/{seq}", dist.get_process_group_ranks(group)
+    announce()  # where the peers find this process, to see it gone
+    store.set(f"{prefix}/{dist.get_rank()}", value)
+    _wait(store, prefix, ranks, config.comm.plan_check_timeout_s if timeout_s is None else timeout_s,
+          f"{what} (group {name}, {kind} #{seq})")
+    return {r: store.get(f"{prefix}/{r}").decode() for r in ranks}
 
 
 def _wait(store, prefix: str, ranks: list, timeout_s: float, what: str) -> None:

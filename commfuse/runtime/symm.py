@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from . import peers
-from .plan_check import check_plans_agree
+from .plan_check import check_plans_agree, meet
 
 ALIGN = 128          # bytes: every buffer starts on a vectorizable boundary
 SIGNAL_PROGRAMS = 1024  # comm-kernel programs that own a barrier slot (the grid of one kernel)
@@ -63,11 +63,16 @@ class SymmPool:
     # under inference_mode (allocation, or a dtype view even of a normal tensor), they would be
     # inference tensors, which no op outside it may write (an mm's out=).
     @torch.inference_mode(False)
-    def __init__(self, group_name: str, device: torch.device, nbytes: int):
+    def __init__(self, group_name: str, device: torch.device, nbytes: int, meet_timeout_s: float | None = None):
+        """`meet_timeout_s`: how long each step of the ranks' rendezvous waits for a missing rank
+        (None: comm.plan_check_timeout_s)."""
         self.group_name, self.device, self.nbytes = group_name, torch.device(device), align(max(nbytes, ALIGN))
         group = group_of(group_name)
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
+        self._meet = lambda step, value="": meet(  # noqa: E731
+            group, f"the creation of the {self.nbytes}-byte symmetric pool on {self.device} ({step})",
+            value, meet_timeout_s)
         if self.device.type == "cuda":
             self._init_cuda(group)
         else:
@@ -144,6 +149,7 @@ class SymmPool:
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError("commfuse: symmetric memory must be allocated before CUDA-graph capture; "
                                "run the compiled function once before capturing it")
+        self._meet("every rank arrived")  # torch's rendezvous would wait for a missing rank unbounded
         total = self.nbytes + signal_bytes(self.world_size)
         whole = symm_mem.empty(total, dtype=torch.uint8, device=self.device)
         handle = symm_mem.rendezvous(whole, group.group_name)
@@ -154,23 +160,22 @@ class SymmPool:
         self.signals[self.rank].zero_()
         self._write_header()
         torch.cuda.synchronize(self.device)
-        dist.barrier(group)
+        self._meet("headers written")
 
     def _init_shared_memory(self, group):
         # rank 0 names the allocation; everyone creates its file, then maps the others'
-        token = [uuid.uuid4().hex if self.rank == 0 else None]
-        dist.broadcast_object_list(token, src=dist.get_global_rank(group, 0), group=group)
+        token = self._meet("every rank arrived", uuid.uuid4().hex)[dist.get_global_rank(group, 0)]
         total = self.nbytes + signal_bytes(self.world_size)
-        paths = [os.path.join(_shm_dir(), f"commfuse_{token[0]}_{r}") for r in range(self.world_size)]
+        paths = [os.path.join(_shm_dir(), f"commfuse_{token}_{r}") for r in range(self.world_size)]
         with open(paths[self.rank], "wb") as f:
             f.truncate(total)
-        dist.barrier(group)
+        self._meet("files made")
         maps = [torch.from_file(p, shared=True, size=total, dtype=torch.uint8) for p in paths]
         self.local, self.paths = maps[self.rank][: self.nbytes], paths
         self.peers = [m[: self.nbytes] for m in maps]
         self.signals = [m[self.nbytes:].view(torch.int32) for m in maps]
         self._write_header()
-        dist.barrier(group)
+        self._meet("headers written")
         os.unlink(paths[self.rank])  # the mappings stay valid; nothing is left behind
 
     # views --------------------------------------------------------------------
@@ -245,7 +250,7 @@ class SharedPools:
         self.generation: dict = {}
         self.replaced = 0  # pools reallocated larger: a CUDA graph captured before uses freed memory
 
-    def get(self, group_name: str, device, nbytes: int, tag: str = "") -> SymmPool:
+    def get(self, group_name: str, device, nbytes: int, tag: str = "", meet_timeout_s: float | None = None) -> SymmPool:
         """`tag`: a pool of its own beside the graphs' (runtime/async_tp.py's workspace)."""
         key = (group_name, str(torch.device(device))) + ((tag,) if tag else ())
         pool = self.pools.get(key)
@@ -255,7 +260,7 @@ class SharedPools:
                     f"commfuse: the symmetric pool of group {group_name} must grow from {pool.nbytes} to "
                     f"{nbytes} bytes during CUDA-graph capture; run every compiled graph once before capturing")
             self.replaced += pool is not None
-            self.pools[key] = pool = SymmPool(group_name, device, max(nbytes, pool.nbytes if pool else 0))
+            self.pools[key] = pool = SymmPool(group_name, device, max(nbytes, pool.nbytes if pool else 0), meet_timeout_s)
             self.generation[key] = self.generation.get(key, 0) + 1
         return pool
 
@@ -281,13 +286,15 @@ class CommState:
                  barrier_timeout_s=None):
         self.graph_id, self.pools_needed, self.buffers = graph_id, pools, buffers
         self.barrier_timeout_s = barrier_timeout_s  # the compile's comm.barrier_timeout_s
+        self.timeout_s = timeout_s  # and its comm.plan_check_timeout_s, for the pools' rendezvous
         groups = {g: group_of(g) for g, _, _ in pools.values()}
         check_plans_agree(graph_id, pools, buffers, groups, list(protocol), timeout_s)
         self.collectives = {p["kernel"]: p["collectives"] for p in protocol}  # for the errors
         self.refresh()
 
     def refresh(self):
-        self.pools = {name: shared_pools.get(g, d, n) for name, (g, d, n) in self.pools_needed.items()}
+        self.pools = {name: shared_pools.get(g, d, n, meet_timeout_s=self.timeout_s)
+                      for name, (g, d, n) in self.pools_needed.items()}
         self.gens = {name: shared_pools.gen(g, d) for name, (g, d, _) in self.pools_needed.items()}
         if self.barrier_timeout_s is not None:  # a pool shared by graphs takes the last one's
             for pool in self.pools.values():
