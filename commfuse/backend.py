@@ -217,6 +217,9 @@ def _compile(gm, example_inputs, graph_id, kind="inference", donated=frozenset()
         and not gen.summary.get("data_dependent_sizes") else None  # sizes a replay could not change
     compiled = CompiledGraph(gen, kind, roles, key).load(t0, "graph" if hit else None, skipped)
     compiled.aten_gm = gm  # what a failed first run reruns
+    if gen.summary["comm_pools"]:  # after a plan check found the ranks' graphs cut apart: c10d now
+        settings = config.snapshot()
+        compiled.regenerate = lambda: _regenerate(gm, example_inputs, graph_id, kind, donated, saved, roles, settings)
     ctx = torch._guards.TracingContext.try_get()
     if ctx is not None and ctx.output_strides is not None and compiled.summary["output_strides"]:
         ctx.output_strides.extend(compiled.summary["output_strides"])
@@ -226,6 +229,13 @@ def _compile(gm, example_inputs, graph_id, kind="inference", donated=frozenset()
                               "ir_post_fusion.txt": gen.post_fusion,
                               "output_code.py": gen.source}, compiled.summary)
     return compiled
+
+
+def _regenerate(gm, example_inputs, graph_id, kind, donated, saved, roles, settings) -> CompiledGraph:
+    """The graph lowered again (its rewrites done) under its compile's options."""
+    with config.patch(settings):
+        gen = _generate(gm, example_inputs, graph_id, kind, donated, saved)
+        return CompiledGraph(gen, kind, roles, None).load(time.time(), None)
 
 
 def _cached(gm, example_inputs, graph_id, kind, donated, saved):

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from . import compat, config, ir, memory, sizevars
 from .collectives import ALGORITHMS, CommPlan, CommRequest, algorithm
 from .dependencies import trace_body
+from .runtime.plan_check import split_groups
 from .runtime.symm import SIGNAL_PROGRAMS, group_of
 from .sizevars import next_pow2
 from .tuned_tables import lookup, measured_us, mm_row
@@ -469,6 +470,8 @@ class Choices:
             return "comm lowering disabled by config"
         if cfg.groups is not None and request.group not in cfg.groups:
             return f"group {request.group} not in config.comm.groups"
+        if request.group in split_groups:
+            return f"the ranks of group {request.group} cut their graphs in different places (runtime/plan_check.py)"
         if request.reduce_op not in COMM_REDUCE_OPS and request.collective != "all_gather_into_tensor":
             return f"reduce op {request.reduce_op!r} (supported: {', '.join(COMM_REDUCE_OPS)})"
         if request.dtype not in COMM_DTYPES:

@@ -32,6 +32,7 @@ from . import choices, config, dump, graph_cache
 from .runtime import precompile
 from .runtime.cudagraphs import CudaGraphed
 from .runtime.loader import check_triton_mode, load_module
+from .runtime.plan_check import PlansSplit, split_groups
 
 log = logging.getLogger("commfuse")
 summaries: list[dict] = []  # every graph this process compiled, loaded or fell back on, in order (as summary.json)
@@ -61,7 +62,8 @@ class CompiledGraph(OutputCode):
         self.module, self.path = load_module(gen.source, gen.constants)
         self.pending = precompile.start(self.module)  # lowering the next graph overlaps with these compiles
         self.graph_id, self.call = gen.graph_id, self.module.call
-        self.ran, self.aten_gm = False, None  # the backend gives the aten graph a failed first run may rerun
+        # the backend gives the aten graph a failed first run may rerun, and how to lower it again
+        self.ran, self.aten_gm, self.regenerate = False, None, None
         if self.roles is not None:  # CUDA-graph mode, and the graph is all on CUDA
             launches = len(gen.summary["kernels"]) + len(gen.summary["extern_calls"])
             policy = choices.current()
@@ -93,12 +95,23 @@ class CompiledGraph(OutputCode):
         inputs = list(args)  # the call clears `args`: kept, should the first run be rerun through aten
         try:
             out = self.call(args)
+        except PlansSplit as e:  # met no peer and ran nothing: lowered again, c10d on the group
+            if self.cache_key:
+                graph_cache.note_split(self.cache_key, e.group)
+            if self.regenerate is None:
+                e.add_note("commfuse: this graph came from AOTAutograd's cache, with no graph to lower again; "
+                           "the next start compiles it afresh")
+                raise
+            log.warning("%s", e)
+            fresh, self.regenerate = self.regenerate(), None
+            self.module, self.path, self.call, self.pending = fresh.module, fresh.path, fresh.call, fresh.pending
+            return self(inputs)
         except Exception as e:
             rerun = self._first_run_failed(e)
             if rerun is None:
                 raise
             return rerun(inputs)
-        self.ran, self.aten_gm = True, None
+        self.ran, self.aten_gm, self.regenerate = True, None, None
         return out
 
     def _first_run_failed(self, e: Exception):
@@ -166,6 +179,10 @@ class CompiledGraph(OutputCode):
     def post_compile(self, example_inputs, constants, graph_kwargs) -> None:
         if self.call is not None:  # compiled in this process, already loaded
             return
+        if self.cache_key and (group := graph_cache.split_noted(self.cache_key)):
+            split_groups.add(group)
+            raise BypassAOTAutogradCache(f"commfuse: a run before found the ranks of group {group} cut their "
+                                         "graphs apart: lowered again, with c10d's collectives on it")
         started = time.time()
         graph_id = next_graph_id(self.kind, self.gen.graph_id.rsplit("_", 1)[-1])  # the same on every rank
         self.gen = graph_cache.loaded(self.gen, graph_id, None)

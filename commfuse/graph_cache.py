@@ -34,6 +34,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import choices, config
+from .runtime.plan_check import split_groups
 
 log = logging.getLogger("commfuse")
 FORMAT = 1
@@ -236,7 +237,7 @@ def _distributed():
             backend = None
         groups.append([name, sorted(world.pg_group_ranks.get(pg, {}).items()), backend])
     return {"rank": dist.get_rank(), "world_size": dist.get_world_size(), "groups": sorted(groups),
-            "LOCAL_WORLD_SIZE": os.environ.get("LOCAL_WORLD_SIZE")}
+            "LOCAL_WORLD_SIZE": os.environ.get("LOCAL_WORLD_SIZE"), "split": sorted(split_groups)}
 
 
 def _device(values) -> dict:
@@ -418,6 +419,24 @@ def cache_dir() -> str:
 
 def _path(key: str) -> str:
     return os.path.join(cache_dir(), f"{key}.pkl")
+
+
+def note_split(key: str, group: str) -> None:
+    """Graph `key`'s ranks cut their graphs apart on `group` (runtime/plan_check.PlansSplit): its
+    copy in AOTAutograd's cache, which has no graph to lower again, is passed over from now on."""
+    try:
+        with open(_path(key) + ".split", "w") as f:
+            f.write(group)
+    except (OSError, Uncacheable):  # the cache folder's warning said so
+        pass
+
+
+def split_noted(key: str) -> str | None:
+    try:
+        with open(_path(key) + ".split") as f:
+            return f.read()
+    except (OSError, Uncacheable):
+        return None
 
 
 def store(key: str, description: str, gm: torch.fx.GraphModule, gen: Generated) -> str | None:

@@ -159,6 +159,12 @@ def _divergent(rank, world, mode, g):
         fn = lambda x: funcol.all_reduce(x * 2, "max" if rank == 0 else "sum", g)  # noqa: E731
     elif mode in ("fusion", "apart"):  # a fusion or algorithm option set on rank 0 only
         fn = lambda x: torch.nn.functional.layer_norm(funcol.all_reduce(x * 2, "sum", g).view(4, 16), (16,))  # noqa: E731
+    elif mode == "graph_break":  # a graph break on rank 0 only (a log under `if rank == 0`): same collectives
+        def fn(x):
+            y = funcol.all_reduce(x * 2, "sum", g)
+            if rank == 0:
+                torch._dynamo.graph_break()
+            return funcol.all_reduce(y + 1, "sum", g) * 3
     elif mode == "constant":  # a rank-dependent constant (a vocabulary shard's offset): same collectives
         fn = lambda x: funcol.all_reduce(x * 2 - 12 * rank, "sum", g) + 1  # noqa: E731
     else:  # the other ranks take a branch with no collective at all
@@ -173,11 +179,12 @@ def _divergent(rank, world, mode, g):
         got = torch.compile(fn, backend="commfuse", options=options)(x)
     except Exception as e:
         return ("error", str(e), time.time() - start)
-    return ("ok", (got - fn(x)).abs().max().item() if mode == "fusion" else "", time.time() - start)
+    err = (got - fn(x)).abs().max().item()
+    return ("ok", err if mode in ("fusion", "graph_break") else "", time.time() - start)
 
 
 # "missing" last: its ranks leave the plan check at different times
-MODES = ("branch", "constant", "producer", "algorithm", "reduce_op", "fusion", "apart", "missing")
+MODES = ("branch", "constant", "producer", "algorithm", "reduce_op", "fusion", "apart", "graph_break", "missing")
 
 
 def _every_divergence(rank, world):
@@ -252,6 +259,40 @@ def test_a_fusion_option_on_one_rank_changes_nothing_the_ranks_exchange(divergen
     their comm kernel, reading and writing the same slices in the same programs: it runs as eager."""
     for status, err, _ in divergent["fusion"]:
         assert status == "ok" and err < 1e-5, (status, err)
+
+
+def test_a_graph_break_on_one_rank_runs_through_c10d(divergent):
+    """Rank 0 breaks its graph between two all-reduces, the others do not: the same collectives in
+    the same order, cut apart. Each graph planned its comm buffers alone, and the check refused the
+    program where Inductor ran it; the collectives of that group now run through c10d."""
+    for status, err, _ in divergent["graph_break"]:
+        assert status == "ok" and err < 1e-5, (status, err)
+
+
+def _breaks_on_rank_0(rank, world):
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    from commfuse.compiled import summaries
+
+    def fn(x):
+        y = funcol.all_reduce(x * 2, "sum", dist.group.WORLD)
+        if rank == 0:
+            torch._dynamo.graph_break()
+        return funcol.all_reduce(y + 1, "sum", dist.group.WORLD) * 3
+    x = torch.arange(8.0, device=device()) + rank
+    got = torch.compile(fn, backend="commfuse")(x)
+    return (got - fn(x)).abs().max().item(), [p["reason"] for s in summaries for p in s.get("comm_fallbacks", [])]
+
+
+def test_a_graph_break_on_one_rank_runs_at_a_warm_start(tmp_path, monkeypatch):
+    """A second start finds the first's graphs in AOTAutograd's cache, which cannot lower them again:
+    the first start marked the graph that found the cut, and the second compiles it afresh."""
+    monkeypatch.setenv("COMMFUSE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    for start in ("cold", "warm"):
+        for err, reasons in run_ranks(_breaks_on_rank_0, 2):
+            assert err < 1e-5, (start, err)
+            assert any("cut their graphs" in r for r in reasons), (start, reasons)
 
 
 def test_missing_rank_is_reported_not_hung(divergent):

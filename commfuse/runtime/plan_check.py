@@ -27,6 +27,21 @@ from .peers import PeerError, proc_gone, proc_id
 _by_store: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+# groups whose ranks split their graphs apart (see PlansSplit): their collectives run through c10d
+split_groups: set = set()
+
+
+class PlansSplit(RuntimeError):
+    """The ranks' first graphs with comm kernels hold the same collectives in the same order, but
+    cut in different places: a graph break on some ranks only (a print or log under `if rank == 0`).
+    Each graph plans its comm buffers alone, so the kernels would read the peers' other buffers:
+    every rank lowers its graphs on the group again with c10d's collectives, which meet in order."""
+
+    def __init__(self, message: str, group: str):
+        super().__init__(message)
+        self.group = group
+
+
 def _state(store) -> dict:
     return _by_store.setdefault(store, {"sequence": {}, "agreed": {}, "announced": False})
 
@@ -123,11 +138,23 @@ def check_plans_agree(graph_id: str, pools: dict, buffers: list, groups: dict, p
         mine = json.dumps({"graph": graph_id.split("_", 1)[1], "pools": own,
                            "protocol": _protocol(protocol, group_name), "buffers": _describe(bufs),
                            "names": {"buffers": [b["name"] for b in bufs], "protocol": [p["kernel"] for p in protocol]}})
+        if group_name in split_groups:  # found at an earlier check on every rank: no meeting
+            raise PlansSplit(f"commfuse: graph {graph_id}: the ranks of group {group_name} cut their graphs apart",
+                             group_name)
         agreed = _state(_get_default_store())["agreed"].setdefault(group_name, set())
         wire, me = _collectives(mine), dist.get_rank()
         if wire in agreed:  # every rank of the group checked this plan already: a graph compiled
             continue  # again on this rank alone (its last batch shorter) runs it as the peers do
         plans = meet(groups[group_name], f"the comm-buffer plan check of graph {graph_id}", mine, timeout_s, "plan")
+        if _cut_apart(plans.values()):
+            split_groups.add(group_name)
+            counts = ", ".join(f"{len(_sequence(p))} on rank {r}" for r, p in plans.items())
+            raise PlansSplit(
+                f"commfuse: the ranks of group {group_name} cut their graphs in different places (collectives in "
+                f"graph {graph_id} and its peers': {counts}; the same ones in the same order): a graph break "
+                "on some ranks only, such as a print or log under `if rank == 0`. Their collectives on this "
+                "group run through c10d from now on, which meets in order whatever the graphs; move the "
+                "rank-dependent code out of the compiled function to keep commfuse's comm kernels", group_name)
         for r, theirs in plans.items():
             if _collectives(theirs) != wire:
                 raise RuntimeError(f"commfuse: ranks disagree on the comm-buffer plan of graph {graph_id} "
@@ -179,6 +206,17 @@ def _wait(store, prefix: str, ranks: list, timeout_s: float, what: str) -> None:
                 "rank-dependent branch), or a rank hangs", missing)
         time.sleep(pause)
         pause = min(pause * 2, 0.05)
+
+
+def _sequence(plan: str) -> list:
+    """A plan's collectives in order, as what they do (not where their buffers are)."""
+    return [[c["collective"], c["reduce_op"], c["group"]] for p in json.loads(plan)["protocol"] for c in p["collectives"]]
+
+
+def _cut_apart(plans) -> bool:
+    """Whether the ranks' plans list different numbers of collectives, each the start of the longest."""
+    seqs = sorted(map(_sequence, plans), key=len)
+    return len(seqs[0]) != len(seqs[-1]) and all(s == seqs[-1][:len(s)] for s in seqs)
 
 
 def _collectives(plan: str) -> str:
