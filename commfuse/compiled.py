@@ -102,7 +102,7 @@ class CompiledGraph(OutputCode):
                 e.add_note("commfuse: this graph came from AOTAutograd's cache, with no graph to lower again; "
                            "the next start compiles it afresh")
                 raise
-            log.warning("%s", e)
+            log.log(logging.WARNING if e.found else logging.INFO, "%s", e)
             fresh, self.regenerate = self.regenerate(), None
             self.module, self.path, self.call, self.pending = fresh.module, fresh.path, fresh.call, fresh.pending
             return self(inputs)

@@ -37,9 +37,9 @@ class PlansSplit(RuntimeError):
     Each graph plans its comm buffers alone, so the kernels would read the peers' other buffers:
     every rank lowers its graphs on the group again with c10d's collectives, which meet in order."""
 
-    def __init__(self, message: str, group: str):
+    def __init__(self, message: str, group: str, found: bool = False):
         super().__init__(message)
-        self.group = group
+        self.group, self.found = group, found  # found at this check (said once), or before
 
 
 def _state(store) -> dict:
@@ -154,7 +154,7 @@ def check_plans_agree(graph_id: str, pools: dict, buffers: list, groups: dict, p
                 f"graph {graph_id} and its peers': {counts}; the same ones in the same order): a graph break "
                 "on some ranks only, such as a print or log under `if rank == 0`. Their collectives on this "
                 "group run through c10d from now on, which meets in order whatever the graphs; move the "
-                "rank-dependent code out of the compiled function to keep commfuse's comm kernels", group_name)
+                "rank-dependent code out of the compiled function to keep commfuse's comm kernels", group_name, True)
         for r, theirs in plans.items():
             if _collectives(theirs) != wire:
                 raise RuntimeError(f"commfuse: ranks disagree on the comm-buffer plan of graph {graph_id} "
