@@ -470,7 +470,7 @@ class Choices:
             return "comm lowering disabled by config"
         if cfg.groups is not None and request.group not in cfg.groups:
             return f"group {request.group} not in config.comm.groups"
-        if request.group in split_groups:
+        if request.group in split_groups():
             return f"the ranks of group {request.group} cut their graphs in different places (runtime/plan_check.py)"
         if request.reduce_op not in COMM_REDUCE_OPS and request.collective != "all_gather_into_tensor":
             return f"reduce op {request.reduce_op!r} (supported: {', '.join(COMM_REDUCE_OPS)})"

@@ -180,7 +180,7 @@ class CompiledGraph(OutputCode):
         if self.call is not None:  # compiled in this process, already loaded
             return
         if self.cache_key and (group := graph_cache.split_noted(self.cache_key)):
-            split_groups.add(group)
+            split_groups().add(group)
             raise BypassAOTAutogradCache(f"commfuse: a run before found the ranks of group {group} cut their "
                                          "graphs apart: lowered again, with c10d's collectives on it")
         started = time.time()

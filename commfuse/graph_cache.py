@@ -237,7 +237,7 @@ def _distributed():
             backend = None
         groups.append([name, sorted(world.pg_group_ranks.get(pg, {}).items()), backend])
     return {"rank": dist.get_rank(), "world_size": dist.get_world_size(), "groups": sorted(groups),
-            "LOCAL_WORLD_SIZE": os.environ.get("LOCAL_WORLD_SIZE"), "split": sorted(split_groups)}
+            "LOCAL_WORLD_SIZE": os.environ.get("LOCAL_WORLD_SIZE"), "split": sorted(split_groups())}
 
 
 def _device(values) -> dict:

@@ -27,10 +27,6 @@ from .peers import PeerError, proc_gone, proc_id
 _by_store: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-# groups whose ranks split their graphs apart (see PlansSplit): their collectives run through c10d
-split_groups: set = set()
-
-
 class PlansSplit(RuntimeError):
     """The ranks' first graphs with comm kernels hold the same collectives in the same order, but
     cut in different places: a graph break on some ranks only (a print or log under `if rank == 0`).
@@ -43,7 +39,17 @@ class PlansSplit(RuntimeError):
 
 
 def _state(store) -> dict:
-    return _by_store.setdefault(store, {"sequence": {}, "agreed": {}, "announced": False})
+    return _by_store.setdefault(store, {"sequence": {}, "agreed": {}, "announced": False, "split": set()})
+
+
+def split_groups() -> set:
+    """The groups whose ranks cut their graphs apart (PlansSplit), of this process group's life:
+    their collectives run through c10d."""
+    from torch.distributed.distributed_c10d import _get_default_store
+    try:
+        return _state(_get_default_store())["split"] if dist.is_available() and dist.is_initialized() else set()
+    except (RuntimeError, ValueError):  # a group made without a default store: none is checked
+        return set()
 
 # what a rank's comm kernel does beside its peers' without changing what they exchange: its own
 # input written by a producer fused in (program i writes the slice program i of every rank reads:
@@ -138,7 +144,7 @@ def check_plans_agree(graph_id: str, pools: dict, buffers: list, groups: dict, p
         mine = json.dumps({"graph": graph_id.split("_", 1)[1], "pools": own,
                            "protocol": _protocol(protocol, group_name), "buffers": _describe(bufs),
                            "names": {"buffers": [b["name"] for b in bufs], "protocol": [p["kernel"] for p in protocol]}})
-        if group_name in split_groups:  # found at an earlier check on every rank: no meeting
+        if group_name in split_groups():  # found at an earlier check on every rank: no meeting
             raise PlansSplit(f"commfuse: graph {graph_id}: the ranks of group {group_name} cut their graphs apart",
                              group_name)
         agreed = _state(_get_default_store())["agreed"].setdefault(group_name, set())
@@ -147,7 +153,7 @@ def check_plans_agree(graph_id: str, pools: dict, buffers: list, groups: dict, p
             continue  # again on this rank alone (its last batch shorter) runs it as the peers do
         plans = meet(groups[group_name], f"the comm-buffer plan check of graph {graph_id}", mine, timeout_s, "plan")
         if _cut_apart(plans.values()):
-            split_groups.add(group_name)
+            split_groups().add(group_name)
             counts = ", ".join(f"{len(_sequence(p))} on rank {r}" for r, p in plans.items())
             raise PlansSplit(
                 f"commfuse: the ranks of group {group_name} cut their graphs in different places (collectives in "
