@@ -50,9 +50,11 @@ def owned_bytes(names) -> int:
 
 
 def aliased_by_externs(groups) -> set:
-    """Buffers an extern op's output may alias (a view returned by aten): their memory must
-    outlive that output, so it is never handed to another buffer."""
-    return {name for g in groups for n in g.nodes if getattr(n.buf, "aliases", False) for name in n.read_names}
+    """Buffers an extern op's output may alias (a view returned by aten; a wait, which returns its
+    input whatever its schema says: a collective's result saved for the backward and waited there):
+    their memory must outlive that output, so it is never handed to another buffer."""
+    return {name for g in groups for n in g.nodes if getattr(n.buf, "aliases", False) or is_wait(g)
+            for name in n.read_names}
 
 
 def recyclable(sched) -> set:

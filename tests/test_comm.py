@@ -733,3 +733,38 @@ def test_a_producer_on_one_rank_only_fuses_into_its_all_reduce():
 SHARED = SharedRanks([_reduce_ops_and_dtypes, _two_groups_chained, _all_reduce_into_the_input, _nan_max_min,
                       _signed_zeros, _degenerate_shapes, _inference_mode_then_training, _one_rank_recompiles,
                       _rank_local_producer], WORLD)
+
+
+def _saved_unwaited(rank, world):
+    """Selective checkpointing that saves collectives (torchtitan's SAC saves c10d ops) keeps the
+    all-to-all's result un-waited for the backward, which waits on it again."""
+    import functools
+
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    def policy(ctx, op, *args, **kwargs):
+        save = op.namespace == "_c10d_functional" and "wait" not in str(op)
+        return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
+
+    def block(x, counts):
+        c = torch.ops._c10d_functional.wait_tensor(funcol.all_to_all_single(counts, None, None, dist.group.WORLD))
+        c = c.view(-1)
+        return x * ((c.cumsum(0) - c) * 3 + c).float()  # c read again after the cumsum
+
+    def f(x, counts):
+        return checkpoint(block, x, counts, use_reentrant=False,
+                          context_fn=functools.partial(create_selective_checkpoint_contexts, policy))
+    counts = torch.arange(2 * world, dtype=torch.int64, device=device()).view(world, 2) + 10 * rank + 1
+    x = torch.randn(2 * world, device=device(), requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    f(x, counts).sum().backward()
+    torch.compile(f, backend="commfuse")(x2, counts).sum().backward()
+    return (x2.grad - x.grad).abs().max().item()
+
+
+def test_a_collective_saved_unwaited_keeps_its_memory_through_the_backwards_wait():
+    """The backward's input (the saved result, donated) was handed to the cumsum's output at the
+    wait, while the wait's result, the same tensor, was read after it: gradients silently wrong."""
+    assert run_ranks(_saved_unwaited, WORLD) == [0.0] * WORLD
