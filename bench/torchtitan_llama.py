@@ -50,7 +50,6 @@ def build(args, backend, world, device):
     from torchtitan.distributed import utils as dist_utils
     from torchtitan.models.llama3 import model_registry
     from torchtitan.models.llama3.sharding import set_llama3_sharding_config
-    from torch.distributed.fsdp import FSDPModule
     from torchtitan.models.common.attention import ScaledDotProductAttention
     spec = model_registry("debugmodel", attn_backend="flex")
     if args.attn == "sdpa":  # 0.3.0 builds language models with flex or varlen only; SDPA is causal
@@ -69,19 +68,8 @@ def build(args, backend, world, device):
     set_llama3_sharding_config(spec.model, enable_sp=parallelism.enable_sequence_parallel)
     dist_utils.set_spmd_backend(parallelism.spmd_backend)
     dims = ParallelDims.from_config(parallelism, world)
-    dims.build_mesh()
-    with torch.device("meta"):
-        model = spec.model.build()
-    model = spec.parallelize_fn(model, parallel_dims=dims, training=training, parallelism=parallelism,
-                                compile_config=compile_config, ac_config=ac_config(args.ac), dump_folder="/tmp")
-    for m in model.modules():
-        if isinstance(m, FSDPModule) and device.type == "cpu":  # gloo lacks PREMUL_SUM (FSDP's mean over ranks)
-            m.set_force_sum_reduction_for_comms(True)
-    model.to_empty(device=device)
-    torch.manual_seed(0)
-    with torch.no_grad():
-        model.init_weights(buffer_device=None)
-    model.train()
+    model = parallelized(spec, dims, device, training=training, parallelism=parallelism,
+                         compile_config=compile_config, ac_config=ac_config(args.ac))
     # llama3_debugmodel()'s loss and optimizer
     loss_fn = ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size=spec.model.vocab_size)).build(
         compile_config=compile_config)
@@ -91,6 +79,25 @@ def build(args, backend, world, device):
     optim = default_adamw(lr=8e-4).build(model_parts=[model])
     ctx = dist_utils.get_spmd_context(parallel_dims=dims)
     return model, loss_fn, optim, ctx, dims
+
+
+def parallelized(spec, dims, device, **parallelize):
+    """spec's model built on the meta device, parallelized by its own parallelize_fn, then
+    materialized on `device` and initialized, as torchtitan's Trainer does."""
+    from torch.distributed.fsdp import FSDPModule
+    dims.build_mesh()
+    with torch.device("meta"):
+        model = spec.model.build()
+    model = spec.parallelize_fn(model, parallel_dims=dims, dump_folder="/tmp", **parallelize)
+    for m in model.modules():
+        if isinstance(m, FSDPModule) and device.type == "cpu":  # gloo lacks PREMUL_SUM (FSDP's mean over ranks)
+            m.set_force_sum_reduction_for_comms(True)
+    model.to_empty(device=device)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    model.train()
+    return model
 
 
 def ac_config(name: str):

@@ -70,9 +70,7 @@ class SymmPool:
         group = group_of(group_name)
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
-        self._meet = lambda step, value="": meet(  # noqa: E731
-            group, f"the creation of the {self.nbytes}-byte symmetric pool on {self.device} ({step})",
-            value, meet_timeout_s)
+        self.meet_timeout_s = meet_timeout_s
         if self.device.type == "cuda":
             self._init_cuda(group)
         else:
@@ -81,6 +79,12 @@ class SymmPool:
         self.set_barrier_timeout(None)
         self.failed = None  # the PeerError this pool's kernels gave up with: every later call raises it
         _on_exit_mark_pools()
+
+    def _meet(self, step: str, value: str = "") -> dict:
+        """A step of the pool's creation, every rank of its group at it (by name: the pool holds no
+        process group, which `destroy_process_group` would then leave to the interpreter's exit)."""
+        return meet(group_of(self.group_name), f"the creation of the {self.nbytes}-byte symmetric pool on "
+                    f"{self.device} ({step})", value, self.meet_timeout_s)
 
     def set_barrier_timeout(self, seconds: float | None) -> None:
         """Bound the comm kernels' barrier waits: `seconds`, or the group's timeout (a collective
