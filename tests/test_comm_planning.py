@@ -147,6 +147,7 @@ def _divergent(rank, world, mode, g):
     import time
     import torch.distributed._functional_collectives as funcol
     x = torch.randn(64, device=device())
+    later = []  # late_cut: rank 0 breaks its graph from the second call on
     if mode == "branch":  # the other ranks reduce a slice: different comm buffers
         fn = (lambda x: funcol.all_reduce(x * 2, "sum", g)) if rank == 0 else \
             (lambda x: funcol.all_reduce(x[:16] * 2, "sum", g))
@@ -165,26 +166,37 @@ def _divergent(rank, world, mode, g):
             if rank == 0:
                 torch._dynamo.graph_break()
             return funcol.all_reduce(y + 1, "sum", g) * 3
+    elif mode == "late_cut":  # the same, from the second call on (a log every N steps): peers run the agreed graph
+        def fn(x):
+            y = funcol.all_reduce(x * 2, "sum", g)
+            if rank == 0 and later:
+                torch._dynamo.graph_break()
+            return funcol.all_reduce(y + 1, "sum", g) * 3
     elif mode == "constant":  # a rank-dependent constant (a vocabulary shard's offset): same collectives
         fn = lambda x: funcol.all_reduce(x * 2 - 12 * rank, "sum", g) + 1  # noqa: E731
     else:  # the other ranks take a branch with no collective at all
         fn = (lambda x: funcol.all_reduce(x * 2, "sum", g)) if rank == 0 else (lambda x: x * 2)
     algorithm = ("one_shot", "two_shot")[rank % 2] if mode == "algorithm" else "auto"
-    options = {"comm.plan_check_timeout_s": 3, "comm.algorithm": algorithm}
+    options = {"comm.plan_check_timeout_s": 3, "comm.barrier_timeout_s": 3, "comm.algorithm": algorithm}
     if rank == 0:
         options.update({"fusion": {"max_fusion_size": 1}, "apart": {"comm.algorithm": "one_shot_apart"}}.get(mode, {}))
     start = time.time()
     try:
         # options=, not config.patch: the check runs at the first call, after the compile's options
-        got = torch.compile(fn, backend="commfuse", options=options)(x)
+        compiled = torch.compile(fn, backend="commfuse", options=options)
+        if mode == "late_cut":
+            compiled(x)
+            later.append(True)
+        got = compiled(x)
     except Exception as e:
         return ("error", str(e), time.time() - start)
     err = (got - fn(x)).abs().max().item()
     return ("ok", err if mode in ("fusion", "graph_break") else "", time.time() - start)
 
 
-# "missing" last: its ranks leave the plan check at different times
-MODES = ("branch", "constant", "producer", "algorithm", "reduce_op", "fusion", "apart", "graph_break", "missing")
+# "late_cut" and "missing" last: their ranks leave at different times
+MODES = ("branch", "constant", "producer", "algorithm", "reduce_op", "fusion", "apart", "graph_break", "late_cut",
+         "missing")
 
 
 def _every_divergence(rank, world):
@@ -267,6 +279,16 @@ def test_a_graph_break_on_one_rank_runs_through_c10d(divergent):
     program where Inductor ran it; the collectives of that group now run through c10d."""
     for status, err, _ in divergent["graph_break"]:
         assert status == "ok" and err < 1e-5, (status, err)
+
+
+def test_a_graph_break_on_one_rank_after_the_first_calls_is_named(divergent):
+    """Rank 0 cuts a graph the ranks agreed on, from its second call on; the peers run it whole and
+    wait in its comm kernels. Not mendable there (the peers are mid-graph): the error says why,
+    on rank 0, and every rank's wait is bounded."""
+    (s0, m0, t0), *others = divergent["late_cut"]
+    assert s0 == "error" and "cut apart on this rank after the first calls" in m0, m0
+    for status, message, seconds in [(s0, m0, t0), *others]:
+        assert status == "error" and seconds < 30, (status, message, seconds)
 
 
 def _breaks_on_rank_0(rank, world):
@@ -367,7 +389,7 @@ def _initialized_again(rank, world, init_dir, second):
 
     def run(algorithm):
         torch._dynamo.reset()
-        options = {"comm.plan_check_timeout_s": 3, "comm.algorithm": algorithm}
+        options = {"comm.plan_check_timeout_s": 3, "comm.barrier_timeout_s": 3, "comm.algorithm": algorithm}
         return (torch.compile(fn, backend="commfuse", options=options)(x) - fn(x)).abs().max().item()
     first = run("one_shot")
     dist.destroy_process_group()

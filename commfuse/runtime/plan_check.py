@@ -151,7 +151,17 @@ def check_plans_agree(graph_id: str, pools: dict, buffers: list, groups: dict, p
         wire, me = _collectives(mine), dist.get_rank()
         if wire in agreed:  # every rank of the group checked this plan already: a graph compiled
             continue  # again on this rank alone (its last batch shorter) runs it as the peers do
-        plans = meet(groups[group_name], f"the comm-buffer plan check of graph {graph_id}", mine, timeout_s, "plan")
+        try:
+            plans = meet(groups[group_name], f"the comm-buffer plan check of graph {graph_id}", mine, timeout_s, "plan")
+        except PeerError as late:
+            if "did not reach" not in str(late) or not any(_part_of(_sequence(mine), _sequence(w)) for w in agreed):
+                raise
+            raise PeerError(
+                f"{late}. This graph holds part of the collectives of a graph the ranks of group {group_name} "
+                "agreed on earlier: it was cut apart on this rank after the first calls, and the peers still run "
+                "it whole (a graph break on some ranks at some steps only, such as a log under `if rank == 0 "
+                "and step % 100 == 0`). Move that code out of the compiled function, or make it the same on "
+                "every rank", late.ranks) from None
         if _cut_apart(plans.values()):
             split_groups().add(group_name)
             counts = ", ".join(f"{len(_sequence(p))} on rank {r}" for r, p in plans.items())
@@ -223,6 +233,11 @@ def _cut_apart(plans) -> bool:
     """Whether the ranks' plans list different numbers of collectives, each the start of the longest."""
     seqs = sorted(map(_sequence, plans), key=len)
     return len(seqs[0]) != len(seqs[-1]) and all(s == seqs[-1][:len(s)] for s in seqs)
+
+
+def _part_of(part: list, whole: list) -> bool:
+    """Whether `part` is a run of consecutive collectives of `whole`, and shorter."""
+    return 0 < len(part) < len(whole) and any(whole[i:i + len(part)] == part for i in range(len(whole) - len(part) + 1))
 
 
 def _collectives(plan: str) -> str:
