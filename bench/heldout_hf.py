@@ -4,6 +4,7 @@ through commfuse on CPU (Triton interpreter), as a new user would run them.
     python bench/heldout_hf.py --results bench/results/heldout_hf_cpu.json   # all, 2 worker processes
     python bench/heldout_hf.py --one NAME      # one model in this process (what each worker runs)
     python bench/heldout_hf.py --only A,B      # a subset
+    python bench/heldout_hf.py --device cuda --jobs 8 [--backend inductor]   # on a GPU (or Inductor there)
 
 Tiny random configs, eval mode (train mode with dropout 0 where eager's backward asks for it), fp32. Per model: inference, forward + backward (the loss, or the
 main output against a fixed random tensor; every parameter gradient), and a call at other sizes
@@ -505,7 +506,19 @@ def _close(got, want):
             (" NaN in compiled" if nan else "")
 
 
-def run_one(name):
+def _to(x, device):
+    """`x` (a tensor, or a dict / list of them) on `device`."""
+    import torch
+    if isinstance(x, torch.Tensor):
+        return x.to(device)
+    if isinstance(x, dict):
+        return {k: _to(v, device) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_to(v, device) for v in x)
+    return x
+
+
+def run_one(name, device="cpu", backend="commfuse"):
     os.environ["COMMFUSE_FALLBACK_ON_ERROR"] = "0"
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ.setdefault("COMMFUSE_CACHE_DIR", tempfile.mkdtemp(prefix="cf_sweep_"))
@@ -516,7 +529,7 @@ def run_one(name):
     import transformers
     torch.set_num_threads(1)
     global PAD, B, S
-    res = {"model": name, "transformers": transformers.__version__}
+    res = {"model": name, "transformers": transformers.__version__, "device": device, "backend": backend}
     if name.endswith("+pad"):
         PAD, name = True, name[:-4]
     if not hasattr(transformers, name.split("_")[0]):
@@ -537,10 +550,11 @@ def run_one(name):
         cfg = getattr(transformers, cfg_cls)(**cfg_kwargs)
         model = getattr(transformers, s.get("cls", name))(cfg)
         res["attn"] = getattr(model.config, "_attn_implementation", None)
+    model.to(device)
     model.train() if s.get("train") else model.eval()
     res["mode"] = "train" if s.get("train") else "eval"
     ref = copy.deepcopy(model)
-    inputs = s["inputs"]
+    inputs = _to(s["inputs"], device)
     main, loss_key = s["main"], s["loss"]
     try:
         with torch.no_grad():
@@ -549,7 +563,7 @@ def run_one(name):
         res["result"] = "setup error (eager fails)"
         res["error"] = _tb_tail(e)
         return res
-    probe = torch.randn(getattr(out_ref, main).shape, generator=torch.Generator().manual_seed(1))
+    probe = torch.randn(getattr(out_ref, main).shape, generator=torch.Generator().manual_seed(1)).to(device)
 
     def loss_of(out):
         if loss_key:
@@ -567,7 +581,7 @@ def run_one(name):
         r = copy.deepcopy(ref)
         t0 = time.time()
         try:
-            compiled = torch.compile(m, backend="commfuse")
+            compiled = torch.compile(m, backend=backend)
             if phase == "inference":
                 with torch.no_grad():
                     out = compiled(**inputs)
@@ -613,12 +627,12 @@ def run_one(name):
     cfb.summaries.clear()
     B, S = 3, 12
     torch.manual_seed(0)
-    inputs2 = spec(name)[1]["inputs"]
+    inputs2 = _to(spec(name)[1]["inputs"], device)
     B, S = 2, 8
     t0 = time.time()
     try:
         m = copy.deepcopy(model)
-        compiled = torch.compile(m, backend="commfuse")
+        compiled = torch.compile(m, backend=backend)
         with torch.no_grad():
             compiled(**inputs)
             out = compiled(**inputs2)
@@ -644,7 +658,7 @@ def run_one(name):
 # --------------------------------------------------------------------------------------------- driver
 
 
-def worker(name, timeout, outdir):
+def worker(name, timeout, outdir, device="cpu", backend="commfuse"):
     out = os.path.join(outdir, f"{name}.json")
     log = os.path.join(outdir, f"{name}.log")
     env = dict(os.environ, COMMFUSE_FALLBACK_ON_ERROR="0", HF_HUB_OFFLINE="1", PYTHONPATH=REPO,
@@ -652,7 +666,8 @@ def worker(name, timeout, outdir):
     t0 = time.time()
     with open(log, "w") as f:
         try:
-            p = subprocess.run([sys.executable, __file__, "--one", name, "--out", out], stdout=f,
+            p = subprocess.run([sys.executable, __file__, "--one", name, "--out", out, "--device", device,
+                                "--backend", backend], stdout=f,
                                stderr=subprocess.STDOUT, env=env, timeout=timeout, cwd=REPO)
             rc = p.returncode
         except subprocess.TimeoutExpired:
@@ -680,9 +695,11 @@ def main():
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--timeout", type=int, default=600)
     ap.add_argument("--results", help="write the results as JSON here")
+    ap.add_argument("--device", default="cpu", help="cpu (Triton's interpreter) or cuda")
+    ap.add_argument("--backend", default="commfuse", help="commfuse, or a peer (inductor) on the same models")
     a = ap.parse_args()
     if a.one:
-        res = run_one(a.one)
+        res = run_one(a.one, a.device, a.backend)
         text = json.dumps(res, indent=1, default=str)
         if a.out:
             with open(a.out, "w") as f:
@@ -693,7 +710,7 @@ def main():
     outdir = os.environ.get("SWEEP_OUT") or tempfile.mkdtemp(prefix="heldout_hf_")
     os.makedirs(outdir, exist_ok=True)
     with cf.ThreadPoolExecutor(a.jobs) as ex:
-        results = list(ex.map(lambda n: worker(n, a.timeout, outdir), names))
+        results = list(ex.map(lambda n: worker(n, a.timeout, outdir, a.device, a.backend), names))
     if a.results:
         with open(a.results, "w") as f:
             json.dump(results, f, indent=1, default=str)
