@@ -104,7 +104,7 @@ def block_sweep(b, hq, hkv, s, d, where, dev, options, rounds) -> str:
     want = attend(*(x.float() for x in (q, k, v)), mask)
     torch._dynamo.reset()
     fns = {}
-    for blocks in [None, *itertools.product((64, 128), (1, 2, 4), (2, 3))]:
+    for blocks in [None, *itertools.product((32, 64, 128), (1, 2, 4, 8), (2, 3, 4))]:
         extra = {} if blocks is None else {"choices": Blocks(*blocks)}
         fn = torch.compile(attend, backend="commfuse", dynamic=False, options={**options, "decode_attention": True, **extra})
         with torch.no_grad():
@@ -124,13 +124,14 @@ def main():
     ap.add_argument("--lengths", default="512,2048,8192,32768")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--head-dims", default="128,64")
+    ap.add_argument("--heads", default="32/8,16/4", help="query/KV heads, comma-separated")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--blocks", action="store_true", help="tune the kernel's blocks per row instead (GPU)")
     add_run_args(ap, "decode_attention=True")
     a = ap.parse_args()
     options = commfuse_options(ap, a.set)
     dev = torch.device("cpu" if a.cpu else "cuda")
-    heads = [(32, 8), (16, 4)] if not a.cpu else [(4, 2)]
+    heads = [tuple(map(int, h.split("/"))) for h in a.heads.split(",")] if not a.cpu else [(4, 2)]
     lengths = [int(x) for x in a.lengths.split(",")] if not a.cpu else [37]
     batches = [int(x) for x in a.batches.split(",")] if not a.cpu else [2]
     dims = [int(x) for x in a.head_dims.split(",")] if not a.cpu else [16]
