@@ -160,18 +160,29 @@ class TritonOps:
     def abs(self, a): return self._op(f"tl.abs({a})", a.dtype) if a.dtype != torch.bool else a
     def square(self, a): return self.mul(a, a)
 
+    def _nonzero_divisor(self, a, b):
+        """An integer division by zero raises on a CPU, as eager's kernels and Inductor's C++ ones
+        do (the interpreter returned 0 or -1); on a GPU eager returns whatever the hardware gives."""
+        if interpreting() and _promote(a, b) not in (torch.bool,) and not _promote(a, b).is_floating_point:
+            self.k.uses_assert = True
+            self.k.cur.body.writeline(f'tl.device_assert(({b} != 0) | ~({self.k.mask()}), "ZeroDivisionError")')
+
     def floordiv(self, a, b):
+        self._nonzero_divisor(a, b)
         return self._bin("triton_helpers.div_floor({a}, {b})", a, b)
 
     def truncdiv(self, a, b):
+        self._nonzero_divisor(a, b)
         return self._bin("{a} // {b}", a, b)
 
     # Triton's % is C's fmod, exact for floats too (a - b * trunc(a / b) lost up to all of b:
     # fmod(1.0, 0.1) gave 0.0 for 0.0999...)
     def remainder(self, a, b):
+        self._nonzero_divisor(a, b)
         return self._bin("triton_helpers.remainder({a}, {b})", a, b)
 
     def fmod(self, a, b):
+        self._nonzero_divisor(a, b)
         return self._bin("{a} % {b}", a, b)
 
     def pow(self, a, b):

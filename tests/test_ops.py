@@ -373,3 +373,20 @@ def test_reductions_over_no_elements_are_their_identity(fn, tmp_path):
         got = torch.compile(fn, backend="commfuse")(x)
     torch.testing.assert_close(got, fn(x))
     assert not Dumps(tmp_path).only()[0]["extern_calls"]
+
+
+@pytest.mark.parametrize("op", [torch.floor_divide, torch.remainder, torch.fmod,
+                                lambda a, b: torch.div(a, b, rounding_mode="trunc")],
+                         ids=["floor_divide", "remainder", "fmod", "trunc_div"])
+def test_integer_division_by_zero_raises_on_a_cpu_as_in_eager(op):
+    """Eager's CPU kernels raise, as Inductor's C++ ones do; the interpreted kernel returned 0 and
+    -1. A divisor made safe with where() runs."""
+    a, b = torch.tensor([7, -7, 5]), torch.tensor([2, 0, 3])
+    with pytest.raises(RuntimeError, match="ZeroDivisionError"):
+        op(a, b)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="ZeroDivisionError"):
+        torch.compile(op, backend="commfuse")(a, b)
+    safe = lambda a, b: op(a, torch.where(b != 0, b, 1))  # noqa: E731
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(safe, backend="commfuse")(a, b), safe(a, b), rtol=0, atol=0)
