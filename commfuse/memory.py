@@ -50,11 +50,10 @@ def owned_bytes(names) -> int:
 
 
 def aliased_by_externs(groups) -> set:
-    """Buffers an extern op's output may alias (a view returned by aten; a wait, which returns its
-    input whatever its schema says: a collective's result saved for the backward and waited there):
-    their memory must outlive that output, so it is never handed to another buffer."""
-    return {name for g in groups for n in g.nodes if getattr(n.buf, "aliases", False) or is_wait(g)
-            for name in n.read_names}
+    """Buffers an extern op's output may alias (a view returned by aten, a wait's input:
+    `extern.returns_alias`): their memory must outlive that output, so it is never handed to
+    another buffer."""
+    return {name for g in groups for n in g.nodes if getattr(n.buf, "aliases", False) for name in n.read_names}
 
 
 def recyclable(sched) -> set:
@@ -88,7 +87,7 @@ def storage_basis(sched) -> tuple:
             buf = n.buf
             if isinstance(buf, ir.ExternKernel) and buf.out_view is not None:
                 alias[n.name] = buf.out_view.base.name
-            elif getattr(buf, "aliases", False) and not buf.multi_output or is_wait(g):  # a wait returns its input
+            elif getattr(buf, "aliases", False) and not buf.multi_output:
                 alias[n.name] = next((r for r in sorted(n.read_names) if owned(r)), None)
     names = dict.fromkeys(name for g in sched.groups for name in g.read_names | g.write_names)
     is_owned = {name: owned(name) for name in [*names, *alias.values()] if name is not None}

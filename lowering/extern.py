@@ -81,9 +81,11 @@ def _mutated_args(op, args, kwargs):
     return out
 
 
+# May `op`'s result be (a view of) an input? Its schema says so; a collective's wait returns its
+# input whatever its schema says (a collective's result saved for the backward, waited there).
 def returns_alias(op) -> bool:
-    return isinstance(op, torch._ops.OpOverload) and any(
-        r.alias_info is not None for r in op._schema.returns)
+    return isinstance(op, torch._ops.OpOverload) and (ir.is_wait(op) or any(
+        r.alias_info is not None for r in op._schema.returns))
 
 
 # An aliasing op (a view aten runs) returns strides that follow its input's, and the kernels reading
