@@ -358,7 +358,8 @@ def test_peer_that_stops_calling_is_reported_not_hung():
 def _two_levels(rank, world):
     """All-reduces over a sub-group ({0, 1} / {2, 3}, a 2-D mesh's inner dim) and over WORLD in one
     graph. The WORLD check compared every rank's pools, sub-group names included, which differ
-    between {0, 1} and {2, 3}: 'ranks disagree ... pools differ'."""
+    between {0, 1} and {2, 3}: 'ranks disagree ... pools differ'. The pairs reduce different sizes
+    (each its own sequence length): the WORLD check compared the pairs' kernels, 'differs in elements'."""
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
     pair, _ = dist.new_subgroups(2)
@@ -367,8 +368,8 @@ def _two_levels(rank, world):
 
     def fn(x):
         a = funcol.all_reduce(x @ w, "sum", pair)
-        return funcol.all_reduce(a @ w, "sum", dist.group.WORLD)
-    x = torch.randn(4, 8, device=device()) + rank
+        return funcol.all_reduce(a.sum(0) @ w, "sum", dist.group.WORLD)
+    x = torch.randn(4 + 2 * (rank // 2), 8, device=device()) + rank
     torch.testing.assert_close(torch.compile(fn, backend="commfuse")(x), fn(x), rtol=1e-4, atol=1e-4)
     return True
 

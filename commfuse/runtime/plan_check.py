@@ -141,9 +141,12 @@ def check_plans_agree(graph_id: str, pools: dict, buffers: list, groups: dict, p
         # ranks of WORLD ({0, 1} and {2, 3} of a 2-D mesh), rightly
         own = {k: [g, n] for k, (g, _d, n) in pools.items() if g == group_name}
         bufs = [b for b in buffers if b["pool"] in own]
+        # the kernels with a collective on it: another group's are its own ranks' business (on a
+        # 2-D mesh a tp all-reduce's size may differ between dp peers, each sequence its own length)
+        kernels = [p for p in protocol if any(c["group"] == group_name for c in p["collectives"])]
         mine = json.dumps({"graph": graph_id.split("_", 1)[1], "pools": own,
-                           "protocol": _protocol(protocol, group_name), "buffers": _describe(bufs),
-                           "names": {"buffers": [b["name"] for b in bufs], "protocol": [p["kernel"] for p in protocol]}})
+                           "protocol": _protocol(kernels, group_name), "buffers": _describe(bufs),
+                           "names": {"buffers": [b["name"] for b in bufs], "protocol": [p["kernel"] for p in kernels]}})
         if group_name in split_groups():  # found at an earlier check on every rank: no meeting
             raise PlansSplit(f"commfuse: graph {graph_id}: the ranks of group {group_name} cut their graphs apart",
                              group_name)
