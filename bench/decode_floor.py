@@ -65,6 +65,12 @@ def all_reduce_us(numel, dtype, dev) -> float:
     return min(timing.wall_time_s(lambda: dist.all_reduce(x), dev) for _ in range(5)) * 1e6
 
 
+def cache_prefixes(model, pos) -> dict:
+    """{a KV cache's address: its bytes up to position `pos`}: what a kernel that reads it up to
+    the position moves (kernel_bytes' `read_at_most`)."""
+    return {b.data_ptr(): nbytes(b) * (pos + 1) // b.shape[2] for n, b in model.named_buffers() if "cache" in n}
+
+
 def floors(model, batch, hidden, pos, dtype, dev) -> dict:
     """The floor's terms and the two floors (µs), for a decode step at position `pos`."""
     weights = sum(nbytes(p) for p in model.parameters())
@@ -91,11 +97,14 @@ def describe(r: dict, key="decode") -> str:
 
 
 # ------------------------------------------------------------------------ per-kernel breakdown
-def kernel_bytes(call) -> dict:
+def kernel_bytes(call, read_at_most: dict | None = None) -> dict:
     """{kernel name: bytes of its tensor arguments, summed over its launches} for one `call()` of
     commfuse-generated code (every launch goes through commfuse.runtime.launch.Site): each tensor
-    argument counted once, whole (what a kernel that reads or writes all of it moves); arguments at
-    one address once (the few-row matmul passes its weight again where it needs no workspace)."""
+    argument counted once, whole (what a kernel that reads or writes all of it moves), or at most
+    `read_at_most[its address]` (a KV cache, which decode attention reads up to the position);
+    arguments at one address once (the few-row matmul passes its weight again where it needs no
+    workspace)."""
+    read_at_most = read_at_most or {}
     from commfuse.runtime import launch
     seen: dict[str, int] = {}
     plain = launch.Site.__call__
@@ -106,7 +115,8 @@ def kernel_bytes(call) -> dict:
         per_ptr: dict[int, int] = {}  # a tensor passed twice (a placeholder argument) moves once
         for a in args:
             if isinstance(a, torch.Tensor):
-                per_ptr[a.data_ptr()] = max(per_ptr.get(a.data_ptr(), 0), a.numel() * a.element_size())
+                whole = min(a.numel() * a.element_size(), read_at_most.get(a.data_ptr(), math.inf))
+                per_ptr[a.data_ptr()] = max(per_ptr.get(a.data_ptr(), 0), whole)
         seen[name] = seen.get(name, 0) + sum(per_ptr.values())
         return plain(site, stream, grid, *args)
     launch.Site.__call__ = counting
@@ -198,7 +208,7 @@ def graph_kernels(call, dev, graph_steps, replays) -> tuple:
     return per_kernel(events, replays * graph_steps, True), in_order(events, replays * graph_steps)
 
 
-def kernel_table(call, steps, dev, bandwidth_gbs, elem=2, graph_steps=10, replays=5) -> str:
+def kernel_table(call, steps, dev, bandwidth_gbs, elem=2, graph_steps=10, replays=5, read_at_most=None) -> str:
     """Markdown: each kernel of `call()` (one decode step) by GPU time per step, with the bytes it
     moved (a generated kernel's tensor arguments; a matmul's or attention's aten inputs), its GB/s
     and its share of the measured read bandwidth, under 80% flagged, beside the other ranks' times
@@ -208,9 +218,9 @@ def kernel_table(call, steps, dev, bandwidth_gbs, elem=2, graph_steps=10, replay
     `replays` replays of a CUDA graph of `graph_steps` steps, started together: launched op by op
     the step is host-bound, the ranks drift apart within it and the all-reduces would hold the
     drift. Else (on CPU; a torch whose profiler sees no kernels in a graph's replays) from `steps`
-    plain calls, each after a barrier. A heading line says which."""
+    plain calls, each after a barrier. A heading line says which. `read_at_most`: kernel_bytes'."""
     gpu = dev.type == "cuda"
-    moved = kernel_bytes(call)
+    moved = kernel_bytes(call, read_at_most)
     call()
     timing.sync(dev)
     dist.barrier()

@@ -245,7 +245,8 @@ def decode(model, a, dev, variants, res, failed, check_steps=4, key="decode"):
             try:
                 bw = res[variants[0]].get("decode floor read GB/s") or decode_floor.read_bandwidth(dev) / 1e9
                 a.kernel_tables["decode, commfuse"] = decode_floor.kernel_table(
-                    step["commfuse"], 5, dev, bw, a.dtype.itemsize, graph_steps=a.graph_steps)
+                    step["commfuse"], 5, dev, bw, a.dtype.itemsize, graph_steps=a.graph_steps,
+                    read_at_most=decode_floor.cache_prefixes(model, a.pos))
             except Exception as e:
                 failed["commfuse, decode kernels"] = _why(e)
         if main and "decode" in a.trace:

@@ -150,8 +150,9 @@ def report(a, res, failed, variants, dev, final) -> int:
     if merged:
         text += "\n\nFailed:\n" + "\n".join(f"- {k}: {v}" for k, v in merged.items())
     for what, t in a.kernel_tables.items():
-        text += f"\n\nPer kernel, {what} (rank 0; bytes: a generated kernel's tensor arguments, " \
-                f"a matmul's or attention's aten inputs, each once; other aten kernels without):\n\n" + t
+        text += f"\n\nPer kernel, {what} (rank 0; bytes: a generated kernel's tensor arguments, a KV " \
+                f"cache up to the position, a matmul's or attention's aten inputs, each once; other aten " \
+                f"kernels without):\n\n" + t
     if final:
         print(text, flush=True)
     if a.out:
