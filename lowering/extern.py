@@ -92,6 +92,10 @@ def returns_alias(op) -> bool:
 # it are built for the strides the graph's meta gives: its input is stored in the meta's order (a
 # channels_last value we stored contiguous was read at channels_last strides).
 def _in_meta_order(x: TensorBox):
+    root = ir.view_root(x).data
+    root = root.base if isinstance(root, ir.ReinterpretView) else root
+    if isinstance(root, (ir.InputBuffer, ir.ConstantBuffer, ir.ExternKernel, ir.MultiOutput)):
+        return x  # eager's own storage (an input, aten's result): a copy would change what a view of it reads
     arg = V.graph.current_node.args[0] if V.graph.current_node is not None and V.graph.current_node.args else None
     want = arg.meta.get("val") if isinstance(arg, torch.fx.Node) else None
     if not isinstance(want, torch.Tensor) or want.dim() != len(x.get_size()) or want.dim() < 2:

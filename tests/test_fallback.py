@@ -318,3 +318,19 @@ def test_float8_casts_run_through_aten_alone(tmp_path):
     fn = lambda x: (x * 3).to(torch.float8_e4m3fn).to(torch.float32) + 1  # noqa: E731
     summaries = check(fn, x, tmp_path=tmp_path, externs=["aten._to_copy"], grad=False)
     assert sum(len(s["kernels"]) for s in summaries) >= 2, summaries
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.float32], ids=["complex64", "float32"])
+def test_as_strided_run_by_aten_reads_eagers_storage(tmp_path, dtype):
+    """torchtitan's RoPE cache under full DTensor: as_strided over an expand (batch stride 0),
+    both run by aten (complex: no kernel of ours). The expand's result was copied dense before
+    the as_strided, by a Triton kernel: no complex type there (KeyError 'complex64'), and for
+    floats the as_strided then indexed the copy's storage (off by 4 from eager)."""
+    def fn(rope, pos):
+        e = rope[None, :, None, :].expand(4, -1, -1, -1)
+        a = torch.as_strided(e, [2, 16, 1, 8], [0, 8, 8, 1], 0)
+        return torch.gather(a.clone(), 1, pos.view(2, 16, 1, 1).expand(2, 16, 1, 8))
+    rope = torch.randn(16, 8, dtype=dtype, device=DEVICE)
+    pos = torch.arange(16, device=DEVICE).flip(0).expand(2, -1).contiguous()
+    check(fn, rope, pos, tmp_path=tmp_path, externs=["aten.as_strided"], grad=False,
+          fallback_ops=["aten.expand.default", "aten.as_strided.default"])
