@@ -135,7 +135,7 @@ class CompiledGraph(OutputCode):
             # it ran: the error was ours, not the program's (that one would have raised again)
             log.warning("%s (%s: %s); it runs through aten, op by op, from now on. Set "
                         "fallback_on_error=False to raise instead.", where, type(e).__name__, e)
-            self.summary["first_run_error"] = f"{op}: {type(e).__name__}: {e}"
+            self.summary.update(compiled=False, first_run_error=f"{op}: {type(e).__name__}: {e}")
             aten, self.aten_gm, self.ran = AtenGraph(self.aten_gm), None, True
             self.call = lambda args: _in_strides(aten(args), strides)
             return out

@@ -59,6 +59,7 @@ def test_a_pure_graph_is_rerun_through_aten(monkeypatch, caplog):
     torch.testing.assert_close(out, _pure(x, y))
     summary = compiled.summaries[-1]
     assert summary["first_run_error"].startswith("kernel cf_") and "injected" in summary["first_run_error"]
+    assert not summary["compiled"]  # it runs through aten: counted as compiled, it hid the fallback
     assert re.search(rf"graph {summary['graph_id']} failed at its first run, in kernel cf_\w+ "
                      r"\(RuntimeError: injected launch failure\); it runs through aten", caplog.text), caplog.text
     launches = len(seen)
