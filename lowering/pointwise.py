@@ -44,7 +44,7 @@ def _register_simple(table, kind):
 
 
 _register_simple({
-    aten.abs: "abs", aten.neg: "neg", aten.maximum: "maximum", aten.minimum: "minimum",
+    aten.abs: "abs", aten.neg: "neg", aten._neg_view: "neg", aten.maximum: "maximum", aten.minimum: "minimum",
     aten.mul: "mul", aten.sign: "sign", aten.floor: "floor", aten.ceil: "ceil",
     aten.trunc: "trunc", aten.round.default: "round", aten.relu: "relu",
     aten.bitwise_not: "bitwise_not", aten.bitwise_and: "bitwise_and",

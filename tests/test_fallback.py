@@ -334,3 +334,12 @@ def test_as_strided_run_by_aten_reads_eagers_storage(tmp_path, dtype):
     pos = torch.arange(16, device=DEVICE).flip(0).expand(2, -1).contiguous()
     check(fn, rope, pos, tmp_path=tmp_path, externs=["aten.as_strided"], grad=False,
           fallback_ops=["aten.expand.default", "aten.as_strided.default"])
+
+
+def test_the_imaginary_part_of_a_conjugate_is_negated(tmp_path):
+    """z.conj().imag is a lazily negated view in aten (_neg_view sets its neg bit); a kernel of
+    ours read the view's storage as it is, without the negation: +imag * 2 where eager gives
+    -imag * 2, forward and backward."""
+    z = torch.randn(4, 3, dtype=torch.complex64, device=DEVICE)
+    check(lambda z: ((z.conj().imag * 2), (z.conj().imag * z.real).sum()), z, tmp_path=tmp_path,
+          externs=["aten._conj"])
