@@ -30,7 +30,7 @@ class FloorDiv(sympy.Function):
     def eval(cls, a, b):
         if b == 1:
             return a
-        if a == 0:
+        if a == 0 or b == 0:  # (an index into a dim of size 0: no element has one)
             return sympy.Integer(0)
         if a.is_Integer and b.is_Integer:
             return sympy.Integer(int(a) // int(b))
@@ -61,7 +61,7 @@ class Mod(sympy.Function):
 
     @classmethod
     def eval(cls, a, b):
-        if b == 1 or a == 0:
+        if b == 1 or a == 0 or b == 0:
             return sympy.Integer(0)
         if a.is_Integer and b.is_Integer:
             return sympy.Integer(int(a) % int(b))

@@ -390,3 +390,16 @@ def test_integer_division_by_zero_raises_on_a_cpu_as_in_eager(op):
     safe = lambda a, b: op(a, torch.where(b != 0, b, 1))  # noqa: E731
     torch._dynamo.reset()
     torch.testing.assert_close(torch.compile(safe, backend="commfuse")(a, b), safe(a, b), rtol=0, atol=0)
+
+
+def test_a_reduction_with_no_output_elements_compiles():
+    """sum(0) of a (2, 4, 0) tensor, the backward of an expand of an empty tensor: its (4, 0)
+    output has no element, and the index math divided by the empty dim (ZeroDivisionError at
+    compile time, a whole-graph fallback)."""
+    strict = {"fallback_on_error": False}
+    torch._dynamo.reset()
+    assert torch.compile(lambda g: g.sum(0), backend="commfuse", options=strict)(torch.randn(2, 4, 0)).shape == (4, 0)
+    x = torch.randn(0, 4, requires_grad=True)
+    torch._dynamo.reset()
+    torch.compile(lambda x: (x.t().expand(2, 4, 0) + 1).sum(), backend="commfuse", options=strict)(x).backward()
+    assert x.grad.shape == (0, 4)
