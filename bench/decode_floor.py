@@ -65,16 +65,21 @@ def all_reduce_us(numel, dtype, dev) -> float:
     return min(timing.wall_time_s(lambda: dist.all_reduce(x), dev) for _ in range(5)) * 1e6
 
 
+def kv_caches(model) -> list:
+    """The model's static KV caches, (b, kv heads, positions, d) each: its buffers named so."""
+    return [b for n, b in model.named_buffers() if "cache" in n]
+
+
 def cache_prefixes(model, pos) -> dict:
     """{a KV cache's address: its bytes up to position `pos`}: what a kernel that reads it up to
     the position moves (kernel_bytes' `read_at_most`)."""
-    return {b.data_ptr(): nbytes(b) * (pos + 1) // b.shape[2] for n, b in model.named_buffers() if "cache" in n}
+    return {b.data_ptr(): nbytes(b) * (pos + 1) // b.shape[2] for b in kv_caches(model)}
 
 
 def floors(model, batch, hidden, pos, dtype, dev) -> dict:
     """The floor's terms and the two floors (µs), for a decode step at position `pos`."""
     weights = sum(nbytes(p) for p in model.parameters())
-    caches = [b for n, b in model.named_buffers() if "cache" in n]
+    caches = kv_caches(model)
     cache = sum(nbytes(b) for b in caches)
     prefix = cache * (pos + 1) / caches[0].shape[2] if caches else 0  # (b, kv heads, positions, d)
     size = 1 << 30 if dev.type == "cuda" else 1 << 26  # (the CPU check: a smaller read)

@@ -185,7 +185,7 @@ def decode(model, a, dev, variants, res, failed, check_steps=4, key="decode"):
     kernels or trace there)."""
     main = key == "decode"
     variants = variants_for("decode", variants, dev)
-    caches = [b for n, b in model.named_buffers() if "cache" in n]
+    caches = decode_floor.kv_caches(model)
     torch.manual_seed(1)  # the same context on every rank and for every variant
     start = [torch.randn_like(c) for c in caches]
 

@@ -163,7 +163,7 @@ class TritonOps:
     def _nonzero_divisor(self, a, b):
         """An integer division by zero raises on a CPU, as eager's kernels and Inductor's C++ ones
         do (the interpreter returned 0 or -1); on a GPU eager returns whatever the hardware gives."""
-        if interpreting() and _promote(a, b) != torch.bool and not _promote(a, b).is_floating_point:
+        if interpreting() and (dtype := _promote(a, b)) != torch.bool and not dtype.is_floating_point:
             self.k.uses_assert = True
             self.k.cur.body.writeline(f'tl.device_assert(({b} != 0) | ~({self.k.mask()}), "ZeroDivisionError")')
 
