@@ -71,6 +71,7 @@ class GraphLowering(torch.fx.Interpreter):
         fake = (ctx and ctx.fake_mode) or torch._guards.detect_fake_mode(example_inputs)
         self.shape_env = getattr(fake, "shape_env", None)  # what Dynamo's guards proved (sizevars.equal)
         self.current_node = None
+        self.loops_values: dict = {}  # id(a node's Loops) -> (it, kept alive for a unique id; eager's value)
 
     # buffers ------------------------------------------------------------------
 
@@ -185,6 +186,8 @@ class GraphLowering(torch.fx.Interpreter):
             self.fallback_reasons.setdefault(str(target), reason)
         if binds:
             self.bind_symbols(next(b for b in self.buffers[first:] if isinstance(b, ir.ExternKernel)), binds, val)
+        if isinstance(result, TensorBox) and isinstance(result.data, ir.Loops):
+            self.loops_values[id(result.data)] = (result.data, val)
         self._maybe_realize(node, result)
         return result
 
@@ -282,7 +285,7 @@ class GraphLowering(torch.fx.Interpreter):
         # with eager's strides, but for a free one
         metas = [node.meta.get("val") if isinstance(node, torch.fx.Node) and node not in self.free_outputs else None
                  for node in nodes]
-        _store_shared_bases(outs, metas)
+        _store_shared_bases(outs, metas, self.loops_values)
         for value, meta in zip(outs, metas):
             if isinstance(value, TensorBox):
                 value = realize_output(value, meta)
@@ -408,17 +411,18 @@ def _dtype_without_kernels(args, kwargs, meta) -> torch.dtype | None:
     return None
 
 
-def _store_shared_bases(outs: list, metas: list) -> None:
+def _store_shared_bases(outs: list, metas: list, loops_values: dict) -> None:
     """Outputs that view one value not stored yet (`h[0]` and `h.view(-1)`, unbind's parts, `h`
     and `h.t()`) alias each other in eager: a write through one shows in the others. That value is
-    stored once (as eager lays it out where it is an output itself), so that each output is a
-    strided view of it, rather than each computed into a buffer of its own."""
+    stored once, as eager lays it out (as an output, else as the node that made it), so that each
+    output is a strided view of it, rather than each computed into a buffer of its own."""
     boxes = [(v, m) for v, m in zip(outs, metas) if isinstance(v, TensorBox)]
     shared = collections.Counter(id(ir.view_root(v)) for v, _ in boxes)
     own_meta = {id(v): m for v, m in boxes if not isinstance(v.data, ir.View)}
     for v, _ in boxes:
         root = ir.view_root(v)
-        if shared[id(root)] > 1 and isinstance(root.data, ir.Loops) and _store_dense(root, own_meta.get(id(root))) is None:
+        meta = own_meta.get(id(root), loops_values.get(id(root.data), (None, None))[1])
+        if shared[id(root)] > 1 and isinstance(root.data, ir.Loops) and _store_dense(root, meta) is None:
             root.realize()
 
 

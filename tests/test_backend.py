@@ -153,11 +153,18 @@ def test_output_laid_over_a_buffer_is_updated_in_place_under_autograd():
     torch.testing.assert_close(*grads)
 
 
+def _written_through_a_transpose(x):
+    y = x * 2
+    y.t()[0].mul_(3)  # functionalized: y and y.t() are views of a select_scatter shaped as y.t()
+    return y, y.t()
+
+
 def test_outputs_viewing_one_value_alias_as_in_eager():
     """Outputs that are views of one computed value (`h[0]` and `h.view(-1)`; `h` and `h.t()`;
-    unbind's parts) share its storage as eager's do: a write through one shows in the others,
-    with eager's strides and offsets."""
-    fns = [lambda x: ((h := x * 2)[0], h.view(-1)), lambda x: ((h := x + 1), h.t()), lambda x: (x - 1).unbind(0)]
+    unbind's parts; a value written in place through a view of it) share its storage as eager's
+    do: a write through one shows in the others, with eager's strides and offsets."""
+    fns = [lambda x: ((h := x * 2)[0], h.view(-1)), lambda x: ((h := x + 1), h.t()), lambda x: (x - 1).unbind(0),
+           _written_through_a_transpose]
     for fn in fns:
         torch._dynamo.reset()
         x = torch.randn(3, 4, device=DEVICE)
