@@ -20,11 +20,11 @@ PID_CHECK_S = 0.2  # a waiting barrier looks at its peers' processes at most thi
 
 
 class PeerError(RuntimeError):
-    """A peer rank died, gave up, or did not arrive within the configured timeout."""
+    """A peer rank died, gave up, or did not arrive within the configured timeout (`late`)."""
 
-    def __init__(self, message: str, ranks=()):
+    def __init__(self, message: str, ranks=(), late: bool = False):
         super().__init__(message)
-        self.ranks = list(ranks)
+        self.ranks, self.late = list(ranks), late
 
 
 def pid_namespace() -> int:

@@ -157,7 +157,7 @@ def check_plans_agree(graph_id: str, pools: dict, buffers: list, groups: dict, p
         try:
             plans = meet(groups[group_name], f"the comm-buffer plan check of graph {graph_id}", mine, timeout_s, "plan")
         except PeerError as late:
-            if "did not reach" not in str(late) or not any(_part_of(_sequence(mine), _sequence(w)) for w in agreed):
+            if not late.late or not any(_part_of(_sequence(mine), _sequence(w)) for w in agreed):
                 raise
             raise PeerError(
                 f"{late}. This graph holds part of the collectives of a graph the ranks of group {group_name} "
@@ -222,7 +222,7 @@ def _wait(store, prefix: str, ranks: list, timeout_s: float, what: str) -> None:
             raise PeerError(
                 f"commfuse: rank(s) {missing} did not reach {what} within {timeout_s}s "
                 "(comm.plan_check_timeout_s): the ranks are running different programs (e.g. a "
-                "rank-dependent branch), or a rank hangs", missing)
+                "rank-dependent branch), or a rank hangs", missing, late=True)
         time.sleep(pause)
         pause = min(pause * 2, 0.05)
 
