@@ -258,7 +258,7 @@ def aot_caching(gm: torch.fx.GraphModule, example_inputs):
                 check_cacheable(gm)
         # the cache folder too: a new one starts afresh
         tag = on and graph_cache.digest(json.dumps([graph_cache.cache_dir(), graph_cache.context(example_inputs),
-                                                    closures, _meshes(example_inputs),
+                                                    closures, _meshes(example_inputs), _shared_storages(example_inputs),
                                                     [_subclasses(x) for x in example_inputs]], sort_keys=True))
     except Exception as e:  # a graph or context either key cannot describe
         log.debug("commfuse: not in AOTAutograd's cache: %s: %s", type(e).__name__, e)
@@ -271,6 +271,17 @@ def aot_caching(gm: torch.fx.GraphModule, example_inputs):
             torch._inductor.config.patch(unsafe_marked_cacheable_functions=marked), \
             _meshes_pickled_without_their_hash():
         yield True
+
+
+def _shared_storages(example_inputs) -> list:
+    """Inputs that view one storage, each as (its storage's number, the storage's bytes, its offset).
+    AOTAutograd compiles them over one synthetic base of the storage's size, which its key leaves
+    out: the entry of `b, b[:, :]`, found for `b[:4], b[2:6]`, read a base of another size."""
+    plain = {i: x for i, x in enumerate(example_inputs) if isinstance(x, torch.Tensor)
+             and not torch.utils._python_dispatch.is_traceable_wrapper_subclass(x)}
+    ids = [x.untyped_storage()._cdata for x in plain.values()]
+    return [[i, ids.index(ids[n]), str(x.untyped_storage().nbytes()), str(x.storage_offset())]
+            for n, (i, x) in enumerate(plain.items()) if ids.count(ids[n]) > 1]
 
 
 def _subclasses(x):

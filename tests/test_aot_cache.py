@@ -99,6 +99,29 @@ def test_what_our_key_covers_is_a_new_entry(tmp_path, change):
     torch.testing.assert_close(out, model(x))
 
 
+def test_inputs_viewing_one_storage_otherwise_are_a_new_entry(tmp_path):
+    """AOTAutograd compiles inputs that view one storage (both written) over a base of that
+    storage's size, which its key leaves out: the entry of `b, b[:, :]` found for `b[:4], b[2:6]`
+    read a base of 32 elements where there were 64 (Inductor fails there too)."""
+    def f(x, y):
+        x.mul_(2)
+        y.add_(1)
+        return x + y
+
+    def views(kind):
+        if kind == "whole":
+            b = torch.arange(32.0, device=DEVICE).view(4, 8)
+            return b, (b, b[:, :])
+        b = torch.arange(64.0, device=DEVICE).view(8, 8)
+        return b, (b[:4], b[2:6])
+    for kind, source in (("whole", None), ("overlapping", None), ("overlapping", "AOTAutograd")):
+        (base, args), (want_base, want_args) = views(kind), views(kind)
+        out, summaries = _compiled(torch.compile(f, backend="commfuse"), *args, cache_dir=tmp_path)
+        assert _sources(summaries) == [source], kind
+        torch.testing.assert_close(out, f(*want_args))
+        torch.testing.assert_close(base, want_base)
+
+
 def test_a_graph_run_through_aten_is_compiled_again(tmp_path, monkeypatch, lowerings):
     def fails(self):
         raise RuntimeError("a lowering bug")
