@@ -97,7 +97,7 @@ class CompiledGraph(OutputCode):
             out = self.call(args)
         except PlansSplit as e:  # met no peer and ran nothing: lowered again, c10d on the group
             if self.cache_key:
-                graph_cache.note_split(self.cache_key, e.group)
+                graph_cache.note(self.cache_key, "split", e.group)
             if self.regenerate is None:
                 e.add_note("commfuse: this graph came from AOTAutograd's cache, with no graph to lower again; "
                            "the next start compiles it afresh")
@@ -136,6 +136,8 @@ class CompiledGraph(OutputCode):
             log.warning("%s (%s: %s); it runs through aten, op by op, from now on. Set "
                         "fallback_on_error=False to raise instead.", where, type(e).__name__, e)
             self.summary.update(compiled=False, first_run_error=f"{op}: {type(e).__name__}: {e}")
+            if self.cache_key:
+                graph_cache.note(self.cache_key, "failed", self.summary["first_run_error"])
             aten, self.aten_gm, self.ran = AtenGraph(self.aten_gm), None, True
             self.call = lambda args: _in_strides(aten(args), strides)
             return out
@@ -179,10 +181,13 @@ class CompiledGraph(OutputCode):
     def post_compile(self, example_inputs, constants, graph_kwargs) -> None:
         if self.call is not None:  # compiled in this process, already loaded
             return
-        if self.cache_key and (group := graph_cache.split_noted(self.cache_key)):
+        if self.cache_key and (group := graph_cache.noted(self.cache_key, "split")):
             split_groups().add(group)
             raise BypassAOTAutogradCache(f"commfuse: a run before found the ranks of group {group} cut their "
                                          "graphs apart: lowered again, with c10d's collectives on it")
+        if self.cache_key and (error := graph_cache.noted(self.cache_key, "failed")):
+            raise BypassAOTAutogradCache(f"commfuse: its first run failed in a run before ({error}): compiled "
+                                         "again, to run through aten")
         started = time.time()
         graph_id = next_graph_id(self.kind, self.gen.graph_id.rsplit("_", 1)[-1])  # the same on every rank
         self.gen = graph_cache.loaded(self.gen, graph_id, None)

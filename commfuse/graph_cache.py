@@ -421,19 +421,20 @@ def _path(key: str) -> str:
     return os.path.join(cache_dir(), f"{key}.pkl")
 
 
-def note_split(key: str, group: str) -> None:
-    """Graph `key`'s ranks cut their graphs apart on `group` (runtime/plan_check.PlansSplit): its
-    copy in AOTAutograd's cache, which has no graph to lower again, is passed over from now on."""
+def note(key: str, what: str, text: str) -> None:
+    """Mark graph `key`'s copy in AOTAutograd's cache, which has no graph to lower or rerun, as
+    passed over from now on: `what` happened at a run ("split": its ranks cut their graphs apart
+    on group `text`, runtime/plan_check.PlansSplit; "failed": its first run raised `text`)."""
     try:
-        with open(_path(key) + ".split", "w") as f:
-            f.write(group)
+        with open(f"{_path(key)}.{what}", "w") as f:
+            f.write(text)
     except (OSError, Uncacheable):  # the cache folder's warning said so
         pass
 
 
-def split_noted(key: str) -> str | None:
+def noted(key: str, what: str) -> str | None:
     try:
-        with open(_path(key) + ".split") as f:
+        with open(f"{_path(key)}.{what}") as f:
             return f.read()
     except (OSError, Uncacheable):
         return None

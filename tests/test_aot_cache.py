@@ -4,6 +4,10 @@ backward; whatever our key covers (config, our cache folder) makes a new entry; 
 through aten, or compiled with dumps on, is never taken from it."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -132,6 +136,29 @@ def test_a_graph_run_through_aten_is_compiled_again(tmp_path, monkeypatch, lower
                                    fallback_on_error=True)
         assert [s["compiled"] for s in summaries] == [False]
         torch.testing.assert_close(out, fn(x))
+
+
+_FAILS_AT_FIRST_RUN = """
+import torch, commfuse
+from commfuse import backend
+from commfuse.runtime import launch
+launch.Site.__call__ = lambda self, *args: (_ for _ in ()).throw(RuntimeError("injected"))  # after AOTAutograd stored it
+x = torch.arange(6.0)
+torch.testing.assert_close(torch.compile(lambda x: (x * 2).relu(), backend="commfuse")(x), x * 2)
+print([(s["compiled"], s["cache"]) for s in backend.summaries])
+"""
+
+
+def test_a_graph_whose_first_run_failed_is_compiled_again(tmp_path):
+    """A graph whose first run raised reruns through aten, which AOTAutograd's copy cannot (it has
+    no aten graph): the next process compiles it again (or takes our cache's copy, which has one),
+    and it reruns through aten again, rather than raise from AOTAutograd's copy. Two processes:
+    AOTAutograd's cache is found in the next."""
+    env = dict(os.environ, COMMFUSE_CACHE_DIR=str(tmp_path), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"),
+               COMMFUSE_FALLBACK_ON_ERROR="1")
+    for source in ("None", "'graph'"):
+        run = subprocess.run([sys.executable, "-c", _FAILS_AT_FIRST_RUN], env=env, capture_output=True, text=True)
+        assert run.returncode == 0 and run.stdout.split("\n")[-2] == f"[(False, {source})]", run.stderr[-2000:]
 
 
 def test_with_dumps_graphs_are_compiled_and_not_stored_there(tmp_path):
