@@ -32,7 +32,7 @@ from . import choices, config, dump, graph_cache
 from .runtime import precompile
 from .runtime.cudagraphs import CudaGraphed
 from .runtime.loader import check_triton_mode, load_module
-from .runtime.plan_check import PlansSplit, split_groups
+from .runtime.plan_check import PlansSplit
 
 log = logging.getLogger("commfuse")
 summaries: list[dict] = []  # every graph this process compiled, loaded or fell back on, in order (as summary.json)
@@ -97,7 +97,7 @@ class CompiledGraph(OutputCode):
             out = self.call(args)
         except PlansSplit as e:  # met no peer and ran nothing: lowered again, c10d on the group
             if self.cache_key:
-                graph_cache.note(self.cache_key, "split", e.group)
+                graph_cache.pass_over(self.cache_key, f"its ranks cut their graphs apart on group {e.group}")
             if self.regenerate is None:
                 e.add_note("commfuse: this graph came from AOTAutograd's cache, with no graph to lower again; "
                            "the next start compiles it afresh")
@@ -137,7 +137,7 @@ class CompiledGraph(OutputCode):
                         "fallback_on_error=False to raise instead.", where, type(e).__name__, e)
             self.summary.update(compiled=False, first_run_error=f"{op}: {type(e).__name__}: {e}")
             if self.cache_key:
-                graph_cache.note(self.cache_key, "failed", self.summary["first_run_error"])
+                graph_cache.pass_over(self.cache_key, f"its first run failed ({self.summary['first_run_error']})")
             aten, self.aten_gm, self.ran = AtenGraph(self.aten_gm), None, True
             self.call = lambda args: _in_strides(aten(args), strides)
             return out
@@ -181,13 +181,10 @@ class CompiledGraph(OutputCode):
     def post_compile(self, example_inputs, constants, graph_kwargs) -> None:
         if self.call is not None:  # compiled in this process, already loaded
             return
-        if self.cache_key and (group := graph_cache.noted(self.cache_key, "split")):
-            split_groups().add(group)
-            raise BypassAOTAutogradCache(f"commfuse: a run before found the ranks of group {group} cut their "
-                                         "graphs apart: lowered again, with c10d's collectives on it")
-        if self.cache_key and (error := graph_cache.noted(self.cache_key, "failed")):
-            raise BypassAOTAutogradCache(f"commfuse: its first run failed in a run before ({error}): compiled "
-                                         "again, to run through aten")
+        if self.cache_key and (why := graph_cache.passed_over(self.cache_key)):
+            # compiled afresh, it can be lowered again or rerun through aten if that happens again;
+            # nothing else is carried over (the peers may run another program now)
+            raise BypassAOTAutogradCache(f"commfuse: in a run before, {why}: compiled again")
         started = time.time()
         graph_id = next_graph_id(self.kind, self.gen.graph_id.rsplit("_", 1)[-1])  # the same on every rank
         self.gen = graph_cache.loaded(self.gen, graph_id, None)

@@ -421,20 +421,20 @@ def _path(key: str) -> str:
     return os.path.join(cache_dir(), f"{key}.pkl")
 
 
-def note(key: str, what: str, text: str) -> None:
-    """Mark graph `key`'s copy in AOTAutograd's cache, which has no graph to lower or rerun, as
-    passed over from now on: `what` happened at a run ("split": its ranks cut their graphs apart
-    on group `text`, runtime/plan_check.PlansSplit; "failed": its first run raised `text`)."""
+def pass_over(key: str, why: str) -> None:
+    """Graph `key`'s copy in AOTAutograd's cache, which has no graph to lower again or rerun through
+    aten, is passed over from now on (its ranks cut their graphs apart, runtime/plan_check.PlansSplit;
+    its first run failed): a start that finds it compiles afresh, from the FX graph."""
     try:
-        with open(f"{_path(key)}.{what}", "w") as f:
-            f.write(text)
+        with open(_path(key) + ".passed_over", "w") as f:
+            f.write(why)
     except (OSError, Uncacheable):  # the cache folder's warning said so
         pass
 
 
-def noted(key: str, what: str) -> str | None:
+def passed_over(key: str) -> str | None:
     try:
-        with open(f"{_path(key)}.{what}") as f:
+        with open(_path(key) + ".passed_over") as f:
             return f.read()
     except (OSError, Uncacheable):
         return None
