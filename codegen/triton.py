@@ -126,6 +126,13 @@ class TritonKernel:
                 self.size_symbols.add(s)
         return index
 
+    def past_int32(self, expr: sympy.Expr) -> bool:
+        """May `expr` (an integer value computed from the indices) leave int32 over the kernel's
+        ranges? At the ranges' ends (and for its constants), by the size hints."""
+        ends = [{XSYM: x, RSYM: r} for x in (0, self.X - 1) for r in (0, self.R - 1)]
+        values = [abs(int(a)) for a in expr.atoms(sympy.Integer)] + [abs(sizevars.hint(expr.subs(e))) for e in ends]
+        return max(values, default=0) >= 2**31
+
     def index_str(self, index: sympy.Expr) -> str:
         index = self.simplify_index(index)
         text = texpr(index.subs({XSYM: XNAME, RSYM: RNAME}))

@@ -91,6 +91,8 @@ class TritonOps:
         if expr.free_symbols & V.graph.float_scalars:  # in fp64, as the wrapper computed it (broadcast
             text = texpr(self.k.simplify_index(expr))    # over int zeros, Triton would make it fp32)
             return self.k.newvar(f"(tl.full({self.k.shape()}, 0, tl.float64) + ({text})).to({triton_dtype(cd)})", dtype)
+        if cd == torch.int64 and self.k.past_int32(expr):
+            self.k.int64 = True  # the kernel's indices in int64: `2**36 * x` (an arange's step) computed in it
         return self.k.newvar(f"({self.k.index_str(expr)}).to({triton_dtype(cd)})", dtype)
 
     def to_dtype(self, x, dtype, explicit=False):

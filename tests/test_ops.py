@@ -403,3 +403,15 @@ def test_a_reduction_with_no_output_elements_compiles():
     torch._dynamo.reset()
     torch.compile(lambda x: (x.t().expand(2, 4, 0) + 1).sum(), backend="commfuse", options=strict)(x).backward()
     assert x.grad.shape == (0, 4)
+
+
+def test_an_arange_with_an_int64_step_past_int32():
+    """`torch.arange(0, 2**40, 2**36)` and `arange(2**35, 2**35 + 16)`: the kernel computes the
+    values from its indices in int64 (Triton refused the constant against an int32 index, and the
+    whole graph ran through aten)."""
+    fn = lambda x: (torch.arange(0, 2**40, 2**36, device=DEVICE) + x,  # noqa: E731
+                    torch.arange(2**35, 2**35 + 16, device=DEVICE) * x)
+    x = torch.arange(16, device=DEVICE)
+    torch._dynamo.reset()
+    for got, want in zip(torch.compile(fn, backend="commfuse")(x), fn(x)):
+        assert torch.equal(got, want)
