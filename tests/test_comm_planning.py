@@ -320,6 +320,30 @@ def test_a_graph_break_on_one_rank_runs_at_a_warm_start(tmp_path, monkeypatch):
             assert any("cut their graphs" in r for r in reasons) == breaks, (start, reasons)
 
 
+def _c10d_on_rank_1(rank, world):
+    import time
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    from commfuse import config
+    if rank == 1:  # an environment variable exported on one node only: its all-reduce goes to c10d
+        config.comm.algorithm = "c10d"
+    start = time.time()
+    try:
+        torch.compile(lambda x: funcol.all_reduce(x * 2, "sum", dist.group.WORLD) + 1, backend="commfuse",
+                      options={"comm.plan_check_timeout_s": 3})(torch.ones(16, device=device()))
+    except Exception as e:
+        return str(e), time.time() - start
+    return "", time.time() - start
+
+
+def test_an_option_set_on_one_rank_only_is_named_at_the_timeout():
+    """A rank whose config sends its all-reduce to c10d has no plan to check, so its peer waits at
+    the check for it: the timeout names the options that differ, as each process announced them."""
+    (message, seconds), _ = run_ranks(_c10d_on_rank_1, 2)
+    assert "rank 1's commfuse options differ from this rank's: comm.algorithm = 'c10d' there, 'auto' here" in message, message
+    assert seconds < 30
+
+
 def test_missing_rank_is_reported_not_hung(divergent):
     (s0, m0, t0), *others = divergent["missing"]
     missing = str(list(range(1, WORLD)))  # every other rank, by number

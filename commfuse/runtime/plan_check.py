@@ -123,9 +123,27 @@ def announce() -> None:
         store = _get_default_store()
         if not _state(store)["announced"]:
             store.set(f"commfuse/proc/{dist.get_rank()}", proc_id())
+            options = {k: repr(v) for k, v in config.snapshot().items() if k not in _NOT_COMPARED}
+            store.set(f"commfuse/options/{dist.get_rank()}", json.dumps(options))
+            _state(store)["options"] = options
     except (RuntimeError, ValueError):  # no default store (a group made without one): the checks set it
         return
     _state(store)["announced"] = True
+
+
+_NOT_COMPARED = ("debug", "dump_dir", "cache_dir", "graph_cache")  # options that change no plan
+
+
+def _options_differ(store, ranks: list) -> str:
+    """What a timeout's message adds where a missing rank announced other options than this one's
+    (a collective that one rank's config sends to c10d has no plan there to check)."""
+    mine, notes = _state(store).get("options") or {}, []
+    for r in ranks:
+        theirs = json.loads(store.get(f"commfuse/options/{r}")) if store.check([f"commfuse/options/{r}"]) else mine
+        diff = [f"{k} = {theirs.get(k)} there, {mine.get(k)} here" for k in sorted({*mine, *theirs})
+                if mine.get(k) != theirs.get(k)]
+        notes += [f"rank {r}'s commfuse options differ from this rank's: {'; '.join(diff)}"] if diff else []
+    return "".join(f". {n}" for n in notes) + (" (an option set on some ranks only)" if notes else "")
 
 
 def check_plans_agree(graph_id: str, pools: dict, buffers: list, groups: dict, protocol: list = (),
@@ -222,7 +240,7 @@ def _wait(store, prefix: str, ranks: list, timeout_s: float, what: str) -> None:
             raise PeerError(
                 f"commfuse: rank(s) {missing} did not reach {what} within {timeout_s}s "
                 "(comm.plan_check_timeout_s): the ranks are running different programs (e.g. a "
-                "rank-dependent branch), or a rank hangs", missing, late=True)
+                f"rank-dependent branch), or a rank hangs{_options_differ(store, missing)}", missing, late=True)
         time.sleep(pause)
         pause = min(pause * 2, 0.05)
 
