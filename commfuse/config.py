@@ -225,6 +225,9 @@ def _parse(text: str, kind: type | None, nullable: bool) -> Any:
 # rules above.
 def _check(name: str, value: Any) -> None:
     kind, nullable = _kind(name)
+    if name == "choices" and value is not None and (isinstance(value, type) or not hasattr(value, "use_mm_template")):
+        raise TypeError(f"commfuse option choices={value!r}: expected an instance of commfuse.choices.Choices "
+                        "(or of a subclass: choices=MyChoices(), not the class)")
     if value is None and nullable or kind is None:  # None, or an option of no type (choices)
         return
     accepted = dict(_KINDS).get(kind, ())
@@ -240,6 +243,18 @@ def _check(name: str, value: Any) -> None:
                              f"{' (each value)' if isinstance(value, dict) else ''} (docs/config.md)")
     if name in _ONE_OF and value not in (allowed := _ONE_OF[name]()):
         raise ValueError(f"commfuse option {name}={value!r}: must be one of {sorted(allowed)}")
+    if name == "comm.groups" and not all(isinstance(g, str) for g in value):
+        raise TypeError(f"commfuse option comm.groups={value!r}: expected group names, strings ('0' is the default "
+                        "group's; `group.group_name` gives another's)")
+    if name == "comm.table":
+        import json
+        try:
+            with open(value) as f:
+                if not isinstance(json.load(f), dict):
+                    raise ValueError("not a JSON object")
+        except (OSError, ValueError) as e:
+            raise ValueError(f"commfuse option comm.table={value!r}: {e} (a table is what `python -m commfuse.tune` "
+                             "writes)") from None
     if name == "fallback_ops":
         for op in value:
             if not _is_aten_op(op):
@@ -259,8 +274,8 @@ def _is_aten_op(name: Any) -> bool:
 def _options() -> dict[str, Any]:
     """Every option by name; options of a section are named `section.option`."""
     mod = sys.modules[__name__]
-    out = {k: v for k, v in vars(mod).items()
-           if not k.startswith("_") and not callable(v) and not isinstance(v, (type(sys), type))
+    out = {k: v for k, v in vars(mod).items()  # (choices: even when set to a class, to be refused)
+           if not k.startswith("_") and (k == "choices" or not callable(v) and not isinstance(v, (type(sys), type)))
            and k not in ("annotations",)}
     for sec_name, sec in _SECTIONS.items():
         out.update({f"{sec_name}.{k}": v for k, v in vars(sec).items() if not k.startswith("_")})

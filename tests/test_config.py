@@ -84,10 +84,19 @@ def test_every_commfuse_variable_the_project_names_is_an_option_or_spared():
     ("comm.barrier_timeout_s", 0, "must be above 0"),
     ("comm.one_shot_max_bytes", {2: -1}, "must be 0 or more"),
     ("comm.barrier_timeout_s", "soon", "expected float or None"),
+    ("comm.groups", [0], "expected group names"),  # an int never matches a group's name
+    ("comm.table", "/no/such/table.json", "[Errno 2] No such file"),  # refused when set, not at a compile
+    ("choices", 5, "expected an instance of commfuse.choices.Choices"),
 ])
 def test_values_out_of_range_are_refused(option, value, error):
     with pytest.raises((TypeError, ValueError), match=re.escape(f"{option}={value!r}: {error}")):
         config.patch({option: value})
+
+
+def test_a_choices_class_is_refused_as_such_not_as_an_unknown_option():
+    from commfuse.choices import Choices
+    with pytest.raises(Exception, match="choices=MyChoices\\(\\), not the class"):
+        torch.compile(lambda x: x * 2, backend="commfuse", options={"choices": Choices})(torch.ones(4))
 
 
 def test_every_registered_algorithm_may_be_forced():
