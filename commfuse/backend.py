@@ -50,8 +50,11 @@ def commfuse_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | N
     options = dict(options or {})
     if mode == "reduce-overhead":
         options.setdefault("cuda_graphs", True)
-    elif mode not in (None, "default"):
+    elif mode in ("max-autotune", "max-autotune-no-cudagraphs"):  # Inductor's autotuning: ours is by tables
         log.warning("commfuse: mode=%r is not supported; compiling with defaults", mode)
+    elif mode not in (None, "default"):  # a typo, as Inductor refuses one
+        raise ValueError(f"commfuse: unknown mode={mode!r}; commfuse takes 'default' and 'reduce-overhead' "
+                         "(CUDA graphs), and compiles Inductor's 'max-autotune' modes with its defaults")
     config.check_names(options)
     announce()
     settings = {**config.snapshot(), **options}

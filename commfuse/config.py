@@ -195,7 +195,7 @@ def _variable(name: str) -> str:
 def _kind(name: str) -> tuple[type | None, bool]:
     """(the type of an option's values, whether None is one): its annotation's, else its default's."""
     obj, attr = _owner(name)
-    hint, default = str(getattr(obj, "__annotations__", {}).get(attr, "")), getattr(obj, attr)
+    hint, default = str(getattr(obj, "__annotations__", {}).get(attr, "")), _DEFAULTS.get(name, getattr(obj, attr))
     words = hint.replace("|", " ").split()
     kind = next((t for t, _ in _KINDS if t.__name__ in words), None) or \
         next((t for t, _ in _KINDS if isinstance(default, t)), None)
@@ -214,8 +214,9 @@ def _parse(text: str, kind: type | None, nullable: bool) -> Any:
         return [v.strip() for v in text.split(",") if v.strip()]  # COMMFUSE_FALLBACK_OPS=aten.sort,aten.topk
     if kind in (list, dict):
         import json
-        parsed = json.loads(text)
-        return {int(k): v for k, v in parsed.items()} if kind is dict and isinstance(parsed, dict) else parsed
+        parsed = json.loads(text)  # a dict's keys are world sizes (not one: _check names it)
+        return {int(k) if k.strip().isdigit() else k: v for k, v in parsed.items()} \
+            if kind is dict and isinstance(parsed, dict) else parsed
     if kind in (int, float, str):
         return kind(text)
     raise ValueError
@@ -373,4 +374,5 @@ def patch(changes: dict[str, Any] | None = None, **kwargs: Any) -> _Patch:
     return _Patch({**(changes or {}), **kwargs})
 
 
+_DEFAULTS = _options()  # the types of options without an annotation, whatever a program assigns later
 _load_env()

@@ -93,6 +93,26 @@ def test_values_out_of_range_are_refused(option, value, error):
         config.patch({option: value})
 
 
+def test_an_options_type_is_its_default_whatever_a_program_assigned(monkeypatch):
+    monkeypatch.setattr(config, "max_fusion_size", "x")  # then a check: "expected int", not "above 0"
+    with pytest.raises(TypeError, match="max_fusion_size='x': expected int"):
+        config.patch(max_fusion_size="x")
+
+
+def test_a_table_keyed_by_other_than_world_sizes_says_so():
+    with pytest.raises(ValueError, match="its keys must be ints, world sizes"):
+        config.parse("comm.one_shot_max_bytes", '{"two": 5}')
+    assert config.parse("comm.one_shot_max_bytes", '{"2": 5}') == {2: 5}
+
+
+def test_an_unknown_mode_is_an_error_as_in_inductor():
+    with pytest.raises(Exception, match="unknown mode='fast'"):
+        torch.compile(lambda x: x * 2, backend="commfuse", mode="fast")(torch.ones(4))
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(lambda x: x * 2, backend="commfuse", mode="max-autotune")(torch.ones(4)),
+                               torch.full((4,), 2.0))
+
+
 def test_a_choices_class_is_refused_as_such_not_as_an_unknown_option():
     from commfuse.choices import Choices
     with pytest.raises(Exception, match="choices=MyChoices\\(\\), not the class"):
