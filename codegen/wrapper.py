@@ -257,8 +257,14 @@ class WrapperCodegen:
                         if isinstance(e, sympy.Symbol) and e not in self.bound:
                             self.body.writeline(f"{e} = {name}.{what}({i})")
                             self.bound.add(e)
-        for e, sym in g.derived_sizes.items():  # sizes torch computes through floats, after the inputs'
-            if sym in self.bound:
+        self.bind_derived_sizes()
+
+    def bind_derived_sizes(self):
+        """Sizes torch computes through floats, once their symbols are bound: the inputs' sizes,
+        or values an extern's result gives (after it)."""
+        g = self.graph
+        for e, sym in g.derived_sizes.items():
+            if sym in self.bound or sym in g.symbol_defs and not e.free_symbols <= self.bound:
                 continue
             if not e.free_symbols <= self.bound:
                 raise ir.Unsupported(f"size {e}: its symbols are not among the inputs' sizes")
@@ -427,6 +433,8 @@ class WrapperCodegen:
         for sym, path in buf.binds.items():  # data-dependent sizes, read off the result before any use
             self.body.writeline(f"{sym} = {_keypath(buf.name, path)}")
             self.bound.add(sym)
+        if buf.binds:
+            self.bind_derived_sizes()
         if buf.binds and not (buf.side_effect or buf.multi_output or buf.out_variant or buf.aliases):
             self.body.writeline(f"{buf.name} = {self.checked_layout(buf.name, buf, False)}")
 

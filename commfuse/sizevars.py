@@ -161,6 +161,9 @@ def _derived_size(e: Expr) -> Expr:
         sym = index_symbol("fs", len(V.graph.derived_sizes))
         V.graph.derived_sizes[e] = sym
         V.graph.size_hints[sym] = int(e.subs(V.graph.size_hints))
+        defs = [V.graph.symbol_defs[s] for s in e.free_symbols if s in V.graph.symbol_defs]
+        if defs:  # of a value read off an extern's result (`int(t.sum().item())`): known after it
+            V.graph.symbol_defs[sym] = defs[-1]
     return sym
 
 

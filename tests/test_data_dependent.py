@@ -32,6 +32,8 @@ CASES = {
     "times_4": (lambda x: (x[x > 0].view(-1, 1) * torch.arange(1., 5., device=x.device)).reshape(-1).sin() * 2, True),
     "arange_of_count": (lambda x: torch.arange(torch.nonzero(x > 0).shape[0], device=x.device) * 2 + x.sum(), False),
     "item_sizes": (lambda x: torch.zeros((x > 0).sum().item() * 2, 3, device=x.device) + x.max().item(), False),
+    # a size through a float (TruncToInt of an unbacked float): computed after the extern's result
+    "float_item_size": (lambda x: torch.ones(int(x.abs().sum().item() + 1), device=x.device) * x.sum(), False),
     # softmax's decomposition over a size known only at run time (none kept: empty)
     "mask_softmax": (lambda x: x[x > 0].softmax(0) + x[x > 0].log_softmax(0), True),
 }
