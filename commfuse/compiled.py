@@ -276,7 +276,7 @@ def aot_caching(gm: torch.fx.GraphModule, example_inputs):
 
 
 def _shared_storages(example_inputs) -> list:
-    """Inputs that view one storage, each as (its storage's number, the storage's bytes, its offset).
+    """Inputs that view one storage, each as (its index, its storage's number, the storage's bytes, its offset).
     AOTAutograd compiles them over one synthetic base of the storage's size, which its key leaves
     out: the entry of `b, b[:, :]`, found for `b[:4], b[2:6]`, read a base of another size."""
     plain = {i: x for i, x in enumerate(example_inputs) if isinstance(x, torch.Tensor)

@@ -163,7 +163,7 @@ def _derived_size(e: Expr) -> Expr:
         V.graph.size_hints[sym] = int(e.subs(V.graph.size_hints))
         defs = [V.graph.symbol_defs[s] for s in e.free_symbols if s in V.graph.symbol_defs]
         if defs:  # of a value read off an extern's result (`int(t.sum().item())`): known after it
-            V.graph.symbol_defs[sym] = defs[-1]
+            V.graph.symbol_defs[sym] = max(defs, key=list(V.graph.name_to_buffer).index)  # the last of them
     return sym
 
 
