@@ -123,8 +123,8 @@ def announce() -> None:
         store = _get_default_store()
         if not _state(store)["announced"]:
             store.set(f"commfuse/proc/{dist.get_rank()}", proc_id())
-            options = {k: re.sub(r" at 0x[0-9a-f]+", "", repr(v))  # an object (choices) by its type, not address
-                       for k, v in config.snapshot().items() if k not in _NOT_COMPARED}
+            # an object (choices) by its type, not its address
+            options = {k: re.sub(r" at 0x[0-9a-f]+", "", repr(v)) for k, v in config.snapshot().items() if k not in _NOT_COMPARED}
             store.set(f"commfuse/options/{dist.get_rank()}", json.dumps(options))
             _state(store)["options"] = options
     except (RuntimeError, ValueError):  # no default store (a group made without one): the checks set it
