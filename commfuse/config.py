@@ -178,6 +178,8 @@ _RULES = (
 _ONE_OF: dict[str, Callable[[], set]] = {"comm.gather_scatter": lambda: {"auto", "symmetric", "c10d"},
                                          "comm.async_tp": lambda: {"auto", "on", "off"}}
 # COMMFUSE_ variables of the project's own that are not options (tests, examples, benchmarks)
+# options that leave the generated code as it is: out of the graph cache's key and the ranks' comparison
+WITHOUT_EFFECT_ON_CODE = ("debug", "dump_dir", "graph_cache", "cache_dir", "compile_workers")
 _NOT_OPTIONS = ("COMMFUSE_TEST_", "COMMFUSE_EXAMPLE_", "COMMFUSE_BENCH_", "COMMFUSE_OPINFO_")
 
 

@@ -38,7 +38,6 @@ from .runtime.plan_check import split_groups
 
 log = logging.getLogger("commfuse")
 FORMAT = 1
-NOT_KEYED = ("debug", "dump_dir", "graph_cache", "cache_dir", "compile_workers")  # options that leave the code as it is
 
 
 class Uncacheable(Exception):
@@ -197,7 +196,7 @@ def _shape_env(example_inputs):
 def _config() -> dict:
     out = {}
     for name, value in config.snapshot().items():
-        if name not in NOT_KEYED:
+        if name not in config.WITHOUT_EFFECT_ON_CODE:
             out[name] = _plain(value, name)
     out["_micro_pipeline_tp"] = choices.micro_pipeline_tp()  # turns async-TP on (Choices.async_tp)
     if config.comm.table:

@@ -124,15 +124,12 @@ def announce() -> None:
         if not _state(store)["announced"]:
             store.set(f"commfuse/proc/{dist.get_rank()}", proc_id())
             # an object (choices) by its type, not its address
-            options = {k: re.sub(r" at 0x[0-9a-f]+", "", repr(v)) for k, v in config.snapshot().items() if k not in _NOT_COMPARED}
+            options = {k: re.sub(r" at 0x[0-9a-f]+", "", repr(v)) for k, v in config.snapshot().items() if k not in config.WITHOUT_EFFECT_ON_CODE}
             store.set(f"commfuse/options/{dist.get_rank()}", json.dumps(options))
             _state(store)["options"] = options
     except (RuntimeError, ValueError):  # no default store (a group made without one): the checks set it
         return
     _state(store)["announced"] = True
-
-
-_NOT_COMPARED = ("debug", "dump_dir", "cache_dir", "graph_cache")  # options that change no plan
 
 
 def _options_differ(store, ranks: list) -> str:
