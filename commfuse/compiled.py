@@ -4,7 +4,9 @@ Our graph cache (graph_cache.py) skips lowering, but a warm start would still sp
 AOTAutograd's trace and partition than in loading. AOTAutograd caches its whole result, the
 forward/backward split and runtime wrappers with the compiled graphs, for a compiler that returns
 an `OutputCode` which pickles (its "bundled" mode). `CompiledGraph` is ours: it pickles as what
-generated the code (`Generated`) and loads again in `post_compile`. AOTAutograd's key covers the
+generated the code (`Generated`), with the aten graph pickled beside it (what a failed first run, or
+a plan check that found the ranks' graphs cut apart, reruns), and loads again in `post_compile`.
+AOTAutograd's key covers the
 Dynamo graph, the inputs, grad and autocast modes and torch's configs; `aot_caching` adds, as
 `cache_key_tag`, what our key covers besides (config, commfuse's files, versions, devices, the
 distributed context).
@@ -47,6 +49,7 @@ class CompiledGraph(OutputCode):
     """The boxed callable AOTAutograd calls: `compiled(args_list)`."""
     __eq__, __hash__ = object.__eq__, object.__hash__  # OutputCode is a dataclass: by identity
     donation_at_first_call, donating = False, None  # a backward's choice, see `kept`
+    aten_pickle = None  # the aten graph, as AOTAutograd's cache kept it (`_aten_graph`)
 
     def __init__(self, gen: graph_cache.Generated, kind: str, roles, cache_key: str | None):
         self._boxed_call = True  # on the instance: wrappers (Dynamo's `disable`) copy its __dict__
@@ -98,11 +101,15 @@ class CompiledGraph(OutputCode):
         except PlansSplit as e:  # met no peer and ran nothing: lowered again, c10d on the group
             if self.cache_key:
                 graph_cache.pass_over(self.cache_key, f"its ranks cut their graphs apart on group {e.group}")
-            if self.regenerate is None:
+            log.log(logging.WARNING if e.found else logging.INFO, "%s", e)
+            if self.regenerate is None and self._aten_graph() is None:
                 e.add_note("commfuse: this graph came from AOTAutograd's cache, with no graph to lower again; "
                            "the next start compiles it afresh")
                 raise
-            log.log(logging.WARNING if e.found else logging.INFO, "%s", e)
+            if self.regenerate is None:  # from AOTAutograd's cache: its c10d collectives meet the peers' in order
+                self.summary.update(compiled=False, comm_fallbacks=[{"reason": f"{e}; from AOTAutograd's cache, "
+                                                                     "it runs through aten in this process"}])
+                return self._through_aten()(inputs)
             fresh, self.regenerate = self.regenerate(), None
             self.module, self.path, self.call, self.pending = fresh.module, fresh.path, fresh.call, fresh.pending
             return self(inputs)
@@ -111,8 +118,24 @@ class CompiledGraph(OutputCode):
             if rerun is None:
                 raise
             return rerun(inputs)
-        self.ran, self.aten_gm, self.regenerate = True, None, None
+        self.ran, self.aten_gm, self.aten_pickle, self.regenerate = True, None, None, None
         return out
+
+    def _aten_graph(self) -> torch.fx.GraphModule | None:
+        """The aten graph to rerun: this process's, or the one AOTAutograd's cache kept (None where
+        it could not be pickled or loaded)."""
+        if self.aten_gm is None and self.aten_pickle is not None:
+            with contextlib.suppress(Exception):
+                self.aten_gm = pickle.loads(self.aten_pickle)
+            self.aten_pickle = None
+        return self.aten_gm
+
+    def _through_aten(self):
+        """From now on, the aten graph runs, op by op, in the output strides the compiled graph reported."""
+        strides = self.gen.summary.get("output_strides")
+        aten, self.aten_gm, self.ran = AtenGraph(self.aten_gm), None, True
+        self.call = lambda args: _in_strides(aten(args), strides)
+        return self.call
 
     def _first_run_failed(self, e: Exception):
         """A first run that raised: where, and the aten graph to rerun it by (None: why not, in a
@@ -123,23 +146,20 @@ class CompiledGraph(OutputCode):
         why = ("fallback_on_error is off" if not config.fallback_on_error else
                f"it had already run a line that {done[-1]}" if done else
                "its all-reduces meet the peers in symmetric memory" if hasattr(self.module, "_setup_comm") else
-               "it came from AOTAutograd's cache, without its aten graph" if self.aten_gm is None else None)
+               "it came from AOTAutograd's cache, without its aten graph" if self._aten_graph() is None else None)
         if why is not None:
             note = f"{where}; not rerun through aten: {why}"
             e.add_note(note) if hasattr(e, "add_note") else log.error(note)  # Python 3.10 has no notes
             return None
-        strides = self.gen.summary.get("output_strides")
-
         def rerun(args):
-            out = _in_strides(AtenGraph(self.aten_gm)(args), strides)
+            out = _in_strides(AtenGraph(self.aten_gm)(args), self.gen.summary.get("output_strides"))
             # it ran: the error was ours, not the program's (that one would have raised again)
             log.warning("%s (%s: %s); it runs through aten, op by op, from now on. Set "
                         "fallback_on_error=False to raise instead.", where, type(e).__name__, e)
             self.summary.update(compiled=False, first_run_error=f"{op}: {type(e).__name__}: {e}")
             if self.cache_key:
                 graph_cache.pass_over(self.cache_key, f"its first run failed ({self.summary['first_run_error']})")
-            aten, self.aten_gm, self.ran = AtenGraph(self.aten_gm), None, True
-            self.call = lambda args: _in_strides(aten(args), strides)
+            self._through_aten()
             return out
         return rerun
 
@@ -166,7 +186,8 @@ class CompiledGraph(OutputCode):
     # ---- AOTAutograd's cache: pickled (a copy, after prepare_for_serialization), loaded on a hit
     def __getstate__(self):
         return {"gen": self.gen, "kind": self.kind, "roles": self.roles, "cache_key": self.cache_key,
-                "donation_at_first_call": self.donation_at_first_call}
+                "donation_at_first_call": self.donation_at_first_call, "aten_gm": getattr(self, "aten_gm", None),
+                "aten_pickle": getattr(self, "aten_pickle", None)}
 
     def __setstate__(self, state):
         self.__dict__.update(state, _boxed_call=True, call=None)
@@ -177,6 +198,9 @@ class CompiledGraph(OutputCode):
         except graph_cache.Uncacheable as e:
             raise BypassAOTAutogradCache(f"commfuse: {e}") from e
         self.gen = dataclasses.replace(self.gen, constants=constants)
+        with contextlib.suppress(Exception):  # as its code (GraphModule's pickling), loaded where a rerun needs it
+            self.aten_pickle = pickle.dumps(self.aten_gm) if self.aten_gm is not None else None
+        self.aten_gm = None  # (an attribute that does not pickle: no rerun)
 
     def post_compile(self, example_inputs, constants, graph_kwargs) -> None:
         if self.call is not None:  # compiled in this process, already loaded

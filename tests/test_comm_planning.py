@@ -320,6 +320,18 @@ def test_a_graph_break_on_one_rank_runs_at_a_warm_start(tmp_path, monkeypatch):
             assert any("cut their graphs" in r for r in reasons) == breaks, (start, reasons)
 
 
+
+def test_a_graph_break_on_one_rank_after_a_warm_start_without_it(tmp_path, monkeypatch):
+    """The first start has no break; the second breaks on rank 0 and finds rank 1's whole graph in
+    AOTAutograd's cache, which cannot be lowered again: it raised. It now runs through aten, its
+    c10d collectives meeting rank 0's in order, and the next start compiles it afresh."""
+    monkeypatch.setenv("COMMFUSE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    for start, breaks in (("cold, no break", False), ("warm, break", True), ("warm, break again", True)):
+        for err, reasons in run_ranks(_breaks_on_rank_0, 2, args=(breaks,)):
+            assert err < 1e-5, (start, err)
+            assert any("cut their graphs" in r for r in reasons) == breaks, (start, reasons)
+
 def _c10d_on_rank_1(rank, world):
     import time
     import torch.distributed as dist
