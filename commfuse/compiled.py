@@ -4,8 +4,8 @@ Our graph cache (graph_cache.py) skips lowering, but a warm start would still sp
 AOTAutograd's trace and partition than in loading. AOTAutograd caches its whole result, the
 forward/backward split and runtime wrappers with the compiled graphs, for a compiler that returns
 an `OutputCode` which pickles (its "bundled" mode). `CompiledGraph` is ours: it pickles as what
-generated the code (`Generated`), with the aten graph pickled beside it (what a failed first run, or
-a plan check that found the ranks' graphs cut apart, reruns), and loads again in `post_compile`.
+generated the code (`Generated`), with the aten graph of one that has comm buffers pickled beside
+it (what a plan check that found the ranks' graphs cut apart reruns), and loads again in `post_compile`.
 AOTAutograd's key covers the
 Dynamo graph, the inputs, grad and autocast modes and torch's configs; `aot_caching` adds, as
 `cache_key_tag`, what our key covers besides (config, commfuse's files, versions, devices, the
@@ -198,8 +198,9 @@ class CompiledGraph(OutputCode):
         except graph_cache.Uncacheable as e:
             raise BypassAOTAutogradCache(f"commfuse: {e}") from e
         self.gen = dataclasses.replace(self.gen, constants=constants)
-        with contextlib.suppress(Exception):  # as its code (GraphModule's pickling), loaded where a rerun needs it
-            self.aten_pickle = pickle.dumps(self.aten_gm) if self.aten_gm is not None else None
+        with contextlib.suppress(Exception):  # as its code (GraphModule's pickling), loaded where a rerun needs it;
+            # only with comm pools, which a cut apart needs (40-100 ms for a graph of 700-1500 nodes)
+            self.aten_pickle = pickle.dumps(self.aten_gm) if self.aten_gm is not None and self.gen.summary["comm_pools"] else None
         self.aten_gm = None  # (an attribute that does not pickle: no rerun)
 
     def post_compile(self, example_inputs, constants, graph_kwargs) -> None:
