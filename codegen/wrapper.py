@@ -553,7 +553,8 @@ class WrapperCodegen:
             # the check runs at the first call, outside the compile's options: it takes its timeout now
             timeouts = [f"float({str(t)!r})" if isinstance(t, float) else repr(t)  # (inf: no name for it)
                         for t in (config.comm.plan_check_timeout_s, config.comm.barrier_timeout_s)]
-            code.writeline(f"], {self.comm_protocol!r}, timeout_s={timeouts[0]}, barrier_timeout_s={timeouts[1]})")
+            program = self.graph.module.meta.get("commfuse_program", [])  # the program's own collectives
+            code.writeline(f"], {self.comm_protocol!r}, {program!r}, timeout_s={timeouts[0]}, barrier_timeout_s={timeouts[1]})")
         return code
 
     def comm_kernel(self, buf: ir.CommKernel, step: int, pool):

@@ -29,6 +29,7 @@ from .passes.bucketing import bucket_collectives
 from .passes.comm_sums import all_reduce_sums
 from .decompositions import decomposition_table
 from .passes.dtensor_params import call_with_shards, local_shard_inputs
+from .passes.fx_rewrite import copied, program_collectives
 from .graph import GraphLowering
 from .passes.host_scalars import scalars_to_device
 from .passes.one_hot import sum_one_hot
@@ -206,9 +207,9 @@ def _compile(gm, example_inputs, graph_id, kind="inference", donated=frozenset()
     scalars_to_device(gm)
     reinplace_input_updates(gm)
     sum_one_hot(gm)
-    all_reduce_sums(gm)
-    async_tp(gm)
-    bucket_collectives(gm)
+    gm.meta["commfuse_program"] = program_collectives(gm)  # what the ranks' plans must share
+    program = copied(gm) if gm.meta["commfuse_program"] else gm  # what a rerun through aten or c10d issues
+    program = program if _rewrite_collectives(gm) else gm
     key, description, gen, skipped = _cached(gm, example_inputs, graph_id, kind, donated, saved)
     hit = gen is not None
     if not hit:
@@ -219,10 +220,10 @@ def _compile(gm, example_inputs, graph_id, kind="inference", donated=frozenset()
     roles = input_roles(gm, kind) if config.cuda_graphs and gen.device_types == {"cuda"} \
         and not gen.summary.get("data_dependent_sizes") else None  # sizes a replay could not change
     compiled = CompiledGraph(gen, kind, roles, key).load(t0, "graph" if hit else None, skipped)
-    compiled.aten_gm = gm  # what a failed first run reruns
-    if gen.summary["comm_pools"]:  # after a plan check found the ranks' graphs cut apart: c10d now
+    compiled.aten_gm = program  # what a failed first run reruns
+    if gen.summary["comm_pools"]:  # after a plan check found the ranks' comm kernels apart: c10d now
         settings = config.snapshot()
-        compiled.regenerate = lambda: _regenerate(gm, example_inputs, graph_id, kind, donated, saved, roles, settings)
+        compiled.regenerate = lambda: _regenerate(program, example_inputs, graph_id, kind, donated, saved, roles, settings)
     ctx = torch._guards.TracingContext.try_get()
     if ctx is not None and ctx.output_strides is not None and compiled.summary["output_strides"]:
         ctx.output_strides.extend(compiled.summary["output_strides"])
@@ -234,9 +235,17 @@ def _compile(gm, example_inputs, graph_id, kind="inference", donated=frozenset()
     return compiled
 
 
-def _regenerate(gm, example_inputs, graph_id, kind, donated, saved, roles, settings) -> CompiledGraph:
-    """The graph lowered again (its rewrites done) under its compile's options."""
+def _rewrite_collectives(gm) -> int:
+    """Sum, chunk and merge gm's collectives where policy says (each rank on its own graph); how many changed."""
+    return all_reduce_sums(gm) + async_tp(gm) + bucket_collectives(gm)
+
+
+def _regenerate(program, example_inputs, graph_id, kind, donated, saved, roles, settings) -> CompiledGraph:
+    """The graph lowered again from the program's own collectives under its compile's options,
+    rewritten only where its groups' ranks agreed."""
     with config.patch(settings):
+        gm = copied(program)
+        _rewrite_collectives(gm)
         gen = _generate(gm, example_inputs, graph_id, kind, donated, saved)
         return CompiledGraph(gen, kind, roles, None).load(time.time(), None)
 

@@ -471,7 +471,7 @@ class Choices:
         if cfg.groups is not None and request.group not in cfg.groups:
             return f"group {request.group} not in config.comm.groups"
         if request.group in split_groups():
-            return f"the ranks of group {request.group} cut their graphs in different places (runtime/plan_check.py)"
+            return f"{split_groups()[request.group]} (runtime/plan_check.py)"
         if request.reduce_op not in COMM_REDUCE_OPS and request.collective != "all_gather_into_tensor":
             return f"reduce op {request.reduce_op!r} (supported: {', '.join(COMM_REDUCE_OPS)})"
         if request.dtype not in COMM_DTYPES:
@@ -502,11 +502,17 @@ class Choices:
             return f"comm.async_tp is {mode}" + (": not measured to win in a training step" if mode == "auto" else "")
         return self.comm_ineligible(request) or (f"reduce op {request.reduce_op}" if request.reduce_op not in ("", "sum", "avg") else "")
 
+    def rewrites_collectives(self, group: str) -> bool:
+        """Whether the FX rewrites may sum, merge or chunk this group's collectives: not once its
+        ranks compiled different comm kernels for them (runtime/plan_check.py, `split_groups`), since
+        each rank rewrites its own graph. Each rank then issues the program's own collectives."""
+        return group not in split_groups()
+
     def bucket_member(self, request: CommRequest) -> bool:
         """Whether a collective may join a bucket (passes/bucketing.py): a small one, whose latency,
         not its bytes, sets its time. Not an all-reduce our kernels run: they fuse with its producer
         and consumers, which a packed buffer would keep apart, and cost no launch of c10d's."""
-        if request.nbytes > config.comm.bucket_member_max_bytes:
+        if request.nbytes > config.comm.bucket_member_max_bytes or not self.rewrites_collectives(request.group):
             return False
         return request.collective != "all_reduce" or self.all_reduce_plan(request).algorithm.name == "c10d"
 

@@ -14,7 +14,7 @@ import contextlib
 import torch
 import torch.fx
 
-from .. import config
+from .. import choices, config
 from .fx_rewrite import finish
 
 aten, c10d = torch.ops.aten, torch.ops._c10d_functional
@@ -30,7 +30,7 @@ def _reduced(node):
     if not (isinstance(ar, torch.fx.Node) and ar.target is c10d.all_reduce.default and len(ar.users) == 1):
         return None
     x, op, group = ar.args
-    return (x, op, group) if op in LINEAR_REDUCE_OPS else None
+    return (x, op, group) if op in LINEAR_REDUCE_OPS and choices.current().rewrites_collectives(str(group)) else None
 
 
 def _same_value_type(*nodes) -> bool:  # no broadcast, no type promotion

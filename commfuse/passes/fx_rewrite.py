@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+from .. import ir
 from ..overlap import forget_positions
 
 
@@ -50,3 +51,27 @@ def finish(gm: torch.fx.GraphModule, changed: int) -> int:
         gm.graph.lint()
         gm.recompile()
     return changed
+
+
+def program_collectives(gm: torch.fx.GraphModule) -> list:
+    """The collectives the program issues, in its order, as its peers see them: [op, reduce op,
+    group, elements of each result, dtype]. Taken before the rewrites that sum, merge or chunk them
+    (comm_sums, bucketing, async_tp), which each rank applies to its own graph: a value only one
+    rank logs keeps its all-reduce apart there (runtime/plan_check.py compares these)."""
+    out = []
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and ir.is_collective(n.target):
+            args = dict(zip((a.name for a in n.target._schema.arguments), n.args), **n.kwargs)
+            vals = [v for v in torch.utils._pytree.tree_leaves(n.meta.get("val")) if isinstance(v, torch.Tensor)]
+            out.append([n.target._opname, str(args.get("reduce_op", "")), str(args.get("group_name", "")),
+                        [str(v.numel()) for v in vals], str(vals[0].dtype) if vals else ""])
+    return out
+
+
+def copied(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of gm whose graph a rewrite may change (the nodes' metadata shared, not copied)."""
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    out = torch.fx.GraphModule(gm, graph)
+    out.meta.update(gm.meta)
+    return out

@@ -39,17 +39,17 @@ class PlansSplit(RuntimeError):
 
 
 def _state(store) -> dict:
-    return _by_store.setdefault(store, {"sequence": {}, "agreed": {}, "announced": False, "split": set()})
+    return _by_store.setdefault(store, {"sequence": {}, "agreed": {}, "announced": False, "split": {}})
 
 
-def split_groups() -> set:
-    """The groups whose ranks cut their graphs apart (PlansSplit), of this process group's life:
-    their collectives run through c10d."""
+def split_groups() -> dict:
+    """The groups whose ranks' plans split (PlansSplit), of this process group's life, each with
+    why: their collectives run through c10d."""
     from torch.distributed.distributed_c10d import _get_default_store
     try:
-        return _state(_get_default_store())["split"] if dist.is_available() and dist.is_initialized() else set()
+        return _state(_get_default_store())["split"] if dist.is_available() and dist.is_initialized() else {}
     except (RuntimeError, ValueError):  # a group made without a default store: none is checked
-        return set()
+        return {}
 
 # what a rank's comm kernel does beside its peers' without changing what they exchange: its own
 # input written by a producer fused in (program i writes the slice program i of every rank reads:
@@ -145,12 +145,17 @@ def _options_differ(store, ranks: list) -> str:
 
 
 def check_plans_agree(graph_id: str, pools: dict, buffers: list, groups: dict, protocol: list = (),
-                      timeout_s: float | None = None) -> None:
+                      program: list = (), timeout_s: float | None = None) -> None:
     """`groups`: the process group of each group name in `pools`. `protocol`: each comm
     kernel's and c10d collective's record in the wrapper's order (its collectives, algorithm, grid,
     barriers); ranks that differ there (another reduce op, algorithm, grid or prologue, another
-    order of collectives, from a differing program, config or table) would combine different
-    things, or wait at barriers and collectives the others never reach."""
+    order of collectives) would combine different things, or wait at barriers and collectives the
+    others never reach. `program`: the collectives the program itself issues (fx_rewrite.
+    program_collectives). Where the ranks' programs issue the same ones (or cut apart: a graph
+    break on some ranks), the plans may still differ by what each rank compiled alone (a consumer
+    fused into a comm kernel on one rank only, a sum or bucket of collectives, an option set on one
+    rank): the group's collectives then run through c10d, as the programs issue them (PlansSplit).
+    Programs that differ are an error."""
     from torch.distributed.distributed_c10d import _get_default_store  # c10d internals: only when checking
     for group_name in sorted({g for g, _, _ in pools.values()}):
         # the ranks of a group compare that group's pools: a sub-group's name differs between the
@@ -162,6 +167,7 @@ def check_plans_agree(graph_id: str, pools: dict, buffers: list, groups: dict, p
         kernels = [p for p in protocol if any(c["group"] == group_name for c in p["collectives"])]
         mine = json.dumps({"graph": graph_id.split("_", 1)[1], "pools": own,
                            "protocol": _protocol(kernels, group_name), "buffers": _describe(bufs),
+                           "program": [c for c in program if c[2] == group_name],
                            "names": {"buffers": [b["name"] for b in bufs], "protocol": [p["kernel"] for p in kernels]}})
         if group_name in split_groups():  # found at an earlier check on every rank: no meeting
             raise PlansSplit(f"commfuse: graph {graph_id}: the ranks of group {group_name} cut their graphs apart",
@@ -181,15 +187,29 @@ def check_plans_agree(graph_id: str, pools: dict, buffers: list, groups: dict, p
                 "it whole (a graph break on some ranks at some steps only, such as a log under `if rank == 0 "
                 "and step % 100 == 0`). Move that code out of the compiled function, or make it the same on "
                 "every rank", late.ranks) from None
-        if _cut_apart(plans.values()):
-            split_groups().add(group_name)
-            counts = ", ".join(f"{len(_sequence(p))} on rank {r}" for r, p in plans.items())
+        other = next((r for r, theirs in plans.items() if _collectives(theirs) != wire), None)
+        if other is None:
+            agreed.add(wire)
+            continue
+        programs = [json.loads(p)["program"] for p in plans.values()]
+        if _cut_apart(programs):
+            split_groups()[group_name] = f"the ranks of group {group_name} cut their graphs in different places"
+            counts = ", ".join(f"{len(p)} on rank {r}" for r, p in zip(plans, programs))
             raise PlansSplit(
                 f"commfuse: the ranks of group {group_name} cut their graphs in different places (collectives in "
                 f"graph {graph_id} and its peers': {counts}; the same ones in the same order): a graph break "
                 "on some ranks only, such as a print or log under `if rank == 0`. Their collectives on this "
                 "group run through c10d from now on, which meets in order whatever the graphs; move the "
                 "rank-dependent code out of the compiled function to keep commfuse's comm kernels", group_name, True)
+        if all(p == programs[0] for p in programs):
+            why = (f"the ranks of group {group_name} compiled different comm kernels for the same collectives: "
+                   f"{_first_difference(me, mine, other, plans[other])}{_options_differ(_get_default_store(), [other])}")
+            split_groups()[group_name] = why
+            raise PlansSplit(
+                f"commfuse: graph {graph_id}: {why}. Code that differs between the ranks around a "
+                "collective (a value only one rank logs or reduces further), or an option set on some ranks only. "
+                "Their collectives on this group run through c10d from now on, as the program issues them; make "
+                "that code the same on every rank to keep commfuse's comm kernels", group_name, True)
         for r, theirs in plans.items():
             if _collectives(theirs) != wire:
                 raise RuntimeError(f"commfuse: ranks disagree on the comm-buffer plan of graph {graph_id} "
@@ -198,7 +218,6 @@ def check_plans_agree(graph_id: str, pools: dict, buffers: list, groups: dict, p
                                    "config.patch, COMMFUSE_* environment) or comm.table set on some ranks only; "
                                    "the ranks' dumps (dump_dir) show both, and `python -m commfuse.diff DUMP_DIR` "
                                    "compares them")
-        agreed.add(wire)
 
 
 def meet(group, what: str, value: str = "", timeout_s: float | None = None, kind: str = "pool") -> dict:
@@ -248,9 +267,9 @@ def _sequence(plan: str) -> list:
     return [[c["collective"], c["reduce_op"], c["group"]] for p in json.loads(plan)["protocol"] for c in p["collectives"]]
 
 
-def _cut_apart(plans) -> bool:
-    """Whether the ranks' plans list different numbers of collectives, each the start of the longest."""
-    seqs = sorted(map(_sequence, plans), key=len)
+def _cut_apart(programs) -> bool:
+    """Whether the ranks' programs issue different numbers of collectives, each the start of the longest."""
+    seqs = sorted(programs, key=len)
     return len(seqs[0]) != len(seqs[-1]) and all(s == seqs[-1][:len(s)] for s in seqs)
 
 
