@@ -255,9 +255,11 @@ def _wait(store, prefix: str, ranks: list, timeout_s: float, what: str) -> None:
             raise PeerError(f"commfuse: rank(s) {gone} exited before reaching {what}", gone)
         if time.monotonic() > end:
             raise PeerError(
-                f"commfuse: rank(s) {missing} did not reach {what} within {timeout_s}s "
-                "(comm.plan_check_timeout_s): the ranks are running different programs (e.g. a "
-                f"rank-dependent branch), or a rank hangs{_options_differ(store, missing)}", missing, late=True)
+                f"commfuse: rank(s) {missing} did not reach {what} within {timeout_s}s (comm.plan_check_timeout_s): "
+                "the ranks are running different programs (e.g. a rank-dependent branch), a rank runs these "
+                "collectives through c10d (its graph has dynamic sizes there: mark_dynamic, or automatic dynamic "
+                "shapes after other sizes on that rank only; Dynamo skipped the frame there; another backend), "
+                f"or a rank hangs{_options_differ(store, missing)}", missing, late=True)
         time.sleep(pause)
         pause = min(pause * 2, 0.05)
 
