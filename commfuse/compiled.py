@@ -5,11 +5,10 @@ AOTAutograd's trace and partition than in loading. AOTAutograd caches its whole 
 forward/backward split and runtime wrappers with the compiled graphs, for a compiler that returns
 an `OutputCode` which pickles (its "bundled" mode). `CompiledGraph` is ours: it pickles as what
 generated the code (`Generated`), with the aten graph of one that has comm buffers pickled beside
-it (what a plan check that found the ranks' graphs cut apart reruns), and loads again in `post_compile`.
-AOTAutograd's key covers the
-Dynamo graph, the inputs, grad and autocast modes and torch's configs; `aot_caching` adds, as
-`cache_key_tag`, what our key covers besides (config, commfuse's files, versions, devices, the
-distributed context).
+it (what it reruns where the plan check sends its group to c10d), and loads again in `post_compile`.
+AOTAutograd's key covers the Dynamo graph, the inputs, grad and autocast modes and torch's configs;
+`aot_caching` adds, as `cache_key_tag`, what our key covers besides (config, commfuse's files,
+versions, devices, the distributed context).
 """
 from __future__ import annotations
 
