@@ -150,7 +150,7 @@ class WrapperCodegen:
         self.body.writeline("args.clear()")
         for name in g.constants:
             self.body.writeline(f"{name} = constants[{name!r}]")
-        if self.comm_placements:
+        if self.comm_placements or self.checked_groups():
             self.body.writeline("if _comm is None:")
             self.body.writeline("    _setup_comm()  # first call: check plans across ranks, take the pools")
             self.body.writeline("comm = _comm.current()")
@@ -211,7 +211,7 @@ class WrapperCodegen:
             code.writelines(self.launches)
         code.writeline("]")
         code.writeline()
-        if self.comm_placements:
+        if self.comm_placements or self.checked_groups():
             code.splice(self.comm_setup())
             code.writeline()
         if cuda is not None and self.sites:
@@ -511,8 +511,9 @@ class WrapperCodegen:
     def note_c10d(self, grp, step: int) -> None:
         """A c10d collective in the order the ranks must all issue it, part of the plan they check where
         the graph has symmetric pools, and for the summary where it is issued and waited; or the wait of
-        one. (A graph of c10d collectives alone is not checked: c10d serves dynamic shapes, where ranks
-        may recompile apart and would then wait at a check the others never reach.)"""
+        one. (A graph of c10d collectives alone is not checked, but for the groups whose collectives a
+        rewrite may change on some ranks only (`checked_groups`): c10d serves dynamic shapes, where
+        ranks may recompile apart and would then wait at a check the others never reach.)"""
         buf = grp.nodes[0].buf
         if memory.is_wait(grp):
             for name in grp.read_names:
@@ -526,11 +527,17 @@ class WrapperCodegen:
         arg = dict(zip(names, buf.args), **buf.kwargs)
         group = str(getattr(arg.get("group_name"), "group_name", arg.get("group_name")))
         record = {"collective": op._opname, "reduce_op": arg.get("reduce_op", ""), "algorithm": "c10d",
-                  "group": group, "ranks": group_size_or_0(group), "pool": None, "offset": None}
+                  "group": group, "ranks": group_size_or_0(group), "pool": None, "offset": None,
+                  "elements": str(buf.layout.numel()) if isinstance(buf, ir.LaidOut) else None}  # (a bucket's, a sum's)
         self.comm_protocol.append({"kernel": f"c10d_{op._opname}_{step}", "reads": "c10d", "programs": 0,
                                    "barriers": 0, "collectives": [record]})
         self.c10d[buf.name] = {"name": buf.name, "collective": op._opname, "group": group, "issued_at": step,
                                "waited_at": None, "placed": self.sched.overlap.get(buf.name, "as the program has it")}
+
+    def checked_groups(self) -> list:
+        """The groups checked across ranks without comm buffers: a rewrite may change their c10d
+        collectives on some ranks only (passes/comm_sums.py, passes/bucketing.py)."""
+        return [g for g in self.graph.module.meta.get("commfuse_checked", []) if group_size_or_0(g) > 1]
 
     def comm_setup(self) -> IndentedBuffer:
         code = IndentedBuffer()
@@ -554,7 +561,8 @@ class WrapperCodegen:
             timeouts = [f"float({str(t)!r})" if isinstance(t, float) else repr(t)  # (inf: no name for it)
                         for t in (config.comm.plan_check_timeout_s, config.comm.barrier_timeout_s)]
             program = self.graph.module.meta.get("commfuse_program", [])  # the program's own collectives
-            code.writeline(f"], {self.comm_protocol!r}, {program!r}, timeout_s={timeouts[0]}, barrier_timeout_s={timeouts[1]})")
+            code.writeline(f"], {self.comm_protocol!r}, {program!r}, {self.checked_groups()!r}, timeout_s={timeouts[0]}, "
+                           f"barrier_timeout_s={timeouts[1]})")
         return code
 
     def comm_kernel(self, buf: ir.CommKernel, step: int, pool):

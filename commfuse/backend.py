@@ -25,8 +25,8 @@ from . import choices, config, dump, graph_cache, ir, sizevars
 from .compiled import AtenGraph, CompiledGraph, aot_caching, next_graph_id, serializable, summaries  # noqa: F401
 from .passes.async_tp import async_tp
 from .passes.attention import contiguous_masks, use_decode_attention, use_sdpa_gqa
-from .passes.bucketing import bucket_collectives
-from .passes.comm_sums import all_reduce_sums
+from .passes.bucketing import bucket_collectives, bucketable_groups
+from .passes.comm_sums import all_reduce_sums, summable_groups
 from .decompositions import decomposition_table
 from .passes.dtensor_params import call_with_shards, local_shard_inputs
 from .passes.fx_rewrite import copied, program_collectives
@@ -207,8 +207,7 @@ def _compile(gm, example_inputs, graph_id, kind="inference", donated=frozenset()
     scalars_to_device(gm)
     reinplace_input_updates(gm)
     sum_one_hot(gm)
-    gm.meta["commfuse_program"] = program_collectives(gm)  # what the ranks' plans must share
-    program = copied(gm) if gm.meta["commfuse_program"] else gm  # what a rerun through aten or c10d issues
+    program = copied(gm) if program_collectives(gm) else gm  # what a rerun through aten or c10d issues
     program = program if _rewrite_collectives(gm) else gm
     key, description, gen, skipped = _cached(gm, example_inputs, graph_id, kind, donated, saved)
     hit = gen is not None
@@ -221,7 +220,7 @@ def _compile(gm, example_inputs, graph_id, kind="inference", donated=frozenset()
         and not gen.summary.get("data_dependent_sizes") else None  # sizes a replay could not change
     compiled = CompiledGraph(gen, kind, roles, key).load(t0, "graph" if hit else None, skipped)
     compiled.aten_gm = program  # what a failed first run reruns
-    if gen.summary["comm_pools"]:  # after a plan check found the ranks' comm kernels apart: c10d now
+    if gen.summary["comm_pools"] or gm.meta["commfuse_checked"]:  # after a plan check sent a group to c10d
         settings = config.snapshot()
         compiled.regenerate = lambda: _regenerate(program, example_inputs, graph_id, kind, donated, saved, roles, settings)
     ctx = torch._guards.TracingContext.try_get()
@@ -236,7 +235,11 @@ def _compile(gm, example_inputs, graph_id, kind="inference", donated=frozenset()
 
 
 def _rewrite_collectives(gm) -> int:
-    """Sum, chunk and merge gm's collectives where policy says (each rank on its own graph); how many changed."""
+    """Sum, chunk and merge gm's collectives where policy says (each rank on its own graph); how many
+    changed. Before: the program's own collectives, and the groups whose collectives a rewrite may
+    change on some ranks only, which the ranks check whether they have comm kernels or not."""
+    gm.meta["commfuse_program"] = program_collectives(gm)
+    gm.meta["commfuse_checked"] = sorted(summable_groups(gm) | bucketable_groups(gm))
     return all_reduce_sums(gm) + async_tp(gm) + bucket_collectives(gm)
 
 

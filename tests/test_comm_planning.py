@@ -179,7 +179,7 @@ def _divergent(rank, world, mode, g):
             if rank == 0 and later:
                 torch._dynamo.graph_break()
             return funcol.all_reduce(y + 1, "sum", g) * 3
-    elif mode == "sum_logged":  # rank 0 also returns a term (a log): a + b is all-reduced once on the others only
+    elif mode.startswith("sum_logged"):  # rank 0 also returns a term (a log): a + b is all-reduced once on the others only
         def fn(x):
             a, b = funcol.all_reduce(x * 2, "sum", g), funcol.all_reduce(x + 1, "sum", g)
             return torch.cat([a + b, a if rank == 0 else a + b])
@@ -188,7 +188,7 @@ def _divergent(rank, world, mode, g):
             x = x.view(4, 16)
             y = funcol.all_reduce(x * 2, "sum", g)
             return (torch.nn.functional.layer_norm(y + x, (16,)) if rank == 1 else y.relu()).reshape(-1)
-    elif mode == "bucketed":  # two all-gathers, the second reading the first on rank 1 only: one bucket on rank 0
+    elif mode.startswith("bucketed"):  # two all-gathers, the second reading the first on rank 1 only: one bucket on rank 0
         def fn(x):
             ra = funcol.all_gather_tensor(x[:16] * 2, 0, g)
             return torch.cat([ra, funcol.all_gather_tensor(x[16:32] * 3 if rank == 0 else x[16:32] + ra[:16], 0, g)])
@@ -198,6 +198,8 @@ def _divergent(rank, world, mode, g):
         fn = (lambda x: funcol.all_reduce(x * 2, "sum", g)) if rank == 0 else (lambda x: x * 2)
     algorithm = ("one_shot", "two_shot")[rank % 2] if mode == "algorithm" else "auto"
     options = {"comm.plan_check_timeout_s": 3, "comm.barrier_timeout_s": 3, "comm.algorithm": algorithm}
+    if mode.endswith("_c10d"):  # every collective through c10d: no comm buffer, yet checked
+        options["comm.enabled"] = False
     if rank == 0:
         options.update({"fusion": {"max_fusion_size": 1}, "apart": {"comm.algorithm": "one_shot_apart"}}.get(mode, {}))
     start, graphs = time.time(), len(summaries)
@@ -214,12 +216,13 @@ def _divergent(rank, world, mode, g):
     return ("ok", {"err": err, "c10d": _comm_fallbacks(graphs)} if mode in SPLIT_OR_FUSED else "", time.time() - start)
 
 
-SPLIT_OR_FUSED = ("fusion", "graph_break", "algorithm", "apart", "sum_logged", "consumer", "bucketed")  # kernels differ
+SPLIT_OR_FUSED = ("fusion", "graph_break", "algorithm", "apart", "sum_logged", "consumer", "bucketed", "sum_logged_c10d",
+                  "bucketed_c10d")  # the ranks' kernels or c10d collectives differ
 
 
 # "late_cut" and "missing" last: their ranks leave at different times
 MODES = ("branch", "constant", "producer", "algorithm", "reduce_op", "fusion", "apart", "graph_break", "sum_logged",
-         "consumer", "bucketed", "late_cut", "missing")
+         "consumer", "bucketed", "sum_logged_c10d", "bucketed_c10d", "late_cut", "missing")
 
 
 def _every_divergence(rank, world):
@@ -303,16 +306,17 @@ def test_a_graph_break_on_one_rank_runs_through_c10d(divergent):
         assert status == "ok" and message["err"] < 1e-5, (status, message)
 
 
-@pytest.mark.parametrize("mode", ["sum_logged", "consumer", "bucketed"])
+@pytest.mark.parametrize("mode", ["sum_logged", "consumer", "bucketed", "sum_logged_c10d", "bucketed_c10d"])
 def test_code_around_collectives_on_one_rank_runs_through_c10d(divergent, mode):
     """The same collectives, and code around them on one rank only that changed what it compiled:
     an all-reduced term it also returns (the others summed the terms first and all-reduced once:
     wrong values on every call), a norm fused into its comm kernel, all-gathers merged into one
-    bucket (gloo aborted). Refused, or worse, where Inductor runs; c10d's collectives now, as the
-    program issues them."""
+    bucket (gloo aborted); also where every collective runs through c10d (no comm buffer to check
+    before). Refused, or worse, where Inductor runs; c10d's collectives now, as the program issues
+    them."""
     for status, message, _ in divergent[mode]:
         assert status == "ok" and message["err"] < 1e-5, (status, message)
-        assert any("compiled different comm kernels" in r for r in message["c10d"]), message
+        assert any("compiled different comm kernels" in r for r in message["c10d"]) or mode.endswith("_c10d"), message
 
 
 def test_a_graph_break_on_one_rank_after_the_first_calls_is_named(divergent):

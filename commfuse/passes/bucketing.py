@@ -186,3 +186,14 @@ def bucket_collectives(gm: torch.fx.GraphModule) -> int:
         _merge(gm.graph, *found)
         changed += len(found[0]["members"]) - 1
     return finish(gm, changed)
+
+
+def bucketable_groups(gm: torch.fx.GraphModule) -> set:
+    """The groups with two or more collectives that may join one bucket by their kind and size,
+    whatever the code between them (which may keep them apart on some ranks only)."""
+    if not config.comm.bucketing:
+        return set()
+    nodes = list(gm.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    keys = [c[0] for n in nodes if (c := _candidate(n, pos, len(nodes) - 1)) is not None]
+    return {key[1] for key in keys if keys.count(key) > 1}

@@ -21,10 +21,10 @@ aten, c10d = torch.ops.aten, torch.ops._c10d_functional
 LINEAR_REDUCE_OPS = ("sum", "avg")  # all_reduce(a) + all_reduce(b) == all_reduce(a + b)
 
 
-def _reduced(node):
-    """(x, op, group) where `node` is wait_tensor(all_reduce(x, op, group)) and nothing else reads
-    either, else None."""
-    if not (isinstance(node, torch.fx.Node) and node.target is c10d.wait_tensor.default and len(node.users) == 1):
+def _reduced(node, alone: bool = True):
+    """(x, op, group) where `node` is wait_tensor(all_reduce(x, op, group)) and (`alone`) nothing
+    else reads either, else None."""
+    if not (isinstance(node, torch.fx.Node) and node.target is c10d.wait_tensor.default and (len(node.users) == 1 or not alone)):
         return None
     ar = node.args[0]
     if not (isinstance(ar, torch.fx.Node) and ar.target is c10d.all_reduce.default and len(ar.users) == 1):
@@ -63,3 +63,16 @@ def all_reduce_sums(gm: torch.fx.GraphModule) -> int:
             graph.erase_node(n)
         changed += 1
     return finish(gm, changed)
+
+
+def summable_groups(gm: torch.fx.GraphModule) -> set:
+    """The groups of all-reduced values that an add sums, whoever else reads them: where the
+    rewrite may apply on some ranks and not on others (a term only one rank logs)."""
+    out = set()
+    if not config.comm.sum_before_all_reduce:
+        return out
+    for add in gm.graph.find_nodes(op="call_function", target=aten.add.Tensor):
+        a, b = (_reduced(x, alone=False) for x in add.args[:2]) if len(add.args) == 2 else (None, None)
+        if a is not None and b is not None and a[1:] == b[1:]:
+            out.add(str(a[2]))
+    return out

@@ -73,6 +73,7 @@ _FIELDS = {
     "barriers": "barriers",
     "xnumel": "elements (rows of a reduction) it walks",
     "rnumel": "row length",
+    "elements": "elements of a c10d collective (a bucket of several, a sum of several)",
 }
 
 
@@ -157,7 +158,7 @@ def check_plans_agree(graph_id: str, pools: dict, buffers: list, groups: dict, p
     rank): the group's collectives then run through c10d, as the programs issue them (PlansSplit).
     Programs that differ are an error."""
     from torch.distributed.distributed_c10d import _get_default_store  # c10d internals: only when checking
-    for group_name in sorted({g for g, _, _ in pools.values()}):
+    for group_name in sorted(groups):  # (a group without a pool: its c10d collectives, which a rewrite changed)
         # the ranks of a group compare that group's pools: a sub-group's name differs between the
         # ranks of WORLD ({0, 1} and {2, 3} of a 2-D mesh), rightly
         own = {k: [g, n] for k, (g, _d, n) in pools.items() if g == group_name}
