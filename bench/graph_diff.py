@@ -49,6 +49,7 @@ def main() -> None:
     os.environ.setdefault("COMMFUSE_FALLBACK_ON_ERROR", "0")
     import torch
     import transformers
+    import commfuse  # noqa: F401  (registers the backend where it is not installed)
     H.PAD = a.pad
     torch.manual_seed(0)
     cfg_cls, s = H.spec(a.model)
