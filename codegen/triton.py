@@ -561,7 +561,9 @@ class TritonKernel:
         meta = {"params": params, "size_symbols": syms, "reduction": self.is_red, "kind": self.kind,
                 "persistent": self.persistent, "tiled": self.tiled,
                 "block_ptrs": len(self.block_ptr_accesses), "comm": self.comm,
-                "two_shot": sorted(self.two_shot), "asserts": self.uses_assert}
+                "two_shot": sorted(self.two_shot), "asserts": self.uses_assert,
+                # a looped row walked again after its reduction computes its values a second time
+                "recomputes": self.is_red and not self.persistent and sum(s.loop for s in self.sections) > 1}
         return code.getvalue(), meta
 
     def _block_header(self, code: IndentedBuffer, offset: str) -> None:
