@@ -147,7 +147,7 @@ def _options_differ(store, ranks: list) -> str:
 
 def check_plans_agree(graph_id: str, pools: dict, buffers: list, groups: dict, protocol: list = (),
                       program: list = (), timeout_s: float | None = None) -> None:
-    """`groups`: the process group of each group name in `pools`. `protocol`: each comm
+    """`groups`: the process group of each group checked (its pools', or its c10d collectives'). `protocol`: each comm
     kernel's and c10d collective's record in the wrapper's order (its collectives, algorithm, grid,
     barriers); ranks that differ there (another reduce op, algorithm, grid or prologue, another
     order of collectives) would combine different things, or wait at barriers and collectives the
