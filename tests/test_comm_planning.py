@@ -343,31 +343,25 @@ def _breaks_on_rank_0(rank, world, breaks=True):
     return (got - fn(x)).abs().max().item(), _comm_fallbacks()
 
 
-def test_a_graph_break_on_one_rank_runs_at_a_warm_start(tmp_path, monkeypatch):
-    """A second start finds the first's graphs in AOTAutograd's cache, which cannot lower them again:
-    the first start marked the graphs that found the cut, and the second compiles them afresh. A
-    third start without the break runs commfuse's kernels again: the mark carries over no cut (it
-    did, on the one rank whose graph had it, which alone sent the group to c10d, and the peer
-    waited at the plan check)."""
+@pytest.mark.parametrize("starts", [(True, True, False), (False, True, True)],
+                         ids=["break_then_none", "none_then_break"])
+def test_a_graph_break_on_one_rank_at_a_warm_start(tmp_path, monkeypatch, starts):
+    """Three starts over one cache folder, each with or without a graph break on rank 0.
+    break_then_none: the second start finds the first's graphs in AOTAutograd's cache, which
+    cannot lower them again: the first start marked the graphs that found the cut, and the second
+    compiles them afresh. A third start without the break runs commfuse's kernels again: the mark
+    carries over no cut (it did, on the one rank whose graph had it, which alone sent the group to
+    c10d, and the peer waited at the plan check).
+    none_then_break: the second start finds rank 1's whole graph in AOTAutograd's cache, which
+    cannot be lowered again: it raised. It now runs through aten, its c10d collectives meeting
+    rank 0's in order, and the next start compiles it afresh."""
     monkeypatch.setenv("COMMFUSE_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    for start, breaks in (("cold", True), ("warm", True), ("warm, no break", False)):
+    for start, breaks in enumerate(starts):
         for err, reasons in run_ranks(_breaks_on_rank_0, 2, args=(breaks,)):
             assert err < 1e-5, (start, err)
             assert any("cut their graphs" in r for r in reasons) == breaks, (start, reasons)
 
-
-
-def test_a_graph_break_on_one_rank_after_a_warm_start_without_it(tmp_path, monkeypatch):
-    """The first start has no break; the second breaks on rank 0 and finds rank 1's whole graph in
-    AOTAutograd's cache, which cannot be lowered again: it raised. It now runs through aten, its
-    c10d collectives meeting rank 0's in order, and the next start compiles it afresh."""
-    monkeypatch.setenv("COMMFUSE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    for start, breaks in (("cold, no break", False), ("warm, break", True), ("warm, break again", True)):
-        for err, reasons in run_ranks(_breaks_on_rank_0, 2, args=(breaks,)):
-            assert err < 1e-5, (start, err)
-            assert any("cut their graphs" in r for r in reasons) == breaks, (start, reasons)
 
 def _c10d_on_rank_1(rank, world):
     import time
