@@ -224,7 +224,7 @@ class TritonOps:
             return self._op(f"{a} < 0", torch.bool)
         return self._op(f"triton_helpers.signbit({a})", torch.bool)
 
-    def hypot(self, a, b): return self._bin("tl.sqrt({a} * {a} + {b} * {b})", a, b)
+    def hypot(self, a, b): return self._bin("triton_helpers.hypot({a}, {b})", a, b)
     def atan2(self, a, b): return self._bin("triton_helpers.atan2({a}, {b})", a, b)
 
     # comparisons and logic

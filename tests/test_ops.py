@@ -324,6 +324,24 @@ def test_signed_zeros_and_inverse_trig_are_exact(dtype):
         torch.testing.assert_close(g, e, rtol=4 * torch.finfo(dtype).eps, atol=0)
 
 
+def test_special_values_as_in_eager():
+    """Infinities, huge and tiny magnitudes and signed zeros: hypot squared its operands (1e20
+    overflowed, 1e-25 underflowed), acosh(-1e30) was inf, (-inf) ** 2.5 nan, atan2 of two
+    infinities and erfc(inf) nan, tanh, asinh, atanh and round lost the sign of zero, and round
+    moved odd integers from 2**23 to the next even one."""
+    inf = float("inf")
+    a = torch.tensor([1e20, 1e30, 3e-30, 1e-25, inf, inf, -inf, -0.0, 0.0, 3.0], device=DEVICE)
+    b = torch.tensor([1.0, 1e30, 4e-30, 0.0, float("nan"), -inf, -inf, -1.0, -0.0, 4.0], device=DEVICE)
+    x = torch.tensor([-1e30, -3.0, -inf, inf, -0.0, -0.5, -1e-30, 0.0, 8388609.0, -8388611.0, 2.5, 0.7], device=DEVICE)
+    fn = lambda a, b, x: (torch.hypot(a, b), torch.atan2(a, b), torch.acosh(x), x.pow(2.5), x.pow(torch.full_like(x, 3.0)),  # noqa: E731
+                          x.pow(-1.5), torch.tanh(x), torch.asinh(x), torch.atanh(x.clamp(-0.9, 0.9)), torch.round(x),
+                          torch.erfc(x))
+    torch._dynamo.reset()
+    for k, (g, e) in enumerate(zip(torch.compile(fn, backend="commfuse")(a, b, x), fn(a, b, x))):
+        torch.testing.assert_close(g, e, rtol=4e-6, atol=0, equal_nan=True, msg=lambda m: f"output {k}: {m}")
+        assert torch.equal(g.signbit() | g.isnan(), e.signbit() | e.isnan()), (k, g, e)  # zeros' signs; any NaN's
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_tanh_expm1_sinh_atanh_keep_relative_precision_near_zero(dtype):
     """Gemma-2's final logit softcapping, 30 * tanh(logits / 30), takes tanh of small values: its

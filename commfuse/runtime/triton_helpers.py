@@ -98,13 +98,17 @@ def round_half_even(x):
     r = tl.floor(x + 0.5)
     half = (r - x) == 0.5
     odd = (r - 2.0 * tl.floor(r * 0.5)) != 0
-    return tl.where(half & odd, r - 1.0, r)
+    r = tl.where(half & odd, r - 1.0, r)
+    r = tl.where(r == 0, x * 0.0, r)  # -0.5 rounds to -0.0
+    # from 2**23 (2**52) every value is whole, and x + 0.5 would round up to the next even one
+    whole = 4503599627370496.0 if x.dtype == tl.float64 else 8388608.0
+    return tl.where(tl.abs(x) >= whole, x, r)
 
 
 @triton.jit
 def tanh(x):  # -expm1(-2|x|) / (2 + expm1(-2|x|)): 1 - e^-2|x| would cancel digits for small |x|
     e = expm1(-2.0 * tl.abs(x))
-    return tl.where(x < 0, e / (2.0 + e), -e / (2.0 + e))
+    return tl.where(signbit(x), e / (2.0 + e), -e / (2.0 + e))
 
 
 @triton.jit
@@ -137,9 +141,10 @@ def atan(x):
 
 @triton.jit
 def atan2(y, x):
-    pi = 3.141592653589793
-    base = atan(y / tl.where(x == 0, 1.0, x))
-    r = tl.where(x > 0, base, tl.where(y >= 0, base + pi, base - pi))
+    pi, inf = 3.141592653589793, float("inf")
+    both_inf = (tl.abs(x) == inf) & (tl.abs(y) == inf)  # not atan(inf / inf)
+    base = tl.where(both_inf, tl.where((y > 0) == (x > 0), pi / 4, -pi / 4), atan(y / tl.where(x == 0, 1.0, x)))
+    r = tl.where(x > 0, base, tl.where(signbit(y), base - pi, base + pi))
     r = tl.where(x == 0, tl.where(y > 0, pi / 2, tl.where(y < 0, -pi / 2, 0.0)), r)
     return tl.where((x == 0) & (y == 0), tl.where(signbit(x), tl.where(signbit(y), -pi, pi), y), r)
 
@@ -171,23 +176,25 @@ def cosh(x):  # e^(|x|/2) squared: e^|x| would overflow where cosh does not
 def asinh(x):  # log1p(a + a² / (1 + sqrt(1 + a²))): log(a + sqrt(a² + 1)) loses digits for small a
     a = tl.abs(x)
     r = tl.where(a > 1e9, tl.log(a) + 0.6931471805599453, log1p(a + a * a / (1.0 + tl.sqrt(1.0 + a * a))))
-    return tl.where(x < 0, -r, r)
+    return tl.where(signbit(x), -r, r)
 
 
 @triton.jit
 def acosh(x):  # log1p(t + sqrt(t (t + 2))) with t = x - 1: x² - 1 cancels near 1
     t = x - 1.0
-    return tl.where(x > 1e9, tl.log(x) + 0.6931471805599453, log1p(t + tl.sqrt(t * (t + 2.0))))
+    r = tl.where(x > 1e9, tl.log(x) + 0.6931471805599453, log1p(t + tl.sqrt(t * (t + 2.0))))
+    return tl.where(x < 1.0, float("nan"), r)  # (t (t + 2) overflows to inf for x below -1e19)
 
 
 @triton.jit
 def atanh(x):
     r = 0.5 * log1p(2.0 * tl.abs(x) / (1.0 - tl.abs(x)))  # log((1 + x) / (1 - x)) cancels digits for small |x|
-    return tl.where(x < 0, -r, r)
+    return tl.where(signbit(x), -r, r)
 
 
 @triton.jit
 def erfc(x):  # exp(-x²) times a Chebyshev fit (Numerical Recipes' erfcc): relative error < 1.2e-7
+    x = tl.where(tl.abs(x) > 10.5, tl.where(x > 0, 10.5, -10.5), x)  # erfc(10.5) rounds to 0 in fp32; no inf - inf
     t = 1.0 / (1.0 + 0.5 * tl.abs(x))
     p = -1.26551223 + t * (1.00002368 + t * (0.37409196 + t * (0.09678418 + t * (-0.18628806 + t * (
         0.27886807 + t * (-1.13520398 + t * (1.48851587 + t * (-0.82215223 + t * 0.17087277))))))))
@@ -205,13 +212,25 @@ def signbit(x):  # -0.0 too; fp16 / bf16 values are held as fp32
 
 @triton.jit
 def pow_float(a, b):
-    """a ** b with torch's special cases: negative bases with integral exponents, zeros, ones."""
+    """a ** b with C's special cases: negative bases (-0.0 and -inf too) with integral exponents,
+    zeros, ones, infinite exponents."""
     mag = tl.exp2(b * tl.log2(tl.abs(a)))
     b_int = tl.floor(b) == b
-    odd = b_int & ((b - 2.0 * tl.floor(b * 0.5)) != 0)
-    r = tl.where(a < 0, tl.where(b_int, tl.where(odd, -mag, mag), float("nan")), mag)
+    odd = tl.abs(b - 2.0 * tl.floor(b * 0.5)) == 1.0  # (an infinite b is even)
+    neg = signbit(a)
+    r = tl.where(neg & odd, -mag, mag)
+    r = tl.where(neg & ~b_int & (a != 0) & (a != float("-inf")), float("nan"), r)
     r = tl.where(b == 0, 1.0, r)
-    return tl.where(a == 1, 1.0, r)
+    return tl.where((a == 1) | ((a == -1) & (tl.abs(b) == float("inf"))), 1.0, r)
+
+
+@triton.jit
+def hypot(a, b):  # scaled by the larger: a² + b² overflows (1e20) or underflows (1e-25) in fp32
+    x, y = tl.abs(a), tl.abs(b)
+    big, small = tl.where(x > y, x, y), tl.where(x > y, y, x)
+    q = small / tl.where(big == 0, 1.0, big)
+    r = tl.where((a != a) | (b != b), float("nan"), big * tl.sqrt(1.0 + q * q))
+    return tl.where((x == float("inf")) | (y == float("inf")), float("inf"), r)  # inf beside nan too
 
 
 # On a GPU, CUDA's libdevice (within an ulp or two, fp32 and fp64) replaces the portable forms
@@ -249,6 +268,10 @@ if not interpreting():
     @triton.jit
     def cosh(x):  # noqa: F811
         return libdevice.cosh(x)
+
+    @triton.jit
+    def hypot(a, b):  # noqa: F811
+        return libdevice.hypot(a, b)
 
 
 # Programmatic dependent launch (choices.dependent_launch): a kernel launched with `launch_pdl`
