@@ -171,7 +171,8 @@ class TritonOps:
 
     def floordiv(self, a, b):
         self._nonzero_divisor(a, b)
-        return self._bin("triton_helpers.div_floor({a}, {b})", a, b)
+        floating = any(isinstance(v, Var) and v.dtype.is_floating_point for v in (a, b))
+        return self._bin(f"triton_helpers.div_floor{'_float' if floating else ''}({{a}}, {{b}})", a, b)
 
     def truncdiv(self, a, b):
         self._nonzero_divisor(a, b)

@@ -121,11 +121,10 @@ def div_mode(a, b, rounding_mode=None):
     if rounding_mode is None:
         return div(a, b)
     compute, result = promote([a, b])
-    if compute.is_floating_point:
-        f = (lambda x, y: ops.floor(ops.truediv(x, y))) if rounding_mode == "floor" else \
-            (lambda x, y: ops.trunc(ops.truediv(x, y)))
+    if rounding_mode == "floor":
+        f = lambda x, y: ops.floordiv(x, y)  # noqa: E731
     else:
-        f = (lambda x, y: ops.floordiv(x, y)) if rounding_mode == "floor" else \
+        f = (lambda x, y: ops.trunc(ops.truediv(x, y))) if compute.is_floating_point else \
             (lambda x, y: ops.truncdiv(x, y))
     return make_pointwise(f, [a, b])
 

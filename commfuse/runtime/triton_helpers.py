@@ -83,6 +83,19 @@ def div_floor(a, b):
 
 
 @triton.jit
+def div_floor_float(a, b):
+    """Python's float floor division, from the exact remainder: floor(a / b) floors a rounded
+    quotient (3.0 // 0.3 gave 10, for 9)."""
+    mod = a % b
+    q = (a - mod) / b
+    q = tl.where((mod != 0) & ((b < 0) != (mod < 0)), q - 1.0, q)
+    f = tl.floor(q)
+    f = tl.where(q - f > 0.5, f + 1.0, f)  # q is a whole number; its division may fall just under it
+    f = tl.where(q == 0, (a / b) * 0.0, f)  # |a| < |b|: zero, signed as a / b
+    return tl.where(b == 0, a / b, f)
+
+
+@triton.jit
 def remainder(a, b):  # Python's %, of integers or floats (Triton's % truncates, as C's fmod)
     r = a % b
     return tl.where((r != 0) & ((r < 0) != (b < 0)), r + b, r)
