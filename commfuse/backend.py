@@ -56,6 +56,7 @@ def commfuse_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | N
     elif mode not in (None, "default"):  # a typo, as Inductor refuses one
         raise ValueError(f"commfuse: unknown mode={mode!r}; commfuse takes 'default' and 'reduce-overhead' "
                          "(CUDA graphs), and compiles Inductor's 'max-autotune' modes with its defaults")
+    options = _from_inductor(options)
     config.check_names(options)
     announce()
     settings = {**config.snapshot(), **options}
@@ -232,6 +233,28 @@ def _compile(gm, example_inputs, graph_id, kind="inference", donated=frozenset()
                               "ir_post_fusion.txt": gen.post_fusion,
                               "output_code.py": gen.source}, compiled.summary)
     return compiled
+
+
+# Inductor's option of the same meaning, for a program written for Inductor
+_INDUCTOR_NAMES = {"triton.cudagraphs": "cuda_graphs"}
+
+
+def _from_inductor(options: dict) -> dict:
+    """Options with Inductor's names (`options={"triton.cudagraphs": True}`, `{"max_autotune": True}`)
+    as commfuse's: the one of the same meaning renamed, Inductor's others (its tuning, padding,
+    tracing) left out with a warning, as mode="max-autotune" is. A name neither has raises."""
+    ours = config.snapshot()
+    inductor = {k: v for k, v in options.items() if k not in ours and (k in _INDUCTOR_NAMES or _is_inductor_option(k))}
+    ignored = sorted(k for k in inductor if k not in _INDUCTOR_NAMES or _INDUCTOR_NAMES[k] in options)
+    if ignored:
+        log.warning("commfuse: Inductor's option(s) %s have no commfuse meaning and are ignored (docs/config.md)", ignored)
+    return {**{k: v for k, v in options.items() if k not in inductor},
+            **{_INDUCTOR_NAMES[k]: v for k, v in inductor.items() if k not in ignored}}
+
+
+def _is_inductor_option(name: str) -> bool:
+    import torch._inductor.config as inductor_config
+    return name in inductor_config.get_config_copy()
 
 
 def _rewrite_collectives(gm) -> int:

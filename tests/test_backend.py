@@ -35,6 +35,19 @@ def test_unknown_option_is_a_clear_error():
         fn(torch.ones(3, device=DEVICE))
 
 
+def test_inductors_option_names_compile_as_a_program_for_inductor_passes_them(caplog):
+    """`triton.cudagraphs` is our `cuda_graphs`; Inductor's tuning options mean nothing here and
+    are dropped with a warning (they raised "unknown commfuse option")."""
+    from commfuse.backend import _from_inductor
+    assert _from_inductor({"triton.cudagraphs": True, "max_fusion_size": 4}) == {"cuda_graphs": True, "max_fusion_size": 4}
+    with caplog.at_level("WARNING", logger="commfuse"):
+        assert _from_inductor({"max_autotune": True, "epilogue_fusion": False}) == {}
+    assert "['epilogue_fusion', 'max_autotune']" in caplog.text
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x: x + 1, backend="commfuse", options={"max_autotune": True, "shape_padding": True})
+    torch.testing.assert_close(fn(torch.ones(3, device=DEVICE)), torch.full((3,), 2.0, device=DEVICE))
+
+
 @pytest.mark.parametrize("option, value, error", [
     ("max_fusion_size", "lots", "max_fusion_size='lots': expected int"),
     ("cuda_graphs", 1, "cuda_graphs=1: expected bool"),
