@@ -201,6 +201,20 @@ def _stops_calling(rank, world, out):
     return dict(first, again=again)
 
 
+def _other_shape_on_rank1(rank, world, out):
+    fn = _all_reduce_fn({"comm.barrier_timeout_s": 2})
+    fn(torch.randn(32))
+    return _failing_call(fn, torch.randn(48 if rank == 1 else 32))  # rank 1 recompiles: its collective is c10d's
+
+
+@cpu_pools
+def test_other_shapes_on_one_rank_at_a_later_call_are_named_as_a_cause():
+    """Rank 1 passes other shapes at its second call: eager's gloo fails at once; rank 0's comm
+    kernel waits its timeout for rank 1, and its error said only that rank 1 did not arrive."""
+    r0, _ = _run(_other_shape_on_rank1)
+    _assert_peer_error(r0, "rank 1", "did not arrive", "other input shapes or dtypes", "comm.barrier_timeout_s=2 s")
+
+
 @cpu_pools
 def test_live_rank_that_stops_calling():
     r0, _ = _run(_stops_calling)

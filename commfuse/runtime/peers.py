@@ -93,7 +93,9 @@ def describe(rank: int, ranks: list, headers, group: str, global_rank) -> str:
         elif h[H_FAIL]:
             parts.append(f"{name} gave up waiting for rank(s) {missing_ranks(h, global_rank)}")
         else:
-            parts.append(f"{name} did not arrive")
+            parts.append(f"{name} did not arrive (still in other work: a long host step, code on that rank only, or "
+                         "a graph it compiled for other input shapes or dtypes than this rank's: compare what each "
+                         "rank passes to the compiled function)")
     return "; ".join(parts) or f"rank {global_rank(rank)} gave up"
 
 

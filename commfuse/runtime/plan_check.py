@@ -198,7 +198,7 @@ def check_plans_agree(graph_id: str, pools: dict, buffers: list, groups: dict, p
             counts = ", ".join(f"{len(p)} on rank {r}" for r, p in zip(plans, programs))
             raise PlansSplit(
                 f"commfuse: the ranks of group {group_name} cut their graphs in different places (collectives in "
-                f"graph {graph_id} and its peers': {counts}; the same ones in the same order): a graph break "
+                f"graph {graph_id} and its peers': {counts}; the fewer are the first of the most, in order): a graph break "
                 "on some ranks only, such as a print or log under `if rank == 0`. Their collectives on this "
                 "group run through c10d from now on, which meets in order whatever the graphs; move the "
                 "rank-dependent code out of the compiled function to keep commfuse's comm kernels", group_name, True)
