@@ -158,7 +158,7 @@ class TritonOps:
     def sub(self, a, b): return self._bin("{a} - {b}", a, b)
     def mul(self, a, b): return self._bin("{a} & {b}" if _promote(a, b) == torch.bool else "{a} * {b}", a, b)
     def truediv(self, a, b): return self._bin("{a} / {b}", a, b)
-    def neg(self, a): return self._op(f"-{a}", a.dtype)
+    def neg(self, a): return self._op(f"({a} * -1.0)" if a.dtype.is_floating_point else f"-{a}", a.dtype)  # (triton_helpers: NEGATE)
     def abs(self, a): return self._op(f"tl.abs({a})", a.dtype) if a.dtype != torch.bool else a
     def square(self, a): return self.mul(a, a)
 
@@ -218,7 +218,7 @@ class TritonOps:
         return self._op(f"(({a} > 0).to({triton_dtype(compute_dtype(a.dtype))}) - ({a} < 0).to({triton_dtype(compute_dtype(a.dtype))}))", a.dtype)
 
     def copysign(self, a, b):
-        return self._bin("tl.where(triton_helpers.signbit({b}), -tl.abs({a}), tl.abs({a}))", a, b)
+        return self._bin("tl.where(triton_helpers.signbit({b}), tl.abs({a}) * -1.0, tl.abs({a}))", a, b)
 
     def signbit(self, a):
         if not a.dtype.is_floating_point:

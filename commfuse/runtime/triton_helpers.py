@@ -9,6 +9,8 @@ import triton.language as tl
 from .interpret import interpreting
 
 
+# NEGATE: a float is negated as x * -1.0 where x may be +0.0: the Triton of torch 2.11's wheels
+# (3.6) compiles -x as 0 - x, which is +0.0 there, where eager's -x is -0.0.
 @triton.jit
 def max_nan(a, b):
     return tl.where((a > b) | (a != a), a, b)
@@ -108,20 +110,17 @@ def trunc(x):
 
 @triton.jit
 def round_half_even(x):
-    r = tl.floor(x + 0.5)
-    half = (r - x) == 0.5
-    odd = (r - 2.0 * tl.floor(r * 0.5)) != 0
-    r = tl.where(half & odd, r - 1.0, r)
-    r = tl.where(r == 0, x * 0.0, r)  # -0.5 rounds to -0.0
-    # from 2**23 (2**52) every value is whole, and x + 0.5 would round up to the next even one
-    whole = 4503599627370496.0 if x.dtype == tl.float64 else 8388608.0
-    return tl.where(tl.abs(x) >= whole, x, r)
+    f = tl.floor(x)
+    d = x - f  # exact: (floor(x + 0.5) rounded x + 0.5 up to the next even value from 2**23)
+    even = (f - 2.0 * tl.floor(f * 0.5)) == 0
+    r = tl.where((d > 0.5) | ((d == 0.5) & ~even), f + 1.0, f)
+    return tl.where(r == 0, x * 0.0, r)  # -0.5 rounds to -0.0
 
 
 @triton.jit
 def tanh(x):  # -expm1(-2|x|) / (2 + expm1(-2|x|)): 1 - e^-2|x| would cancel digits for small |x|
     e = expm1(-2.0 * tl.abs(x))
-    return tl.where(signbit(x), e / (2.0 + e), -e / (2.0 + e))
+    return tl.where(negative(x), e / (2.0 + e), -e / (2.0 + e))
 
 
 @triton.jit
@@ -149,7 +148,7 @@ def atan(x):
     p = (((8.05374449538e-2 * zz - 1.38776856032e-1) * zz + 1.99777106478e-1) * zz
          - 3.33329491539e-1) * zz * z + z
     r = y0 + p
-    return tl.where(signbit(x), -r, r)  # atan(-0.0) is -0.0
+    return tl.where(negative(x), r * -1.0, r)  # atan(-0.0) is -0.0 (see NEGATE)
 
 
 @triton.jit
@@ -157,9 +156,9 @@ def atan2(y, x):
     pi, inf = 3.141592653589793, float("inf")
     both_inf = (tl.abs(x) == inf) & (tl.abs(y) == inf)  # not atan(inf / inf)
     base = tl.where(both_inf, tl.where((y > 0) == (x > 0), pi / 4, -pi / 4), atan(y / tl.where(x == 0, 1.0, x)))
-    r = tl.where(x > 0, base, tl.where(signbit(y), base - pi, base + pi))
+    r = tl.where(x > 0, base, tl.where(negative(y), base - pi, base + pi))
     r = tl.where(x == 0, tl.where(y > 0, pi / 2, tl.where(y < 0, -pi / 2, 0.0)), r)
-    return tl.where((x == 0) & (y == 0), tl.where(signbit(x), tl.where(signbit(y), -pi, pi), y), r)
+    return tl.where((x == 0) & (y == 0), tl.where(negative(x), tl.where(negative(y), -pi, pi), y), r)
 
 
 @triton.jit
@@ -189,7 +188,7 @@ def cosh(x):  # e^(|x|/2) squared: e^|x| would overflow where cosh does not
 def asinh(x):  # log1p(a + a² / (1 + sqrt(1 + a²))): log(a + sqrt(a² + 1)) loses digits for small a
     a = tl.abs(x)
     r = tl.where(a > 1e9, tl.log(a) + 0.6931471805599453, log1p(a + a * a / (1.0 + tl.sqrt(1.0 + a * a))))
-    return tl.where(signbit(x), -r, r)
+    return tl.where(negative(x), r * -1.0, r)
 
 
 @triton.jit
@@ -202,7 +201,7 @@ def acosh(x):  # log1p(t + sqrt(t (t + 2))) with t = x - 1: x² - 1 cancels near
 @triton.jit
 def atanh(x):
     r = 0.5 * log1p(2.0 * tl.abs(x) / (1.0 - tl.abs(x)))  # log((1 + x) / (1 - x)) cancels digits for small |x|
-    return tl.where(signbit(x), -r, r)
+    return tl.where(negative(x), r * -1.0, r)
 
 
 @triton.jit
@@ -224,14 +223,21 @@ def signbit(x):  # -0.0 too; fp16 / bf16 values are held as fp32
 
 
 @triton.jit
+def negative(x):  # x < 0, or -0.0: signbit for the helpers here, where a NaN's sign does not matter.
+    # Through fp32, whose conversion keeps the sign: under Triton 3.6, signbit's branch on x.dtype,
+    # called from another helper, compiled its fp32 bitcast for an fp64 x
+    return x.to(tl.float32).to(tl.int32, bitcast=True) < 0
+
+
+@triton.jit
 def pow_float(a, b):
     """a ** b with C's special cases: negative bases (-0.0 and -inf too) with integral exponents,
     zeros, ones, infinite exponents."""
     mag = tl.exp2(b * tl.log2(tl.abs(a)))
     b_int = tl.floor(b) == b
     odd = tl.abs(b - 2.0 * tl.floor(b * 0.5)) == 1.0  # (an infinite b is even)
-    neg = signbit(a)
-    r = tl.where(neg & odd, -mag, mag)
+    neg = negative(a)
+    r = tl.where(neg & odd, mag * -1.0, mag)
     r = tl.where(neg & ~b_int & (a != 0) & (a != float("-inf")), float("nan"), r)
     r = tl.where(b == 0, 1.0, r)
     return tl.where((a == 1) | ((a == -1) & (tl.abs(b) == float("inf"))), 1.0, r)
@@ -285,6 +291,10 @@ if not interpreting():
     @triton.jit
     def hypot(a, b):  # noqa: F811
         return libdevice.hypot(a, b)
+
+    @triton.jit
+    def pow_float(a, b):  # noqa: F811  (exp2(b log2|a|) is 2 ulps off at 3 ** 3)
+        return libdevice.pow(a, b)
 
 
 # Programmatic dependent launch (choices.dependent_launch): a kernel launched with `launch_pdl`
