@@ -111,7 +111,7 @@ def trunc(x):
 @triton.jit
 def round_half_even(x):
     f = tl.floor(x)
-    d = x - f  # exact: (floor(x + 0.5) rounded x + 0.5 up to the next even value from 2**23)
+    d = x - f  # exact, where floor(x + 0.5) rounded x + 0.5 first (8388609 became 8388610)
     even = (f - 2.0 * tl.floor(f * 0.5)) == 0
     r = tl.where((d > 0.5) | ((d == 0.5) & ~even), f + 1.0, f)
     return tl.where(r == 0, x * 0.0, r)  # -0.5 rounds to -0.0
