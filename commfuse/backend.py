@@ -243,18 +243,14 @@ def _from_inductor(options: dict) -> dict:
     """Options with Inductor's names (`options={"triton.cudagraphs": True}`, `{"max_autotune": True}`)
     as commfuse's: the one of the same meaning renamed, Inductor's others (its tuning, padding,
     tracing) left out with a warning, as mode="max-autotune" is. A name neither has raises."""
-    ours = config.snapshot()
-    inductor = {k: v for k, v in options.items() if k not in ours and (k in _INDUCTOR_NAMES or _is_inductor_option(k))}
+    import torch._inductor.config as inductor_config
+    ours, theirs = config.snapshot(), inductor_config.get_config_copy()
+    inductor = {k: v for k, v in options.items() if k not in ours and (k in _INDUCTOR_NAMES or k in theirs)}
     ignored = sorted(k for k in inductor if k not in _INDUCTOR_NAMES or _INDUCTOR_NAMES[k] in options)
     if ignored:
         log.warning("commfuse: Inductor's option(s) %s have no commfuse meaning and are ignored (docs/config.md)", ignored)
     return {**{k: v for k, v in options.items() if k not in inductor},
             **{_INDUCTOR_NAMES[k]: v for k, v in inductor.items() if k not in ignored}}
-
-
-def _is_inductor_option(name: str) -> bool:
-    import torch._inductor.config as inductor_config
-    return name in inductor_config.get_config_copy()
 
 
 def _rewrite_collectives(gm) -> int:
