@@ -1,20 +1,26 @@
 """torchtitan as a client: its Llama 3 debug model, built and parallelized by torchtitan's own code
 (model_registry, update_from_config, ParallelDims, parallelize_llama: Module.parallelize for
 TP + sequence parallel, apply_compile per TransformerBlock with compile_config.backend,
-apply_fsdp_to_decoder; its ChunkedLossWrapper loss, vocab-parallel under TP; its AdamW container),
+apply_fsdp_to_decoder; pipeline_llm's stages and schedule under PP; apply_cp_to_forward under CP;
+its ChunkedLossWrapper loss, vocab-parallel under TP; its AdamW container),
 trained for a few steps next to an eager copy (same seed, same init, same data). Prints each
 step's losses, their largest difference, and the compile time (the first step minus an eager one).
 
 Install (torchtitan pins torch nightlies and needs Python >= 3.11; its import deps, without theirs):
     pip install --no-deps torchtitan==0.3.0 spmd_types==0.2.3 tyro einops torchdata safetensors \
         tokenizers torch_checkpointing docstring_parser typeguard rich shtab typing_extensions
-Run (2 ranks: tp or fsdp; 4 ranks: 2d, dp_shard 2 x tp 2):
+Run (2 ranks: tp, fsdp, pp or cp; 4 ranks: 2d, dp_shard 2 x tp 2, and pp_tp, pp_fsdp):
     torchrun --standalone --nproc-per-node 2 bench/torchtitan_llama.py --parallel tp --backend commfuse --steps 3
 
 Activation checkpointing is the Trainer's default, per-op SAC (--ac selective; full or none). With
 torch 2.13, TP with it fails under Inductor and aot_eager in AOTAutograd's runtime ("expected all
 tensors_saved_with_vc_check to be Tensors"); commfuse puts the saved values back in the order the
 runtime reads them (commfuse/passes/saved_order.py) and trains.
+
+Pipeline schedules that split the backward (ZBVZeroBubble, DualPipeV) keep the autograd graph
+between its halves, which AOTAutograd refuses for any backend while its buffers are donated: set
+torch._functorch.config.donated_buffer = False for them (and --ac none: per-op SAC refuses a
+second backward in eager too). CP runs on GPUs only: CPU SDPA has no DTensor sharding rule.
 
 On CPU (the default) only torchtitan's CPU limits are set here: its device type (it picks "cuda"
 with no accelerator) and FSDP's sum reduction (gloo has no PREMUL_SUM). With --gpu each rank runs
@@ -40,6 +46,11 @@ def cpu_torchtitan():
     tools.device_module = dist_utils.device_module = torch.cpu
 
 
+# each --parallel: its ranks, and the degrees it sets (the other ranks shard data, FSDP2)
+MESHES = {"tp": (2, {"tp": 2}), "fsdp": (2, {}), "cp": (2, {"cp": 2}), "pp": (2, {"pp": 2}),
+          "2d": (4, {"tp": 2}), "pp_tp": (4, {"pp": 2, "tp": 2}), "pp_fsdp": (4, {"pp": 2})}
+
+
 def build(args, backend, world, device):
     """The debug model, parallelized and initialized as torchtitan's Trainer does (no PP)."""
     import dataclasses
@@ -55,9 +66,10 @@ def build(args, backend, world, device):
     if args.attn == "sdpa":  # 0.3.0 builds language models with flex or varlen only; SDPA is causal
         for layer in spec.model.layers:
             layer.attention.inner_attention = ScaledDotProductAttention.Config()
-    tp = {"tp": world, "fsdp": 1, "2d": 2}[args.parallel]
-    parallelism = ParallelismConfig(tensor_parallel_degree=tp, data_parallel_shard_degree=world // tp,
-                                    spmd_backend=args.spmd_backend)
+    tp, cp, pp = (MESHES[args.parallel][1].get(dim, 1) for dim in ("tp", "cp", "pp"))
+    parallelism = ParallelismConfig(tensor_parallel_degree=tp, context_parallel_degree=cp, pipeline_parallel_degree=pp,
+                                    pipeline_parallel_schedule=args.pp_schedule,
+                                    data_parallel_shard_degree=world // tp // cp // pp, spmd_backend=args.spmd_backend)
     training = TrainingConfig(local_batch_size=args.batch, seq_len=args.seq, mixed_precision_param=args.param_dtype)
     compile_config = CompileConfig(enable=backend != "eager", backend=backend, components=args.compile.split(","),
                                    enable_async_tensor_parallel=args.async_tp and backend != "eager")
@@ -68,27 +80,34 @@ def build(args, backend, world, device):
     set_llama3_sharding_config(spec.model, enable_sp=parallelism.enable_sequence_parallel)
     dist_utils.set_spmd_backend(parallelism.spmd_backend)
     dims = ParallelDims.from_config(parallelism, world)
-    model = parallelized(spec, dims, device, training=training, parallelism=parallelism,
-                         compile_config=compile_config, ac_config=ac_config(args.ac))
     # llama3_debugmodel()'s loss and optimizer
     loss_fn = ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size=spec.model.vocab_size)).build(
         compile_config=compile_config)
-    if hasattr(loss_fn, "set_lm_head"):
-        loss_fn.set_lm_head(model.lm_head)
-        model._skip_lm_head = True
-    optim = default_adamw(lr=8e-4).build(model_parts=[model])
+    parallelize = dict(training=training, parallelism=parallelism, compile_config=compile_config,
+                       ac_config=ac_config(args.ac))
+    if dims.pp_enabled:  # the Trainer's pipelining_fn: this rank's stages, parallelized and compiled
+        parts, schedule, last = pipelined(spec, dims, device, loss_fn, **parallelize)
+    else:
+        parts, schedule, last = [parallelized(spec, dims, device, **parallelize)], None, True
+    if hasattr(loss_fn, "set_lm_head") and last:
+        loss_fn.set_lm_head(parts[-1].lm_head)
+        parts[-1]._skip_lm_head = True
+    optim = default_adamw(lr=8e-4).build(model_parts=parts)
     ctx = dist_utils.get_spmd_context(parallel_dims=dims)
-    return model, loss_fn, optim, ctx, dims
+    return parts[0], loss_fn, optim, ctx, dims, schedule
 
 
 def parallelized(spec, dims, device, **parallelize):
     """spec's model built on the meta device, parallelized by its own parallelize_fn, then
     materialized on `device` and initialized, as torchtitan's Trainer does."""
-    from torch.distributed.fsdp import FSDPModule
     dims.build_mesh()
     with torch.device("meta"):
         model = spec.model.build()
-    model = spec.parallelize_fn(model, parallel_dims=dims, dump_folder="/tmp", **parallelize)
+    return materialized(spec.parallelize_fn(model, parallel_dims=dims, dump_folder="/tmp", **parallelize), device)
+
+
+def materialized(model, device):
+    from torch.distributed.fsdp import FSDPModule
     for m in model.modules():
         if isinstance(m, FSDPModule) and device.type == "cpu":  # gloo lacks PREMUL_SUM (FSDP's mean over ranks)
             m.set_force_sum_reduction_for_comms(True)
@@ -98,6 +117,18 @@ def parallelized(spec, dims, device, **parallelize):
         model.init_weights(buffer_device=None)
     model.train()
     return model
+
+
+def pipelined(spec, dims, device, loss_fn, **parallelize):
+    """The Trainer's PP path: spec's pipelining_fn splits the meta model into this rank's stages
+    (one under 1F1B, torchtitan's default schedule; two under the looped ones) and parallelizes them."""
+    dims.build_mesh()
+    with torch.device("meta"):
+        model = spec.model.build()
+    schedule, parts, _, last = spec.pipelining_fn(
+        model, parallel_dims=dims, dump_folder="/tmp", device=device, model_config=spec.model,
+        parallelize_fn=spec.parallelize_fn, loss_fn=loss_fn, **parallelize)
+    return [materialized(part, device) for part in parts], schedule, last
 
 
 def ac_config(name: str):
@@ -113,7 +144,7 @@ def batches(args, dims, steps, vocab=2048):
 
 
 def train(args, backend, world, device):
-    model, loss_fn, optim, ctx, dims = build(args, backend, world, device)
+    model, loss_fn, optim, ctx, dims, schedule = build(args, backend, world, device)
     losses, times = [], []
     for tokens in batches(args, dims, args.steps):
         inputs, labels = tokens[:, :-1].to(device), tokens[:, 1:].to(device)
@@ -123,10 +154,22 @@ def train(args, backend, world, device):
         extra = {"positions": torch.arange(args.seq, device=device).expand(args.batch, -1)}
         if args.attn == "flex":
             extra["attention_masks"] = model.get_attention_masks(positions=extra["positions"])
+        if dims.cp_enabled:  # each rank its share of the sequence, by torchtitan's load balancer
+            from torchtitan.distributed.context_parallel import prepare_context_parallel_input
+            inputs, labels, extra = prepare_context_parallel_input(inputs, labels, extra, dims.get_mesh("cp"), device)
+        n_tokens = torch.tensor(labels.numel(), device=device)
         with ctx():
-            pred = model(inputs, **extra)
-            loss, _ = loss_fn(pred, labels, torch.tensor(labels.numel()), positions=extra["positions"])
-            loss.backward()
+            if schedule is None:
+                pred = model(inputs, **extra)
+                loss, _ = loss_fn(pred, labels, n_tokens, positions=extra["positions"])
+                loss.backward()
+            else:  # torch's schedule splits the batch into microbatches; the last stage has the losses
+                mb_losses = []
+                schedule.step(inputs, target=labels, losses=mb_losses, return_outputs=False,
+                              loss_kwargs={"global_valid_tokens": n_tokens}, **extra)
+                local = [x.full_tensor() if hasattr(x, "full_tensor") else x for x in mb_losses]
+                loss = torch.stack(local).sum().detach() if local else torch.zeros((), device=device)
+                dist.all_reduce(loss, group=dims.get_mesh("pp").get_group())  # from the last stage
         optim.step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -141,7 +184,9 @@ def train(args, backend, world, device):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--parallel", choices=["tp", "fsdp", "2d"], default="tp")
+    p.add_argument("--parallel", choices=sorted(MESHES), default="tp",
+                   help="2 ranks: tp, fsdp, cp (context parallel, GPU only: CPU SDPA has no DTensor "
+                        "rule) or pp (pipeline, torchtitan's 1F1B); 4 ranks: 2d (FSDP 2 x TP 2), pp_tp, pp_fsdp")
     p.add_argument("--backend", default="commfuse", help="commfuse, inductor, aot_eager or eager")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--seq", type=int, default=64)
@@ -157,6 +202,8 @@ def main():
                    "(it sets torch._inductor.config._micro_pipeline_tp, which commfuse follows)")
     p.add_argument("--ac", choices=["selective", "full", "none"], default="selective",
                    help="torchtitan's activation_checkpoint (its Trainer's default: selective, per-op SAC)")
+    p.add_argument("--pp-schedule", default="1F1B", help="torchtitan's pipeline_parallel_schedule (its default; "
+                   "also GPipe, Interleaved1F1B, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV)")
     p.add_argument("--json", help="write the results here (rank 0)")
     p.add_argument("--gpu", action="store_true", help="each rank on its GPU, NCCL (default: CPU, gloo)")
     args = p.parse_args()
@@ -171,7 +218,7 @@ def main():
         dist.init_process_group("gloo")
         cpu_torchtitan()
     world, rank = dist.get_world_size(), dist.get_rank()
-    assert (world == 4) == (args.parallel == "2d"), "tp and fsdp run on 2 ranks, 2d on 4"
+    assert world == MESHES[args.parallel][0], f"--parallel {args.parallel} runs on {MESHES[args.parallel][0]} ranks"
     want, eager_s, _ = train(args, "eager", world, device)
     got, times, graphs = train(args, args.backend, world, device) if args.backend != "eager" else (want, eager_s, [])
     diff = max(abs(a - b) for a, b in zip(got, want))
