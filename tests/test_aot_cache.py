@@ -143,7 +143,7 @@ import torch, commfuse
 from commfuse import backend
 from commfuse.runtime import launch
 launch.Site.__call__ = lambda self, *args: (_ for _ in ()).throw(RuntimeError("injected"))  # after AOTAutograd stored it
-x = torch.arange(6.0)
+x = torch.arange(6.0, device="{device}")
 torch.testing.assert_close(torch.compile(lambda x: (x * 2).relu(), backend="commfuse")(x), x * 2)
 print([(s["compiled"], s["cache"]) for s in backend.summaries])
 """
@@ -157,7 +157,7 @@ def test_a_graph_whose_first_run_failed_is_compiled_again(tmp_path):
     env = dict(os.environ, COMMFUSE_CACHE_DIR=str(tmp_path), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"),
                COMMFUSE_FALLBACK_ON_ERROR="1")
     for source in ("None", "'graph'"):
-        run = subprocess.run([sys.executable, "-c", _FAILS_AT_FIRST_RUN], env=env, capture_output=True, text=True)
+        run = subprocess.run([sys.executable, "-c", _FAILS_AT_FIRST_RUN.format(device=DEVICE)], env=env, capture_output=True, text=True)
         assert run.returncode == 0 and run.stdout.split("\n")[-2] == f"[(False, {source})]", run.stderr[-2000:]
 
 

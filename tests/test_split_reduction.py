@@ -146,7 +146,7 @@ def test_variance_reads_its_input_once(tmp_path, shape, dims, offset, passes):
     readers = [k for k in kernels if re.search(r"tl\.load\(ptr_arg0_1\b", k)]
     assert len(readers) == passes and any("triton_helpers.welford" in k for k in readers), code
     if shape == (4, 16, 32, 32):  # the split's small second stage: blocks of 8 columns
-        assert re.search(r"Site\(cf_red\w*, dict\(XBLOCK=8, RBLOCK=\d+, num_warps=4\)\)", code), code
+        assert re.search(r"Site\(cf_red\w*, dict\(XBLOCK=8, RBLOCK=\d+\b", code), code
 
 
 def test_column_sum_over_stacked_rows_is_split(tmp_path):
