@@ -343,3 +343,16 @@ def test_the_imaginary_part_of_a_conjugate_is_negated(tmp_path):
     z = torch.randn(4, 3, dtype=torch.complex64, device=DEVICE)
     check(lambda z: ((z.conj().imag * 2), (z.conj().imag * z.real).sum()), z, tmp_path=tmp_path,
           externs=["aten._conj"])
+
+
+def test_a_saved_conjugate_is_not_written_over(tmp_path):
+    """A complex RoPE over one head (DeepSeek-V3's shared rotary key) saves the conjugate of its
+    gathered frequencies for the backward, a view with the conj bit set. The backward's product
+    had the same size and was written into it (a donated input): it came back conjugated, and
+    view_as_real refused it (a crash where aot_eager ran)."""
+    def rope(x, freqs, pos):
+        xc = torch.view_as_complex(x.reshape(*x.shape[:-1], -1, 2))
+        return torch.view_as_real(xc * freqs[pos].unsqueeze(2)).flatten(3)
+    freqs = torch.polar(torch.ones(32, 8, device=DEVICE), rand(32, 8))
+    pos = torch.arange(8, device=DEVICE).expand(2, 8)
+    check(rope, rand(2, 8, 1, 16), freqs, pos, tmp_path=tmp_path, externs=["aten.view_as_real"])
