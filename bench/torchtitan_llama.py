@@ -131,6 +131,25 @@ def pipelined(spec, dims, device, loss_fn, **parallelize):
     return [materialized(part, device) for part in parts], schedule, last
 
 
+def forward_backward(model, schedule, loss_fn, inputs, labels, n_tokens, extra, dims):
+    """One step's forward and backward, as the Trainer runs it: through the model and the loss, or
+    under PP through torch's schedule, which splits the batch into microbatches. Returns the loss
+    (under PP the last stage's sum over microbatches, sent to every stage)."""
+    if schedule is None:
+        pred = model(inputs, **extra)
+        loss, _ = loss_fn(pred, labels, n_tokens, positions=extra["positions"])
+        del pred
+        loss.backward()
+        return loss
+    mb_losses = []
+    schedule.step(inputs, target=labels, losses=mb_losses, return_outputs=False,
+                  loss_kwargs={"global_valid_tokens": n_tokens.to(inputs.device)}, **extra)
+    local = [x.full_tensor() if hasattr(x, "full_tensor") else x for x in mb_losses]
+    loss = torch.stack(local).sum().detach() if local else torch.zeros((), device=inputs.device)
+    dist.all_reduce(loss, group=dims.get_mesh("pp").get_group())
+    return loss
+
+
 def ac_config(name: str):
     from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
     return {"selective": SelectiveAC.Config, "full": FullAC.Config, "none": lambda: None}[name]()
@@ -157,19 +176,9 @@ def train(args, backend, world, device):
         if dims.cp_enabled:  # each rank its share of the sequence, by torchtitan's load balancer
             from torchtitan.distributed.context_parallel import prepare_context_parallel_input
             inputs, labels, extra = prepare_context_parallel_input(inputs, labels, extra, dims.get_mesh("cp"), device)
-        n_tokens = torch.tensor(labels.numel(), device=device)
         with ctx():
-            if schedule is None:
-                pred = model(inputs, **extra)
-                loss, _ = loss_fn(pred, labels, n_tokens, positions=extra["positions"])
-                loss.backward()
-            else:  # torch's schedule splits the batch into microbatches; the last stage has the losses
-                mb_losses = []
-                schedule.step(inputs, target=labels, losses=mb_losses, return_outputs=False,
-                              loss_kwargs={"global_valid_tokens": n_tokens}, **extra)
-                local = [x.full_tensor() if hasattr(x, "full_tensor") else x for x in mb_losses]
-                loss = torch.stack(local).sum().detach() if local else torch.zeros((), device=device)
-                dist.all_reduce(loss, group=dims.get_mesh("pp").get_group())  # from the last stage
+            loss = forward_backward(model, schedule, loss_fn, inputs, labels, torch.tensor(labels.numel(), device=device),
+                                    extra, dims)
         optim.step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)

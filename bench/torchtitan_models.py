@@ -16,7 +16,8 @@ aot_eager too (6% in step 0's grad norm): compare it with --backend aot_eager, n
 qwen3_5 needs fla (flash-linear-attention), not installed here.
 
 Models: see MODELS. --parallel: tp (TP 2, sequence parallel), fsdp (FSDP 2), ep (expert parallel 2
-over FSDP 2; MoE models), tp_ep (TP 2 with EP 2 borrowing the TP ranks; MoE models).
+over FSDP 2; MoE models), tp_ep (TP 2 with EP 2 borrowing the TP ranks; MoE models), pp (PP 2,
+torchtitan's pipeline_llm and its default schedule, 1F1B).
 
 Only what CPU/gloo/torch 2.13 cannot do is overridden, as in torchtitan_llama.py:
 - device type "cpu" (torchtitan picks "cuda" without an accelerator), FSDP's sum reduction (gloo
@@ -46,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from torchtitan_llama import ac_config, cpu_torchtitan, parallelized  # noqa: E402
+from torchtitan_llama import ac_config, cpu_torchtitan, forward_backward, parallelized, pipelined  # noqa: E402
 
 # name: (package under torchtitan.models, its config_registry function)
 MODELS = {
@@ -156,11 +157,11 @@ def build(args, backend, world, device):
         spec = importlib.import_module(f"torchtitan.models.{pkg}").model_registry(args.flavor)
         cfg.model_spec = spec
     args.attn_used = swap_attention(spec.model, args.attn)
-    tp, ep = {"tp": (world, 1), "fsdp": (1, 1), "ep": (1, world), "tp_ep": (world, world),
-              "2d": (2, 1)}[args.parallel]
+    tp, ep, pp = {"tp": (world, 1, 1), "fsdp": (1, 1, 1), "ep": (1, world, 1), "tp_ep": (world, world, 1),
+                  "2d": (2, 1, 1), "pp": (1, 1, 2)}[args.parallel]
     cfg.parallelism = dataclasses.replace(
-        cfg.parallelism, tensor_parallel_degree=tp, data_parallel_shard_degree=world // tp,
-        expert_parallel_degree=ep, spmd_backend=args.spmd_backend)
+        cfg.parallelism, tensor_parallel_degree=tp, data_parallel_shard_degree=world // tp // pp,
+        expert_parallel_degree=ep, pipeline_parallel_degree=pp, spmd_backend=args.spmd_backend)
     cfg.training = dataclasses.replace(cfg.training, local_batch_size=args.batch, seq_len=args.seq,
                                        mixed_precision_param=args.param_dtype, steps=args.steps)
     cfg.compile = dataclasses.replace(cfg.compile, enable=backend != "eager", backend=backend,
@@ -170,23 +171,26 @@ def build(args, backend, world, device):
     spec.model.update_from_config(config=cfg)  # as the Trainer does: sharding, RoPE length, EP
     dist_utils.set_spmd_backend(cfg.parallelism.spmd_backend)
     dims = ParallelDims.from_config(cfg.parallelism, world)
-    model = parallelized(spec, dims, device, training=cfg.training, parallelism=cfg.parallelism,
-                         compile_config=cfg.compile, ac_config=ac)
     loss_fn = cfg.loss.build(compile_config=cfg.compile)
-    if hasattr(loss_fn, "set_lm_head"):
-        loss_fn.set_lm_head(model.lm_head)
-        model._skip_lm_head = True
-    optim = cfg.optimizer.build(model_parts=[model])
+    parallelize = dict(training=cfg.training, parallelism=cfg.parallelism, compile_config=cfg.compile, ac_config=ac)
+    if dims.pp_enabled:  # the Trainer's pipelining_fn: this rank's stages, parallelized and compiled
+        parts, schedule, last = pipelined(spec, dims, device, loss_fn, **parallelize)
+    else:
+        parts, schedule, last = [parallelized(spec, dims, device, **parallelize)], None, True
+    if hasattr(loss_fn, "set_lm_head") and last:
+        loss_fn.set_lm_head(parts[-1].lm_head)
+        parts[-1]._skip_lm_head = True
+    optim = cfg.optimizer.build(model_parts=parts)
     if spec.post_optimizer_build_fn is not None:  # MoE load balancing: expert bias update
-        spec.post_optimizer_build_fn(optim, [model], dims)
+        spec.post_optimizer_build_fn(optim, parts, dims)
     sched = cfg.lr_scheduler.build(optimizers=optim, training_steps=cfg.training.steps)
     ctx = dist_utils.get_spmd_context(parallel_dims=dims)
-    return model, loss_fn, optim, sched, ctx, dims, cfg
+    return parts, schedule, loss_fn, optim, sched, ctx, dims, cfg
 
 
 def train(args, backend, world, device):
     from torchtitan.distributed import utils as dist_utils
-    model, loss_fn, optim, sched, ctx, dims, cfg = build(args, backend, world, device)
+    parts, schedule, loss_fn, optim, sched, ctx, dims, cfg = build(args, backend, world, device)
     vocab = spec_vocab(cfg)
     dp_rank = dims.get_mesh("batch").get_local_rank() if dims.dp_enabled else 0
     g = torch.Generator().manual_seed(1234 + dp_rank)
@@ -198,16 +202,14 @@ def train(args, backend, world, device):
         optim.zero_grad()
         extra = {"positions": torch.arange(args.seq, device=device).expand(args.batch, -1)}
         if args.attn_used in ("flex", "math"):
-            masks = model.get_attention_masks(positions=extra["positions"])
+            masks = parts[0].get_attention_masks(positions=extra["positions"])
             extra["attention_masks"] = dense_masks(masks) if args.attn_used == "math" else masks
         ntok = torch.tensor(labels.numel() * (dims.get_mesh("batch").size() if dims.dp_enabled else 1))
         with ctx():
-            pred = model(inputs, **extra)
-            loss, _ = loss_fn(pred, labels, ntok, positions=extra["positions"])
-            del pred
-            loss.backward()
-        norm = dist_utils.clip_grad_norm_([p for p in model.parameters()], cfg.training.max_norm,
-                                          foreach=True, ep_enabled=dims.ep_enabled)
+            loss = forward_backward(parts[0], schedule, loss_fn, inputs, labels, ntok, extra, dims)
+        norm = dist_utils.clip_grad_norm_([p for m in parts for p in m.parameters()], cfg.training.max_norm,
+                                          foreach=True, pp_mesh=dims.get_mesh("pp") if dims.pp_enabled else None,
+                                          ep_enabled=dims.ep_enabled)
         optim.step()
         sched.step()
         times.append(time.perf_counter() - t0)
@@ -228,7 +230,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--model", choices=sorted(MODELS), default="qwen3")
     p.add_argument("--flavor", help="another model_registry flavor of the same package")
-    p.add_argument("--parallel", choices=["tp", "fsdp", "ep", "tp_ep", "2d"], default="tp")
+    p.add_argument("--parallel", choices=["tp", "fsdp", "ep", "tp_ep", "2d", "pp"], default="tp")
     p.add_argument("--backend", default="commfuse", help="commfuse, inductor, aot_eager or eager")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--seq", type=int, default=64)
