@@ -85,16 +85,23 @@ def build(args, backend, world, device):
         compile_config=compile_config)
     parallelize = dict(training=training, parallelism=parallelism, compile_config=compile_config,
                        ac_config=ac_config(args.ac))
-    if dims.pp_enabled:  # the Trainer's pipelining_fn: this rank's stages, parallelized and compiled
+    parts, schedule = model_parts(spec, dims, device, loss_fn, **parallelize)
+    optim = default_adamw(lr=8e-4).build(model_parts=parts)
+    ctx = dist_utils.get_spmd_context(parallel_dims=dims)
+    return parts[0], loss_fn, optim, ctx, dims, schedule
+
+
+def model_parts(spec, dims, device, loss_fn, **parallelize):
+    """This rank's model parts (under PP its stages, by the Trainer's pipelining_fn) and the PP
+    schedule (None without PP); the last part's lm_head handed to a chunked loss, as the Trainer does."""
+    if dims.pp_enabled:
         parts, schedule, last = pipelined(spec, dims, device, loss_fn, **parallelize)
     else:
         parts, schedule, last = [parallelized(spec, dims, device, **parallelize)], None, True
     if hasattr(loss_fn, "set_lm_head") and last:
         loss_fn.set_lm_head(parts[-1].lm_head)
         parts[-1]._skip_lm_head = True
-    optim = default_adamw(lr=8e-4).build(model_parts=parts)
-    ctx = dist_utils.get_spmd_context(parallel_dims=dims)
-    return parts[0], loss_fn, optim, ctx, dims, schedule
+    return parts, schedule
 
 
 def parallelized(spec, dims, device, **parallelize):

@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from torchtitan_llama import ac_config, cpu_torchtitan, forward_backward, parallelized, pipelined  # noqa: E402
+from torchtitan_llama import ac_config, cpu_torchtitan, forward_backward, model_parts  # noqa: E402
 
 # name: (package under torchtitan.models, its config_registry function)
 MODELS = {
@@ -173,13 +173,7 @@ def build(args, backend, world, device):
     dims = ParallelDims.from_config(cfg.parallelism, world)
     loss_fn = cfg.loss.build(compile_config=cfg.compile)
     parallelize = dict(training=cfg.training, parallelism=cfg.parallelism, compile_config=cfg.compile, ac_config=ac)
-    if dims.pp_enabled:  # the Trainer's pipelining_fn: this rank's stages, parallelized and compiled
-        parts, schedule, last = pipelined(spec, dims, device, loss_fn, **parallelize)
-    else:
-        parts, schedule, last = [parallelized(spec, dims, device, **parallelize)], None, True
-    if hasattr(loss_fn, "set_lm_head") and last:
-        loss_fn.set_lm_head(parts[-1].lm_head)
-        parts[-1]._skip_lm_head = True
+    parts, schedule = model_parts(spec, dims, device, loss_fn, **parallelize)
     optim = cfg.optimizer.build(model_parts=parts)
     if spec.post_optimizer_build_fn is not None:  # MoE load balancing: expert bias update
         spec.post_optimizer_build_fn(optim, parts, dims)
