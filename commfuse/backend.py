@@ -154,8 +154,7 @@ def donated_inputs(gm: torch.fx.GraphModule, kind: str) -> set:
     ones (none where the backward is compiled at a call that keeps the graph: see
     `_donation_at_first_call`). Its indices are not trusted alone (with effect tokens torch 2.13
     counts them off by one, naming user outputs): each must name a tensor the forward's own graph
-    shows nobody else holds. A conjugate or negative view (a complex RoPE's saved `_conj`) is kept:
-    a result written into it would carry its bit, and read back conjugated."""
+    shows nobody else holds."""
     if kind == "forward":
         def vals(op):
             nodes = gm.graph.find_nodes(op=op)
@@ -170,7 +169,7 @@ def donated_inputs(gm: torch.fx.GraphModule, kind: str) -> set:
         return set()
     placeholders = [(n.name, n.meta.get("val")) for n in gm.graph.find_nodes(op="placeholder")]
     return {name for name, v in map(placeholders.__getitem__, ctx.fw_metadata.bw_donated_idxs or ())
-            if _unseen_outputs.get(id(v)) is v and not (v.is_conj() or v.is_neg())}
+            if _unseen_outputs.get(id(v)) is v}
 
 
 def _donation_at_first_call(kind: str) -> bool:

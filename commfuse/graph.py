@@ -339,14 +339,17 @@ def _restrided(val: torch.Tensor, example) -> bool:
 def _whole_storages(gm, names) -> set:
     """Those of `names` (placeholders) whose tensor is its storage, whole and dense, shared with
     no other input: overwriting or freeing it touches nothing else. (Saved activations may be
-    views of one another; the fake tensors of aliasing placeholders share their storage.)"""
+    views of one another; the fake tensors of aliasing placeholders share their storage.) Not a
+    conjugate or negative view (a complex RoPE's saved `_conj`): what is written into it keeps the
+    bit and reads back conjugated."""
     vals = {n.name: n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")}
     storages = collections.Counter(StorageWeakRef(v.untyped_storage()) for v in vals.values()
                                    if isinstance(v, torch.Tensor))
     out = set()
     for name in names:
         v = vals.get(name)
-        if not isinstance(v, torch.Tensor) or storages[StorageWeakRef(v.untyped_storage())] != 1:
+        if not isinstance(v, torch.Tensor) or storages[StorageWeakRef(v.untyped_storage())] != 1 \
+                or v.is_conj() or v.is_neg():
             continue
         if _dense(v) and statically_known_true(v.storage_offset() == 0) and \
                 statically_known_true(v.untyped_storage().nbytes() == v.numel() * v.element_size()):
