@@ -47,8 +47,8 @@ def cpu_torchtitan():
 
 
 # each --parallel: its ranks, and the degrees it sets (the other ranks shard data, FSDP2)
-MESHES = {"tp": (2, {"tp": 2}), "fsdp": (2, {}), "cp": (2, {"cp": 2}), "pp": (2, {"pp": 2}),
-          "2d": (4, {"tp": 2}), "pp_tp": (4, {"pp": 2, "tp": 2}), "pp_fsdp": (4, {"pp": 2})}
+MESHES = {"tp": (2, {"tp": 2}), "fsdp": (2, {}), "cp": (2, {"cp": 2}), "pp": (2, {"pp": 2}), "ddp": (2, {"dp": 2}),
+          "2d": (4, {"tp": 2}), "pp_tp": (4, {"pp": 2, "tp": 2}), "pp_fsdp": (4, {"pp": 2}), "hsdp": (4, {"dp": 2})}
 
 
 def build(args, backend, world, device):
@@ -66,10 +66,10 @@ def build(args, backend, world, device):
     if args.attn == "sdpa":  # 0.3.0 builds language models with flex or varlen only; SDPA is causal
         for layer in spec.model.layers:
             layer.attention.inner_attention = ScaledDotProductAttention.Config()
-    tp, cp, pp = (MESHES[args.parallel][1].get(dim, 1) for dim in ("tp", "cp", "pp"))
+    tp, cp, pp, dp = (MESHES[args.parallel][1].get(dim, 1) for dim in ("tp", "cp", "pp", "dp"))
     parallelism = ParallelismConfig(tensor_parallel_degree=tp, context_parallel_degree=cp, pipeline_parallel_degree=pp,
-                                    pipeline_parallel_schedule=args.pp_schedule,
-                                    data_parallel_shard_degree=world // tp // cp // pp, spmd_backend=args.spmd_backend)
+                                    pipeline_parallel_schedule=args.pp_schedule, data_parallel_replicate_degree=dp,
+                                    data_parallel_shard_degree=world // tp // cp // pp // dp, spmd_backend=args.spmd_backend)
     training = TrainingConfig(local_batch_size=args.batch, seq_len=args.seq, mixed_precision_param=args.param_dtype)
     compile_config = CompileConfig(enable=backend != "eager", backend=backend, components=args.compile.split(","),
                                    enable_async_tensor_parallel=args.async_tp and backend != "eager")
