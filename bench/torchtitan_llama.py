@@ -9,7 +9,8 @@ step's losses, their largest difference, and the compile time (the first step mi
 Install (torchtitan pins torch nightlies and needs Python >= 3.11; its import deps, without theirs):
     pip install --no-deps torchtitan==0.3.0 spmd_types==0.2.3 tyro einops torchdata safetensors \
         tokenizers torch_checkpointing docstring_parser typeguard rich shtab typing_extensions
-Run (2 ranks: tp, fsdp, pp or cp; 4 ranks: 2d, dp_shard 2 x tp 2, and pp_tp, pp_fsdp):
+Run (2 ranks: tp, fsdp, ddp (dp_replicate 2), pp or cp; 4 ranks: 2d (dp_shard 2 x tp 2), hsdp
+(dp_replicate 2 x dp_shard 2), pp_tp, pp_fsdp):
     torchrun --standalone --nproc-per-node 2 bench/torchtitan_llama.py --parallel tp --backend commfuse --steps 3
 
 Activation checkpointing is the Trainer's default, per-op SAC (--ac selective; full or none). With
@@ -201,8 +202,8 @@ def train(args, backend, world, device):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--parallel", choices=sorted(MESHES), default="tp",
-                   help="2 ranks: tp, fsdp, cp (context parallel, GPU only: CPU SDPA has no DTensor "
-                        "rule) or pp (pipeline, torchtitan's 1F1B); 4 ranks: 2d (FSDP 2 x TP 2), pp_tp, pp_fsdp")
+                   help="2 ranks: tp, fsdp, ddp, cp (context parallel, GPU only: CPU SDPA has no DTensor "
+                        "rule) or pp (pipeline); 4 ranks: 2d (FSDP 2 x TP 2), hsdp, pp_tp, pp_fsdp")
     p.add_argument("--backend", default="commfuse", help="commfuse, inductor, aot_eager or eager")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--seq", type=int, default=64)
