@@ -78,25 +78,67 @@ class Mod(sympy.Function):
 
 
 def _quotient(a, b):
-    """a / b where that is integer-valued without division (a a multiple of b), else None. An
-    integer b (nearly every index) divides each term's integer coefficient: no sympy polys, whose
-    cancel costs milliseconds a call on a large graph's indices."""
-    if b.is_Integer:  # (b is 0 in the indices of an empty tensor)
-        terms = [t.as_coeff_Mul() for t in sympy.Add.make_args(a)]
-        if b == 0 or not all(c.is_Integer and int(c) % int(b) == 0 for c, _ in terms):
-            return None
-        q = sympy.Add(*[(int(c) // int(b)) * m for c, m in terms])
+    """a / b where that is integer-valued without division (a a multiple of b), else None. A
+    monomial b (an integer, nearly every index; or a product of sizes) divides each term of a:
+    no sympy polys, whose cancel costs milliseconds to a tenth of a second a call on a large
+    graph's symbolic indices (minutes of a compile)."""
+    if b == 0:  # (in the indices of an empty tensor)
+        return None
+    if a == 0:
+        return sympy.Integer(0)
+    if (powers := _monomial(b)) is not None:
+        coeff, powers = powers
+        q = []
+        for t in sympy.Add.make_args(a):
+            c, m = t.as_coeff_Mul()
+            have = m.as_powers_dict()
+            if not c.is_Integer or int(c) % coeff or any(have.get(x, 0) < k for x, k in powers.items()):
+                return None
+            q.append((int(c) // coeff) * m / sympy.Mul(*(x ** k for x, k in powers.items())))
+        q = sympy.Add(*q)
+    elif _generators(b) - _generators(a) or (b.is_Add and not any(
+            f.as_base_exp()[0].is_Add for f in sympy.Mul.make_args(a))):
+        return None  # as polynomials, a lacks one of b's variables, or is a product of no sums over a sum
     else:
         q = sympy.cancel(a / b)
     return q if _is_index_like(q) else None
 
 
+def _generators(e) -> set:
+    """The variables of `e` as a polynomial, as sympy's cancel sees it: its symbols and the
+    FloorDiv / Mod terms it adds and multiplies (not what those contain)."""
+    if e.is_Number:
+        return set()
+    if e.is_Add or e.is_Mul:
+        return set().union(*map(_generators, e.args))
+    if e.is_Pow and e.exp.is_Integer and e.exp > 0:
+        return _generators(e.base)
+    return {e}
+
+
+def _monomial(b):
+    """(c, {size: power}) for b = c * the product of those powers, c a positive integer, else None."""
+    c, m = b.as_coeff_Mul()
+    powers = m.as_powers_dict() if m != 1 else {}
+    if not c.is_Integer or c <= 0 or not all(x.is_Symbol and x.is_positive and k.is_Integer and k > 0
+                                             for x, k in powers.items()):
+        return None
+    return int(c), powers
+
+
 def _common_factor(a, b):
     """A positive factor common to `b` and every term of `a` (sizes, their products), else 1."""
-    if b.is_Integer:  # the gcd of b and a's integer coefficients
-        coeffs = [t.as_coeff_Mul()[0] for t in sympy.Add.make_args(a)]
-        g = math.gcd(int(b), *map(int, coeffs)) if b > 0 and all(c.is_Integer for c in coeffs) else 1
-        return sympy.Integer(g) if g > 1 else 1
+    if b.is_Integer and b <= 0:
+        return 1
+    if (powers := _monomial(b)) is not None:  # gcds of the coefficients, least powers of b's sizes
+        coeff, powers = powers
+        terms = [t.as_coeff_Mul() for t in sympy.Add.make_args(a)]
+        if not all(c.is_Integer for c, _ in terms):
+            return 1
+        g = sympy.Integer(math.gcd(coeff, *(int(c) for c, _ in terms)))
+        for x, k in powers.items():
+            g *= x ** min([k] + [m.as_powers_dict().get(x, 0) for _, m in terms])
+        return g if g != 1 else 1
     try:
         g = sympy.gcd(a, b)
     except Exception:  # not a polynomial in its sizes (a FloorDiv's own Mod, say)
@@ -378,6 +420,8 @@ def affine_coefficients(expr: Expr, vars: Sequence[sympy.Symbol]):
     fast = _affine_terms(expr, vars)
     if fast is not None:
         return fast
+    if any(f.has(*vars) for f in expr.atoms(FloorDiv, Mod)):  # its derivative would keep them
+        return None
     coeffs = []
     for v in vars:
         c = expr.diff(v) if expr.has(v) else sympy.Integer(0)

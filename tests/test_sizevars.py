@@ -214,3 +214,33 @@ def test_division_by_an_integer_agrees_with_python():
     # an empty tensor's indices divide by its empty dim: no element has one, so 0 (a zero-size
     # reduction's output raised ZeroDivisionError at compile time, substituted at the origin)
     assert Mod(4 * xs[0], 0) == 0 and FloorDiv(4 * xs[0], 0) == 0 and FloorDiv(sympy.Integer(3), 0) == 0
+
+
+def test_division_by_a_product_of_sizes_agrees_with_sympy_and_python():
+    """A divisor that is a product of sizes (s0 * 64) divides each term of an index, as an integer
+    divisor does, without sympy's cancel and gcd (a tenth of a second a call on a large graph with
+    symbolic sizes: Funnel's dynamic recompile took minutes on a GPU). The quotient and common
+    factor equal sympy's, and FloorDiv / Mod equal Python's // and % at every point."""
+    import random
+
+    import sympy
+    from commfuse.sizevars import FloorDiv, Mod, _common_factor, _quotient, index_symbol
+    s = sympy.symbols("s0 s1", integer=True, positive=True)
+    xs = [index_symbol("x", i) for i in range(2)]
+    rng = random.Random(0)
+    sums = [s[0] + 1, s[1] - 2, FloorDiv(s[0] - 1, 2) + 1]  # divisors that are not monomials: sympy's cancel
+    monomials = [s[0], s[1], s[0] * s[1], s[0] ** 2, 1, xs[0], xs[0] * s[0], xs[1] * s[0] * s[1], *sums,
+                 xs[0] * sums[0], (sums[1] * xs[1]).expand(), sums[2] ** 2]
+    for _ in range(400):
+        a = sympy.Add(*[rng.choice([1, 2, 3, 4, 8, 64]) * rng.choice(monomials) for _ in range(rng.randrange(1, 4))])
+        b = rng.choice([1, 2, 4, 64]) * rng.choice([s[0], s[1], s[0] * s[1], s[0] ** 2, *sums])
+        want, got = sympy.cancel(a / b), _quotient(a, b)
+        gens = [*s, *xs, FloorDiv(s[0] - 1, 2)]
+        exact = want.is_polynomial(*gens) and all(c.is_Integer for c in sympy.Poly(want, *gens).coeffs())
+        assert (got is not None) == exact and (got is None or sympy.expand(got - want) == 0), (a, b, got, want)
+        g = sympy.Integer(1) * _common_factor(a, b)  # over a monomial b, sympy's gcd up to an integer
+        assert _quotient(a, g) is not None and _quotient(b, g) is not None
+        assert b.is_Add or b.func is FloorDiv or sympy.cancel(sympy.gcd(a, b) / g).is_Integer, (a, b, g)
+        point = {**{x: rng.randrange(3, 9) for x in s}, **{x: rng.randrange(0, 50) for x in xs}}
+        v, d = int(a.subs(point)), int(b.subs(point))
+        assert (int(FloorDiv(a, b).subs(point)), int(Mod(a, b).subs(point))) == (v // d, v % d), (a, b, point)
