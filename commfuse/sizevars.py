@@ -91,8 +91,8 @@ def _quotient(a, b):
         q = []
         for t in sympy.Add.make_args(a):
             c, m = t.as_coeff_Mul()
-            have = m.as_powers_dict()
-            if not c.is_Integer or int(c) % coeff or any(have.get(x, 0) < k for x, k in powers.items()):
+            if not c.is_Integer or int(c) % coeff or (powers and any(
+                    m.as_powers_dict().get(x, 0) < k for x, k in powers.items())):
                 return None
             q.append((int(c) // coeff) * m / sympy.Mul(*(x ** k for x, k in powers.items())))
         q = sympy.Add(*q)
