@@ -86,21 +86,21 @@ def _quotient(a, b):
         return None
     if a == 0:
         return sympy.Integer(0)
-    if (powers := _monomial(b)) is not None:
-        coeff, powers = powers
+    terms = [t.as_coeff_Mul() for t in sympy.Add.make_args(a)]
+    if (monomial := _monomial(b)) and not _sums_multiplied(terms, monomial):
+        coeff, powers = monomial
         q = []
-        for t in sympy.Add.make_args(a):
-            c, m = t.as_coeff_Mul()
+        for c, m in terms:
             if not c.is_Integer or int(c) % coeff or (powers and any(
                     m.as_powers_dict().get(x, 0) < k for x, k in powers.items())):
                 return None
             q.append((int(c) // coeff) * m / sympy.Mul(*(x ** k for x, k in powers.items())))
         q = sympy.Add(*q)
-    elif _generators(b) - _generators(a) or (b.is_Add and not any(
+        return q if _is_index_like(q) else None
+    if _generators(b) - _generators(a) or (b.is_Add and not any(
             f.as_base_exp()[0].is_Add for f in sympy.Mul.make_args(a))):
         return None  # as polynomials, a lacks one of b's variables, or is a product of no sums over a sum
-    else:
-        q = sympy.cancel(a / b)
+    q = sympy.cancel(a / b)
     return q if _is_index_like(q) else None
 
 
@@ -114,6 +114,12 @@ def _generators(e) -> set:
     if e.is_Pow and e.exp.is_Integer and e.exp > 0:
         return _generators(e.base)
     return {e}
+
+
+def _sums_multiplied(terms, monomial) -> bool:
+    """Is a sum a factor of a term (x * (s0 + 1)), where b has sizes? Then a may be a multiple of b
+    that its terms do not show: sympy, which expands it, decides."""
+    return bool(monomial[1]) and any(f.is_Add for _, m in terms for f in m.as_powers_dict())
 
 
 def _monomial(b):
@@ -130,9 +136,9 @@ def _common_factor(a, b):
     """A positive factor common to `b` and every term of `a` (sizes, their products), else 1."""
     if b.is_Integer and b <= 0:
         return 1
-    if (powers := _monomial(b)) is not None:  # gcds of the coefficients, least powers of b's sizes
-        coeff, powers = powers
-        terms = [t.as_coeff_Mul() for t in sympy.Add.make_args(a)]
+    terms = [t.as_coeff_Mul() for t in sympy.Add.make_args(a)]
+    if (monomial := _monomial(b)) and not _sums_multiplied(terms, monomial):
+        coeff, powers = monomial  # gcds of the coefficients, least powers of b's sizes
         if not all(c.is_Integer for c, _ in terms):
             return 1
         g = sympy.Integer(math.gcd(coeff, *(int(c) for c, _ in terms)))

@@ -244,3 +244,5 @@ def test_division_by_a_product_of_sizes_agrees_with_sympy_and_python():
         point = {**{x: rng.randrange(3, 9) for x in s}, **{x: rng.randrange(0, 50) for x in xs}}
         v, d = int(a.subs(point)), int(b.subs(point))
         assert (int(FloorDiv(a, b).subs(point)), int(Mod(a, b).subs(point))) == (v // d, v % d), (a, b, point)
+    x = xs[0]  # a product of sums hides a multiple from its terms: sympy's cancel, which expands it
+    assert _quotient((s[0] + 1) * x - x, s[0]) == x and FloorDiv((s[0] + 1) * x - x, s[0]) == x
