@@ -17,7 +17,7 @@ qwen3_5 needs fla (flash-linear-attention), not installed here.
 
 Models: see MODELS. --parallel: tp (TP 2, sequence parallel), fsdp (FSDP 2), ep (expert parallel 2
 over FSDP 2; MoE models), tp_ep (TP 2 with EP 2 borrowing the TP ranks; MoE models), pp (PP 2,
-torchtitan's pipeline_llm and its default schedule, 1F1B).
+torchtitan's pipeline_llm and its default schedule, 1F1B), pp_ep (PP 2 x EP 2, 4 ranks; MoE models).
 
 Only what CPU/gloo/torch 2.13 cannot do is overridden, as in torchtitan_llama.py:
 - device type "cpu" (torchtitan picks "cuda" without an accelerator), FSDP's sum reduction (gloo
@@ -158,7 +158,7 @@ def build(args, backend, world, device):
         cfg.model_spec = spec
     args.attn_used = swap_attention(spec.model, args.attn)
     tp, ep, pp = {"tp": (world, 1, 1), "fsdp": (1, 1, 1), "ep": (1, world, 1), "tp_ep": (world, world, 1),
-                  "2d": (2, 1, 1), "pp": (1, 1, 2)}[args.parallel]
+                  "2d": (2, 1, 1), "pp": (1, 1, 2), "pp_ep": (1, 2, 2)}[args.parallel]
     cfg.parallelism = dataclasses.replace(
         cfg.parallelism, tensor_parallel_degree=tp, data_parallel_shard_degree=world // tp // pp,
         expert_parallel_degree=ep, pipeline_parallel_degree=pp, spmd_backend=args.spmd_backend)
@@ -224,7 +224,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--model", choices=sorted(MODELS), default="qwen3")
     p.add_argument("--flavor", help="another model_registry flavor of the same package")
-    p.add_argument("--parallel", choices=["tp", "fsdp", "ep", "tp_ep", "2d", "pp"], default="tp")
+    p.add_argument("--parallel", choices=["tp", "fsdp", "ep", "tp_ep", "2d", "pp", "pp_ep"], default="tp")
     p.add_argument("--backend", default="commfuse", help="commfuse, inductor, aot_eager or eager")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--seq", type=int, default=64)
