@@ -38,6 +38,8 @@ def main() -> int:
     ap.add_argument("--top", type=int, default=20, help="functions listed per cProfile")
     ap.add_argument("--cpu", action="store_true", help="gloo ranks on CPU (checks the script)")
     ap.add_argument("--tiny", action="store_true", help="tiny dimensions")
+    ap.add_argument("--dtensor", action="store_true",
+                    help="on one rank too, the TP model's DTensor parameters (their guards) over a mesh of 1")
     a = ap.parse_args()
     for k, v in (TINY if a.tiny else FULL).items():
         setattr(a, k, v)
@@ -51,7 +53,7 @@ def main() -> int:
         torch.cuda.set_device(rank)
         dev = torch.device("cuda", rank)
         dist.init_process_group("nccl", device_id=dev)
-    model = build(a, dist.get_world_size(), dev)
+    model = build(a, dist.get_world_size(), dev, dtensor=a.dtensor)
     x = torch.randn(a.batch, 1, a.hidden, device=dev, dtype=a.dtype)
     pos = torch.tensor([a.cache // 2], device=dev)  # the middle of the cache, as model_tp.py's
     with torch.no_grad():

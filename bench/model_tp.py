@@ -116,12 +116,12 @@ WARM = ("inductor", "commfuse")  # variants whose warm compile is measured
 
 
 # ------------------------------------------------------------------------------------------ model
-def build(a, world, dev):
+def build(a, world, dev, dtensor=False):
     """bench/llama.py's decoder layers on hidden states (no embedding or head), in a.dtype; on one
-    rank the plain model (no DTensor)."""
+    rank the plain model (no DTensor) unless `dtensor`."""
     cfg = Config(dim=a.hidden, n_heads=a.heads, n_kv_heads=a.kv_heads, ffn=a.ffn, n_layers=a.layers,
                  max_batch=a.batch, max_seq=a.cache)
-    return llama(cfg, 1, dev, a.dtype) if world == 1 else tp_llama(cfg, world, dev, a.dtype)
+    return llama(cfg, 1, dev, a.dtype) if world == 1 and not dtensor else tp_llama(cfg, world, dev, a.dtype)
 
 
 def variants_for(workload, variants, dev) -> list:

@@ -11,15 +11,21 @@ UNCHUNKED_GRAPHED = "commfuse cuda_graphs no async-TP"
 CHUNKED_GRAPHED = "commfuse cuda_graphs async-TP"  # comm.async_tp on: chunked where the plan allows, replayed
 SINGLE_BUFFERED = "commfuse single-buffered"  # comm.double_buffer_max_bytes 0: every comm kernel closes with a barrier
 SERIAL = "commfuse serial launch"  # dependent_launch off: every kernel starts after the one before has finished
+# Dynamo's guards on the module tree (each DTensor parameter's spec, its hooks) skipped: host time per call
+LEAN_GRAPHED = "commfuse cuda_graphs no module guards"
+LEAN_REDUCE_OVERHEAD = "inductor reduce-overhead no module guards"
 VARIANTS = ("eager", "inductor", "inductor reduce-overhead", ASYNC_TP, "commfuse", "commfuse cuda_graphs", UNHIDDEN,
-            UNCHUNKED, UNCHUNKED_GRAPHED, CHUNKED_GRAPHED, SINGLE_BUFFERED, SERIAL)
-SELF_GRAPHED = ("inductor reduce-overhead", "commfuse cuda_graphs", UNCHUNKED_GRAPHED, CHUNKED_GRAPHED)
+            UNCHUNKED, UNCHUNKED_GRAPHED, CHUNKED_GRAPHED, SINGLE_BUFFERED, SERIAL, LEAN_GRAPHED, LEAN_REDUCE_OVERHEAD)
+SELF_GRAPHED = ("inductor reduce-overhead", "commfuse cuda_graphs", UNCHUNKED_GRAPHED, CHUNKED_GRAPHED, LEAN_GRAPHED,
+                LEAN_REDUCE_OVERHEAD)
 WORKLOADS = ("decode", "train", "sp", "fsdp")
-OPT_IN = (UNHIDDEN, UNCHUNKED, UNCHUNKED_GRAPHED, CHUNKED_GRAPHED, SINGLE_BUFFERED, SERIAL)  # A/B variants, not run by default
+OPT_IN = (UNHIDDEN, UNCHUNKED, UNCHUNKED_GRAPHED, CHUNKED_GRAPHED, SINGLE_BUFFERED, SERIAL, LEAN_GRAPHED,
+          LEAN_REDUCE_OVERHEAD)  # A/B variants, not run by default
 
 
 def compile_options(name) -> dict | None:
     """torch.compile's arguments for a variant; None for eager."""
+    skip = torch.compiler.skip_guard_on_all_nn_modules_unsafe  # (unsafe where a parameter is swapped for another)
     return {"eager": None,
             "inductor": dict(dynamic=False),
             "inductor reduce-overhead": dict(mode="reduce-overhead", dynamic=False),
@@ -31,7 +37,10 @@ def compile_options(name) -> dict | None:
             UNCHUNKED_GRAPHED: dict(backend="commfuse", dynamic=False, options={"cuda_graphs": True, "comm.async_tp": "off"}),
             CHUNKED_GRAPHED: dict(backend="commfuse", dynamic=False, options={"cuda_graphs": True, "comm.async_tp": "on"}),
             SINGLE_BUFFERED: dict(backend="commfuse", dynamic=False, options={"comm.double_buffer_max_bytes": 0}),
-            SERIAL: dict(backend="commfuse", dynamic=False, options={"dependent_launch": False})}[name]
+            SERIAL: dict(backend="commfuse", dynamic=False, options={"dependent_launch": False}),
+            LEAN_GRAPHED: dict(backend="commfuse", dynamic=False, options={"cuda_graphs": True, "guard_filter_fn": skip}),
+            # (torch.compile takes a mode or options: reduce-overhead's CUDA graphs as an option)
+            LEAN_REDUCE_OVERHEAD: dict(dynamic=False, options={"triton.cudagraphs": True, "guard_filter_fn": skip})}[name]
 
 
 def compiled(model, name):
