@@ -114,10 +114,12 @@ class TritonOps:
             return Var(x.name, dtype)
         return self.k.newvar(text, dtype)
 
-    def indirect_indexing(self, value, size, check=True):
+    def indirect_indexing(self, value, size, check=True, wrap=True):
+        """An index loaded from the device, negative ones from the end (`wrap`: Python's, and
+        `x[idx]`'s; gather and scatter take none), asserted in bounds where `check`."""
         k = self.k
         size_s = k.index_str(sympy.sympify(size)) if not sympy.sympify(size).is_number else str(size)
-        wrapped = k.newvar(f"tl.where({value} < 0, {value} + {size_s}, {value})", value.dtype)
+        wrapped = k.newvar(f"tl.where({value} < 0, {value} + {size_s}, {value})", value.dtype) if wrap else value
         if check:
             k.uses_assert = True
             k.cur.body.writeline(f"tl.device_assert((({wrapped} >= 0) & ({wrapped} < {size_s})) | ~({k.mask()}), "

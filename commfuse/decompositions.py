@@ -7,7 +7,7 @@ import torch
 import torch._inductor.inductor_prims  # noqa: F401  (registers prims.prepare_softmax_online, max-pool's offsets)
 from torch._decomp import core_aten_decompositions, get_decompositions
 from torch._prims_common import suggest_memory_format
-from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, statically_known_true
 
 aten = torch.ops.aten
 _prepare_softmax = torch.ops.prims.prepare_softmax_online.default
@@ -133,6 +133,19 @@ _OURS = {aten._softmax.default: _softmax_from_stats(log=False),
             for ov in (getattr(p, o) for o in p.overloads()) if not ov._schema.is_mutable}}
 
 
+def _whole_where_data_dependent(decompose):
+    """`decompose`, or the op left whole where it would branch on a size known only at run time
+    (`x.repeat(n.item(), 1)`: torch's reference of repeat tests each count; the whole op is run
+    through aten, as Inductor, which does not decompose it, runs it)."""
+    @functools.wraps(decompose)
+    def safe(*args, **kwargs):
+        try:
+            return decompose(*args, **kwargs)
+        except GuardOnDataDependentSymNode:
+            return NotImplemented
+    return safe
+
+
 @functools.lru_cache(None)
 def decomposition_table(keep: tuple = ()) -> dict:
     """`keep`: names of ops (overloads or packets) left whole, as in `config.fallback_ops`."""
@@ -142,4 +155,4 @@ def decomposition_table(keep: tuple = ()) -> dict:
     for op in list(table):
         if op in _KEEP or str(op) in keep or str(op.overloadpacket) in keep:
             del table[op]
-    return table
+    return {op: _whole_where_data_dependent(fn) for op, fn in table.items()}

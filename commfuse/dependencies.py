@@ -73,10 +73,10 @@ class RecordingOps:
     def store_reduction(self, name, index, value):
         self.store(name, index, value)
 
-    def indirect_indexing(self, value, size, check=True):
+    def indirect_indexing(self, value, size, check=True, wrap=True):
         sym = index_symbol("ind", next(self._ind))
         self._indirect.add(sym)
-        self.lines.append(("{} = indirect({}, size={}, check={})", (sym, value, size, check)))
+        self.lines.append(("{} = indirect({}, size={}, check={}, wrap={})", (sym, value, size, check, wrap)))
         return sym
 
     def masked(self, mask, body, other):

@@ -163,7 +163,7 @@ class _MaskedLoads:
     def load(self, name, index):
         self.loads.append((name, index, sympy.And(*self._masks)))
 
-    def indirect_indexing(self, value, size, check=True):
+    def indirect_indexing(self, value, size, check=True, wrap=True):
         return sympy.Dummy("indirect", integer=True)  # an index that depends on data: no shift
 
     def __getattr__(self, op):

@@ -321,10 +321,16 @@ def equal(a, b) -> bool:
 
 
 def _guarded_equal(a: Expr, b: Expr) -> bool:
+    return known_true(sympy.Eq(a, b))
+
+
+def known_true(relation) -> bool:
+    """Does torch's shape env know `relation` of sizes to hold (from Dynamo's guards, or a
+    `torch._check` on a size known only at run time)? False where it cannot tell."""
     from torch.utils._sympy.functions import FloorDiv as TorchFloorDiv, Mod as TorchMod  # sizes' Mod
     to_torch = lambda e: e.replace(FloorDiv, TorchFloorDiv).replace(Mod, TorchMod)  # noqa: E731
     try:  # no graph or shape env, or a symbol of ours (a derived size's) unknown to it: not known
-        return bool(V.graph.shape_env._maybe_evaluate_static(sympy.Eq(to_torch(a), to_torch(b))))
+        return bool(V.graph.shape_env._maybe_evaluate_static(to_torch(relation)))
     except Exception:
         return False
 

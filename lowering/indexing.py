@@ -83,7 +83,7 @@ def gather(x, dim, index_t, sparse_grad=False):
         if not size:  # a 0-d input reads as one element, whatever the index's rank (0 or 1)
             return load([])
         full = list(idx)
-        full[dim] = ops.indirect_indexing(lidx(idx), size[dim])
+        full[dim] = ops.indirect_indexing(lidx(idx), size[dim], wrap=False)  # (aten's gather takes no negative)
         return load(full)
     return TensorBox(Pointwise(x.get_device(), x.get_dtype(), inner, list(index_t.get_size())))
 
@@ -109,6 +109,7 @@ def scatter(x, dim, index_t, src):
         out = load(idx)
         for k in range(int(isize[dim])):
             row = [sympy.Integer(k) if d == dim else i for d, i in enumerate(idx)]
+            ops.indirect_indexing(lidx(row), size[dim], wrap=False)  # for its bounds assert, as aten's check
             hit = ops.eq(lidx(row), ops.index_expr(idx[dim], index_t.get_dtype()))
             value = lsrc(row)
             if isinstance(src, TensorBox) and src.get_dtype() != dtype:

@@ -217,6 +217,11 @@ def _slice_bounds(n, start, end, step):
         lo = min(max(start, 0), int(n))
         hi = min(max(end, lo), int(n))
         return sympy.Integer(lo), sympy.Integer((hi - lo + step - 1) // step)
+    if (start.free_symbols | end.free_symbols) & set(V.graph.symbol_defs) and not all(
+            sizevars.known_true(r) for r in (sympy.Ge(start, 0), sympy.Le(start, end), sympy.Le(end, n))):
+        # a bound known only at run time (`x[:n.item()]`): its hint is a guess, so where torch has not
+        # proven it in range, its clamping is aten's (its meta size is Min(size, bound))
+        raise ir.Unsupported("a slice bound known only at run time, not proven within the dim")
     start, end = _in_range_by_hint(start, n), _in_range_by_hint(end, n)
     end = start if _negative(end - start) else end  # x[a:b] with a > b: empty
     length = end - start if step == 1 else FloorDiv(end - start + step - 1, step)

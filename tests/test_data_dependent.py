@@ -36,6 +36,12 @@ CASES = {
     "float_item_size": (lambda x: torch.ones(int(x.abs().sum().item() + 1), device=x.device) * x.sum(), False),
     # softmax's decomposition over a size known only at run time (none kept: empty)
     "mask_softmax": (lambda x: x[x > 0].softmax(0) + x[x > 0].log_softmax(0), True),
+    # repeat by a count from the data (its decomposition would test the count: left whole; torch's
+    # own backward of it tests the count too, under aot_eager and Inductor as well: forward only)
+    "repeat_item": (lambda x: x.repeat((x > 0).sum().item(), 2) * 2, False),
+    # a slice to a bound from the data: not clamped by the bound's guessed size (aten's, as Min(n, u0))
+    "slice_item": (lambda x: x[:(x > 0).sum().item()] * 2, True),
+    "slice_item_add": (lambda x: torch.ones((x > 0).sum().item(), device=x.device) + x[:(x > 0).sum().item()], False),
 }
 
 

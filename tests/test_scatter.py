@@ -135,6 +135,26 @@ def test_out_of_range_index_raises(tmp_path):
         compile_and_run(add_rows, w, torch.tensor([1, 10]), v, tmp_path=tmp_path)
 
 
+@pytest.mark.parametrize("op", ["gather", "scatter"])
+@pytest.mark.parametrize("bad", [[5, 0], [-1, 0]])
+def test_gather_and_scatter_reject_what_aten_rejects(op, bad):
+    """aten's gather and scatter take no index past the dim and no negative one (x[idx] does):
+    ours assert so too, where a scatter dropped such an index and returned x, and a gather
+    read the last element for -1. At the first call (the aten rerun's error) and at a later one
+    (the kernel's)."""
+    fn = {"gather": lambda x, i: torch.gather(x, 0, i) * 3, "scatter": lambda x, i: x.scatter(0, i, 2.0) * 3}[op]
+    if DEVICE == "cuda":
+        pytest.skip("a device-side assert poisons the CUDA context; checked on CPU")
+    x = torch.arange(5.0)
+    for calls in ([bad], [[1, 3], bad]):
+        torch._dynamo.reset()
+        compiled = torch.compile(fn, backend="commfuse")
+        for good in calls[:-1]:
+            torch.testing.assert_close(compiled(x, torch.tensor(good)), fn(x, torch.tensor(good)))
+        with pytest.raises(Exception, match="out of bounds"):
+            compiled(x, torch.tensor(bad))
+
+
 @pytest.mark.gpu
 def test_index_on_the_host_runs_through_aten(tmp_path):
     """aten takes a CPU index for a CUDA target; the kernel could not read it."""
