@@ -89,6 +89,18 @@ def test_decode_attention_leaves_training_to_aten(tmp_path):
     assert "cf_attn" not in dumps.code(dumps.graphs()[0])
 
 
+def test_values_of_another_head_dim_keep_aten(tmp_path):
+    """V heads narrower than Q and K's (SDPA allows it; MLA's are): the kernel assumes one head
+    dim, and wrote past its output with V's, so aten's SDPA runs, even with the option on."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 1, 16, device=DEVICE), torch.randn(2, 2, 37, 16, device=DEVICE), \
+        torch.randn(2, 2, 37, 8, device=DEVICE)
+    with torch.no_grad():
+        got, dumps = compile_and_run(attend, q, k, v, None, tmp_path=tmp_path, decode_attention=True)
+    torch.testing.assert_close(got, attend(q, k, v, None))
+    assert "cf_attn" not in dumps.code(dumps.graphs()[0])
+
+
 def test_a_sliding_window_model_decodes_as_eager(tmp_path):
     """Mistral's generate() with a static cache and a sliding window (keys before the window masked
     as well as those after the position), its decode step through our kernel: teacher-forced

@@ -129,3 +129,22 @@ def test_sum_of_one_hot_rewrite():
     wide = torch.randn(4, 10)  # a scale that varies along the row: not a one-hot's single value
     gm = make_fx(f, tracing_mode="fake")(idx, wide)
     assert sum_one_hot(gm) == 0
+
+
+@pytest.mark.parametrize("zeros,scale", [(torch.int64, torch.int64), (torch.int64, torch.float32),
+                                         (torch.float64, torch.float32), (torch.bool, torch.float32)])
+def test_sum_of_one_hot_in_other_dtypes(zeros, scale):
+    """The scattered value as the zeros' dtype stores it (1.7 into int64: 1; into bool: True), the
+    product in eager's dtype (int64 zeros times an int64 scale: int64)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from commfuse.passes.one_hot import sum_one_hot
+
+    def f(idx, scale):
+        return (torch.zeros(4, 8, dtype=zeros).scatter(1, idx, 1.7) * scale).sum(1)
+    idx = torch.tensor([[0], [3], [5], [7]])
+    scale = (torch.tensor([[3], [5], [-7], [2]]) * (1 if scale == torch.int64 else 1.3)).to(scale)
+    gm = make_fx(f, tracing_mode="fake")(idx, scale)
+    assert sum_one_hot(gm) == 1
+    got, want = gm(idx, scale), f(idx, scale)
+    assert got.dtype == want.dtype
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -190,7 +190,7 @@ def _decode_call(bound):
     if not all(isinstance(n, int) for n in sizes):
         return None
     (b, hq, one, d), (bk, hkv, s, dk) = qv.shape, kv.shape
-    if one != 1 or (b, hkv, s) != (bk, vv.shape[1], vv.shape[2]) or (bk, dk) != (vv.shape[0], d) \
+    if one != 1 or (b, hkv, s) != (bk, vv.shape[1], vv.shape[2]) or (bk, dk, d) != (vv.shape[0], d, vv.shape[3]) \
             or (hq != hkv and not bound.get("enable_gqa")) or hq % hkv or {x.device for x in vals} != {qv.device}:
         return None
     if m is not None and (m.dim() > 4 or m.dtype not in (torch.bool, qv.dtype) or m.device != qv.device

@@ -28,6 +28,9 @@ def sum_one_hot(gm: torch.fx.GraphModule) -> int:
         shape = list(node.args[0].meta["val"].shape)
         shape[d] = 1
         with gm.graph.inserting_before(node):
+            product = node.args[0].meta["val"].dtype  # eager's one-hot * w: computed in this dtype
+            if w.meta["val"].dtype != product:
+                w = _add(gm.graph, aten._to_copy.default, w, dtype=product)
             value = _add(gm.graph, aten.mul.Tensor, w, c)
             if guard_or_true(node.args[0].meta["val"].shape[d] != 1):  # (a dim of 1 has no other column)
                 # the other columns' 0 * w: nothing where w is finite, NaN where it is not, as eager's sum
@@ -71,7 +74,8 @@ def _one_hot(s, d: int, shape) -> float | int | None:
     one_per_row = ival.dim() == sval.dim() and all(ival.shape[k] == (1 if k == d else shape[k]) for k in range(len(shape)))
     if dim % sval.dim() != d or not one_per_row or not _is_zeros(base) or type(c) not in (int, float):
         return None
-    return c
+    as_stored = torch.tensor(c, dtype=torch.float64 if isinstance(c, float) else torch.int64).to(sval.dtype)
+    return as_stored.item()  # as scatter stores it (1.7 into int64 zeros: 1)
 
 
 def _is_zeros(n) -> bool:
