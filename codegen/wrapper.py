@@ -443,11 +443,14 @@ class WrapperCodegen:
 
     def checked_layout(self, value: str, buf: ir.Buffer, aliases: bool) -> str:
         """An aten result in the layout its meta function promised, which the kernels after it
-        index by. A result that may alias an input is taken as is: a copy would lose the alias."""
+        index by (and its dtype, where a kernel of ours reads it: aten's own ops, and the caller,
+        take aten's). A result that may alias an input is taken as is: a copy would lose the alias."""
         if aliases:
             return value
         lay = buf.layout
-        return f"as_meta_layout({value}, {self.shape(lay.size)}, {self.shape(lay.stride)})"
+        ours = any(type(self.sched.node_of[n].buf) not in (ir.ExternKernel, ir.MultiOutput)
+                   for n in self.sched.node_readers.get(buf.name, ()))
+        return f"as_meta_layout({value}, {self.shape(lay.size)}, {self.shape(lay.stride)}{f', {lay.dtype}' * ours})"
 
     def allocate_out(self, buf: ir.ExternKernel, pool):
         if buf.out_view is not None:  # its slice of a cat

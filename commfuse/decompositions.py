@@ -146,9 +146,18 @@ def _whole_where_data_dependent(decompose):
     return safe
 
 
+# the forward ops whose saved values a backward reads, where their names do not say it
+_FORWARDS = {"aten.native_batch_norm_backward": tuple(f"aten.{op}" for op in (
+    "native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_functional",
+    "_native_batch_norm_legit_no_training"))}
+
+
 @functools.lru_cache(None)
 def decomposition_table(keep: tuple = ()) -> dict:
-    """`keep`: names of ops (overloads or packets) left whole, as in `config.fallback_ops`."""
+    """`keep`: names of ops (overloads or packets) left whole, as in `config.fallback_ops`. A
+    backward kept whole keeps its forward whole too: aten's backward reads what aten's forward
+    saves (a mixed-precision norm's fp32 statistics, where the decomposition saves bf16 ones)."""
+    keep = set(keep) | {f for name in keep for f in _FORWARDS.get(name, (name.removesuffix("_backward"),))}
     table = dict(core_aten_decompositions())
     table.update(get_decompositions(_EXTRA))
     table.update(_OURS)

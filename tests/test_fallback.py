@@ -226,6 +226,32 @@ def test_layout_disagreeing_with_meta_is_copied():
     assert moved.stride() == (1, 2) and torch.equal(moved, t)
     with pytest.raises(RuntimeError, match="meta function"):
         as_meta_layout(t, (3, 2), (2, 1))
+    # a dtype other than the meta's: converted where a kernel of ours reads it, else aten's own
+    assert as_meta_layout(t, (2, 3), (3, 1), torch.bfloat16).dtype == torch.bfloat16
+    assert as_meta_layout(t.bfloat16(), (2, 3), (3, 1)).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("norm", ["layer_norm", "batch_norm", "group_norm"])
+def test_a_norm_backward_kept_whole_with_mixed_precision(norm):
+    """`fallback_ops` naming a norm's backward, on a bf16 input with fp32 weights (CPU autocast's
+    mix): its forward stays whole too (aten's backward reads aten's fp32 statistics, which torch's
+    meta functions call bf16), and where a kernel of ours reads an aten result of another dtype
+    than its meta's (group norm's input gradient), it is converted, not misread."""
+    fn = {"layer_norm": lambda x, w, b: F.layer_norm(x.relu(), (8,), w, b),
+          "batch_norm": lambda x, w, b: F.batch_norm(x.relu(), None, None, w, b, training=True),
+          "group_norm": lambda x, w, b: F.group_norm(x.relu(), 2, w, b)}[norm]
+
+    def grads(compiled):
+        torch.manual_seed(0)
+        args = [torch.randn(4, 8, device=DEVICE).bfloat16().requires_grad_(),
+                torch.randn(8, device=DEVICE, requires_grad=True), torch.randn(8, device=DEVICE, requires_grad=True)]
+        out = compiled(*args)
+        (out.float() * torch.linspace(-1, 1, 32, device=DEVICE).view(4, 8)).sum().backward()
+        return [out.float()] + [a.grad.float() for a in args]
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="commfuse", options={
+        "fallback_ops": [f"aten.native_{norm}_backward"], "fallback_on_error": False})
+    torch.testing.assert_close(grads(compiled), grads(fn), atol=2e-2, rtol=2e-2)
 
 
 # ----------------------------------------------------------------------------- one op, not the graph

@@ -19,12 +19,16 @@ def empty_strided(size, stride, device, dtype) -> torch.Tensor:
 empty_strided_cuda = torch._C._dynamo.guards._empty_strided_cuda
 
 
-def as_meta_layout(t: torch.Tensor, size, stride) -> torch.Tensor:
+def as_meta_layout(t: torch.Tensor, size, stride, dtype=None) -> torch.Tensor:
     """`t`, an aten op's result, in the size and strides of the op's meta function, which the
     compiled kernels index by. A kernel may return other strides than its meta function says
-    (for some inputs, on some devices): it is then copied, never read wrongly."""
-    if t.stride() == stride and t.shape == size:  # (the usual case, at a third of the checks' host time)
+    (for some inputs, on some devices): it is then copied, never read wrongly. With `dtype` (a
+    kernel of ours reads it), one of another dtype is converted: the CPU's mixed-precision norms
+    give fp32 statistics and gradients where their meta functions say bf16 (or the reverse)."""
+    if t.stride() == stride and t.shape == size and (dtype is None or t.dtype == dtype):  # (the usual case)
         return t
+    if dtype is not None and t.dtype != dtype:
+        t = t.to(dtype)
     shape = t.shape
     if len(shape) != len(size) or any(a != b for a, b in zip(shape, size)):
         raise RuntimeError(f"commfuse: an aten op returned shape {tuple(shape)} where its meta "
