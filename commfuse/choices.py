@@ -28,6 +28,9 @@ COMM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 COMM_REDUCE_OPS = ("sum", "avg", "max", "min")
 MM_TEMPLATE_DTYPES = (torch.bfloat16, torch.float16)
 MM_GROUP_MAX = 4  # few-row matmuls of one `a` in one launch (mm_group_member)
+# a pointwise body past this many ops is stored, even with one user: each value inlined into it is
+# a loader nested in its reader's, and a 750-op elementwise chain passed Python's recursion limit
+MAX_INLINED_OPS = 128
 CONVOLUTIONS = (torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default)
 # aten's fused attention kernels read the mask (attn_bias: which argument) in rows that start at
 # multiples of 16 elements; eager pads the mask so, and a mask we store is laid out so too
@@ -161,6 +164,8 @@ class Choices:
         reads = {r.name for r in trace.reads}
         if users > 1 and (users > config.realize_users_threshold or len(reads) > config.realize_reads_threshold
                           or trace.op_count > config.realize_opcount_threshold):
+            return True
+        if trace.op_count > MAX_INLINED_OPS:  # (its one reader's kernel still fuses it: never stored)
             return True
         return len(reads) > config.realize_acc_reads_threshold or self.read_bytes_exceeded(reads)
 

@@ -254,6 +254,21 @@ def test_a_norm_backward_kept_whole_with_mixed_precision(norm):
     torch.testing.assert_close(grads(compiled), grads(fn), atol=2e-2, rtol=2e-2)
 
 
+def test_a_long_elementwise_chain_compiles_in_one_kernel(tmp_path):
+    """750 single-use pointwise ops in a row (an elementwise recurrence): each value inlined into
+    the next nested its loader in its reader's, past Python's recursion limit, and the whole
+    graph ran through aten. Long bodies are now stored, and the kernel that reads each fuses it."""
+    def fn(x):
+        for i in range(300):
+            x = (x * 1.001 + 0.001).tanh() if i % 2 else x.relu() - 0.01
+        return x
+    x = torch.randn(4, 8, device=DEVICE)
+    out, dumps = compile_and_run(fn, x, tmp_path=tmp_path, fallback_on_error=False)
+    torch.testing.assert_close(out, fn(x))
+    summary, _ = dumps.only()
+    assert len(summary["kernels"]) == 1 and not summary["extern_calls"], summary
+
+
 # ----------------------------------------------------------------------------- one op, not the graph
 def test_a_failing_lowering_costs_only_its_op(tmp_path, monkeypatch):
     """A lowering that raises sends its op to aten; the rest of the graph still compiles."""
