@@ -240,6 +240,8 @@ def test_a_norm_backward_kept_whole_with_mixed_precision(norm):
     fn = {"layer_norm": lambda x, w, b: F.layer_norm(x.relu(), (8,), w, b),
           "batch_norm": lambda x, w, b: F.batch_norm(x.relu(), None, None, w, b, training=True),
           "group_norm": lambda x, w, b: F.group_norm(x.relu(), 2, w, b)}[norm]
+    if DEVICE == "cuda":
+        pytest.skip("CUDA's norms take no bf16 input with fp32 weights: eager fails alike (the mix is the CPU's)")
 
     def grads(compiled):
         torch.manual_seed(0)
