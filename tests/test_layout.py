@@ -57,10 +57,10 @@ def relayouts(monkeypatch):
     """Every aten result the wrapper had to copy into the layout it expected: [(got, wanted)]."""
     copies, original = [], support.as_meta_layout
 
-    def spy(t, size, stride):
+    def spy(t, size, stride, dtype=None):
         if any(a != b and n > 1 for a, b, n in zip(t.stride(), stride, size)):
             copies.append((t.stride(), tuple(stride)))
-        return original(t, size, stride)
+        return original(t, size, stride, dtype)
     monkeypatch.setattr(support, "as_meta_layout", spy)
     return copies
 
