@@ -408,7 +408,7 @@ class WrapperCodegen:
         buf = node.buf
         if isinstance(buf, ir.MultiOutput):
             item = self.ref(buf.parent.name) + "".join(f"[{i}]" for i in buf.index)
-            self.body.writeline(f"{buf.name} = {self.checked_layout(item, buf, buf.parent.aliases)}")
+            self.body.writeline(f"{buf.name} = {self.checked_layout(item, buf, _returns_view(buf.parent))}")
             return
         if isinstance(buf, ir.ConcatBuffer):
             self.allocate_once(buf, pool)
@@ -432,7 +432,7 @@ class WrapperCodegen:
         elif buf.side_effect or buf.multi_output or buf.binds:
             self.body.writeline(f"{buf.name if buf.multi_output or buf.binds else '_'} = {call}({args})")
         else:
-            self.body.writeline(f"{buf.name} = {self.checked_layout(f'{call}({args})', buf, buf.aliases)}")
+            self.body.writeline(f"{buf.name} = {self.checked_layout(f'{call}({args})', buf, _returns_view(buf))}")
         for sym, path in buf.binds.items():  # data-dependent sizes, read off the result before any use
             self.body.writeline(f"{sym} = {_keypath(buf.name, path)}")
             self.bound.add(sym)
@@ -444,7 +444,7 @@ class WrapperCodegen:
     def checked_layout(self, value: str, buf: ir.Buffer, aliases: bool) -> str:
         """An aten result in the layout its meta function promised, which the kernels after it
         index by (and its dtype, where a kernel of ours reads it: aten's own ops, and the caller,
-        take aten's). A result that may alias an input is taken as is: a copy would lose the alias."""
+        take aten's). An aten view of an input is taken as is: a copy would lose the alias."""
         if aliases:
             return value
         lay = buf.layout
@@ -668,3 +668,9 @@ def _op_path(op) -> str:
     ns = op.namespace
     base = "aten" if ns == "aten" else "prims" if ns == "prims" else f"torch.ops.{ns}"
     return f"{base}.{op._opname}.{op._overloadname}"
+
+
+def _returns_view(kernel: ir.ExternKernel) -> bool:
+    """An aten op's result that may be a view of an input (its schema says so). A higher-order op's
+    may be an input too (ExternKernel.aliases), but only as a value: its layout is checked."""
+    return kernel.aliases and _is_aten(kernel.op)

@@ -88,6 +88,12 @@ def returns_alias(op) -> bool:
         r.alias_info is not None for r in op._schema.returns))
 
 
+# A higher-order op (cond, map, invoke_subgraph) has no schema, and its subgraph may return an input
+# as is (a saved activation): its inputs' memory is never reused while its results live.
+def may_alias(op) -> bool:
+    return returns_alias(op) or isinstance(op, torch._ops.HigherOrderOperator)
+
+
 # An aliasing op (a view aten runs) returns strides that follow its input's, and the kernels reading
 # it are built for the strides the graph's meta gives: its input is stored in the meta's order (a
 # channels_last value we stored contiguous was read at channels_last strides).
@@ -129,7 +135,7 @@ def fallback(op, args, kwargs, meta):
     mutates = _mutated_args(op, args, kwargs)
     graph = V.graph
     fields = dict(op=op, args=tuple(args), kwargs=dict(kwargs), mutates=mutates,
-                  aliases=returns_alias(op))
+                  aliases=may_alias(op))
     if isinstance(meta, torch.Tensor):  # no `out=` where the size comes from the data: allocated by aten
         node = V.graph.current_node
         out = None if node is not None and node.meta.get("unbacked_bindings") else out_overload(op)

@@ -399,3 +399,34 @@ def test_a_saved_conjugate_is_not_written_over(tmp_path):
     freqs = torch.polar(torch.ones(32, 8, device=DEVICE), rand(32, 8))
     pos = torch.arange(8, device=DEVICE).expand(2, 8)
     check(rope, rand(2, 8, 1, 16), freqs, pos, tmp_path=tmp_path, externs=["aten.view_as_real"])
+
+
+# ----------------------------------------------------------------------------- control flow
+@torch.compiler.nested_compile_region
+def _region(t, w):
+    return (t @ w).sin() * t
+
+
+def _cond(x, w):
+    return torch.cond(x.sum() > 0, lambda t, w: (t @ w).sin() * 2, lambda t, w: (t @ w).cos() + 1, (x, w)) + x
+
+
+def _map(x, w):
+    from torch._higher_order_ops.map import map as map_rows
+    return map_rows(lambda t, w: (t @ w).sin() + 1, x, w) * 2
+
+
+def _while(x, w):
+    def body(i, t):
+        return i + 1, (t @ w).tanh() + t
+    return torch._higher_order_ops.while_loop(lambda i, t: i < 3, body, (torch.tensor(0, device=x.device), x))[1] + 1
+
+
+@pytest.mark.parametrize("fn, grad", [(_cond, True), (_map, True), (_while, False),
+                                      (lambda x, w: _region(x, w) + _region(x + 1, w), True)],
+                         ids=["cond", "map", "while_loop", "nested_compile_region"])
+def test_higher_order_control_flow_runs_as_one_op(tmp_path, fn, grad):
+    """torch.cond, map, while_loop and invoke_subgraph run as their operator with their subgraphs,
+    and the code around them compiles. invoke_subgraph's forward returns its input as a value saved
+    for the backward: that input's memory was handed to a later buffer, and the gradients were wrong."""
+    check(fn, rand(4, 8), rand(8, 8), tmp_path=tmp_path, grad=grad, externs=[], atol=1e-4, rtol=1e-4)
