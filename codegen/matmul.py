@@ -23,7 +23,7 @@ import re
 import torch
 
 from commfuse import ir, sizevars
-from commfuse.mm_group import tile_width
+from commfuse.mm_group import member_index, tile_width
 from commfuse.runtime.loader import interpreting
 from commfuse.scheduler import RSYM, XSYM
 from commfuse.virtualized import V
@@ -215,7 +215,7 @@ def _epilogue(loads: OperandLoads, node, seg: list, members: list, m: int, n: in
         loads.cur.body.writeline(f"mv{i} = {store_text(f'acc{i}', torch.float32, buf.get_dtype())}.to(tl.float32)")
         loads.values[buf.name] = (loads.cur.id, Var(f"mv{i}", buf.get_dtype()), None)
         if buf.name in shifts:
-            loads.shifted[buf.name] = (buf.layout.index([XSYM, RSYM]), shifts[buf.name], f"mv{i}")
+            loads.shifted[buf.name] = (member_index(buf, m), shifts[buf.name], f"mv{i}")
     with V.set_ops(TritonOps(loads)):
         node.run_body(node.body_index(node.kernel_index_map(m, n)))
     loads.cur.init.splice(loads.cur.body)  # after its loads of row values ([XBLOCK, 1])

@@ -77,6 +77,12 @@ def _shape(g) -> tuple:
     return m, sum(int(b.layout.size[1]) for b in members), k, members[0].get_device()
 
 
+def member_index(buf: ir.MatmulTemplate, m: int):
+    """Where an epilogue reads member `buf` at its own element, in the epilogue's (x, r) kernel of
+    `m` rows: of one row, no x (the node's placement drops an index over one element, as here)."""
+    return buf.layout.index([XSYM if m > 1 else sympy.Integer(0), RSYM])
+
+
 def tile_width(swaps) -> int:
     """The columns a program's tile spans at least: 16 (tl.dot's least), or the widest block whose
     halves an epilogue swaps (`swaps`: epilogue_shifts' results)."""
@@ -115,7 +121,7 @@ def epilogue_shifts(node, members: list, m: int, n: int) -> dict | None:
     the column of the other half of each aligned block of B columns, B a power of two (column
     c ^ B/2: a rotary embedding's rotate_half within a head, GPT-J's within a pair); {} where it
     reads them all in place; None where it reads one otherwise."""
-    own = {b.name: b.layout.index([XSYM, RSYM]) for b in members}
+    own = {b.name: member_index(b, m) for b in members}
     handler = _MaskedLoads()
     with V.set_ops(handler):
         node.run_body(node.body_index(node.kernel_index_map(m, n)))

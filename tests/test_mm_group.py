@@ -41,12 +41,12 @@ def _mms(summary):
     return [(k["members"], len(k["epilogues"])) for k in summary["kernels"] if k.get("template") == "mm"]
 
 
-@pytest.mark.parametrize("dtype,k", [(torch.bfloat16, 64), (torch.bfloat16, 512), (torch.float16, 96),
-                                     (torch.float32, 64)])
-def test_decode_block(tmp_path, dtype, k):
+@pytest.mark.parametrize("dtype,k,rows", [(torch.bfloat16, 64, 3), (torch.bfloat16, 512, 3), (torch.float16, 96, 3),
+                                          (torch.float32, 64, 3), (torch.bfloat16, 64, 1)])
+def test_decode_block(tmp_path, dtype, k, rows):
     """q, k, v of one normed x (odd N) in one launch; gate and up of another in one launch whose
     epilogue is SiLU(gate) * up; the down projection reads it, the residual add its epilogue. K=512
-    splits K (atomics)."""
+    splits K (atomics). One row (batch 1) takes the same epilogues."""
     wq, wk, wv, wg, wu = _weights(k, (97, 33, 33, 45, 45), dtype)
     (wd,) = _weights(45, (k,), dtype)
 
@@ -57,7 +57,7 @@ def test_decode_block(tmp_path, dtype, k):
         h = _norm(o)
         return (o + F.linear(F.silu(F.linear(h, wg)) * F.linear(h, wu), wd),)
 
-    x = torch.randn(3, 1, k, dtype=dtype, device=DEVICE)
+    x = torch.randn(rows, 1, k, dtype=dtype, device=DEVICE)
     summary, code, launches = _check(block, (x,), tmp_path)
     if dtype == torch.float32:  # no template (fp32 is aten's): nothing to group
         assert not _mms(summary) and summary["extern_calls"].count("aten.mm.out") == 6, summary
@@ -132,18 +132,18 @@ def _rotate_one(x):  # each column from its neighbour: crosses every pair of col
     return torch.cat((x[..., 1:], x[..., :1]), dim=-1)
 
 
-@pytest.mark.parametrize("dtype,hd,rotate", [(torch.bfloat16, 16, _rotate_half), (torch.float16, 32, _rotate_half),
-                                             (torch.bfloat16, 16, _rotate_pairs), (torch.bfloat16, 16, _rotate_one)])
-def test_rotary_and_cache_store_are_the_qkv_epilogue(tmp_path, dtype, hd, rotate, bias=False):
+@pytest.mark.parametrize("dtype,hd,rotate,b", [(torch.bfloat16, 16, _rotate_half, 3), (torch.float16, 32, _rotate_half, 3),
+                                               (torch.bfloat16, 16, _rotate_pairs, 3), (torch.bfloat16, 16, _rotate_one, 3),
+                                               (torch.bfloat16, 16, _rotate_half, 1)])
+def test_rotary_and_cache_store_are_the_qkv_epilogue(tmp_path, dtype, hd, rotate, b, bias=False):
     """A decode step's q, k and v in one launch whose epilogues apply the rotary embedding (each
     column and the other half of its head: the tile's halves swapped in registers) and store k and
     v into the static cache at a position read from the device: no other kernel, q/k/v never
-    stored. A rotation by one column reads across the blocks, and GPT-J's within pairs of columns
-    (blocks narrower than mm_group.MIN_HALF allows): both stay kernels apart."""
+    stored, at batch 1 too. A rotation by one column reads across the blocks, and GPT-J's within
+    pairs of columns (blocks narrower than mm_group.MIN_HALF allows): both stay kernels apart."""
     wq, wk, wv = _weights(64, (4 * hd, 2 * hd, 2 * hd), dtype)
     biases = [torch.randn(w.shape[0], dtype=dtype, device=DEVICE) if bias else None for w in (wq, wk, wv)]
     cos, sin = (torch.randn(24, hd, dtype=dtype, device=DEVICE) for _ in range(2))
-    b = 3
 
     def step(x, pos, cache_k, cache_v):
         q, k, v = (F.linear(x, w, bb).view(b, 1, -1, hd).transpose(1, 2) for w, bb in zip((wq, wk, wv), biases))
@@ -175,7 +175,7 @@ def test_rotary_and_cache_store_are_the_qkv_epilogue(tmp_path, dtype, hd, rotate
 def test_biased_qkv_add_their_biases_in_the_epilogue(tmp_path):
     """Qwen2's q, k and v carry biases (aten.addmm): each bias is added by the launch's epilogue,
     before the rotary embedding and the cache store; no addmm runs apart."""
-    test_rotary_and_cache_store_are_the_qkv_epilogue(tmp_path, torch.bfloat16, 16, _rotate_half, bias=True)
+    test_rotary_and_cache_store_are_the_qkv_epilogue(tmp_path, torch.bfloat16, 16, _rotate_half, 3, bias=True)
 
 
 def test_lone_biased_matmul_takes_its_consumer(tmp_path):
