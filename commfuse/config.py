@@ -141,12 +141,14 @@ class comm:
     max_programs = 128             # programs of a comm kernel (each owns a barrier slot)
     num_warps = 8                  # warps of a fused all-reduce kernel that reduces rows
     persistent_reduction_max = 8192  # rows a kernel reading peers reduces in one block
-    plan_check_timeout_s: float = 60  # how long the first call waits for every rank's plan
-    # how long a comm kernel waits at a barrier for a live peer before it fails (None: the group's
-    # timeout); a peer that exits ends the wait at once. The clock runs only while a peer is
-    # missing, in graphs whose first call's plan check passed: a rank late by host work of its own
-    # (rank 0 alone logging, evaluating, saving) must arrive within it
-    barrier_timeout_s: float | None = 60.0
+    # how long the first call waits for every rank's plan (None: the process group's timeout where
+    # the program gave it one, init_process_group(timeout=...), else 60 s: plan_check.peer_wait_s)
+    plan_check_timeout_s: float | None = None
+    # how long a comm kernel waits at a barrier for a live peer before it fails (None: as above); a
+    # peer that exits ends the wait at once. The clock runs only while a peer is missing, in graphs
+    # whose first call's plan check passed: a rank late by host work of its own (rank 0 alone
+    # logging, evaluating, saving) must arrive within it
+    barrier_timeout_s: float | None = None
 
 
 _SECTIONS = {"comm": comm}

@@ -8,6 +8,7 @@ COMMFUSE_TEST_FAULTS_RESULTS=path writes each case's first line of error and sec
 """
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import re
@@ -71,7 +72,9 @@ def _rank_main(rank, world, out, body, args, env):
     cuda = torch.cuda.device_count() >= world
     if cuda:
         torch.cuda.set_device(rank)
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{out}/init", rank=rank, world_size=world)
+    timeout = os.environ.get("COMMFUSE_TEST_PG_TIMEOUT_S")  # the program's own group timeout
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{out}/init", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=float(timeout)) if timeout else None)
     result = body(rank, world, out, *args)
     result["shm"] = [p for pool in shared_pools.pools.values() for p in getattr(pool, "paths", [])]
     die = result.pop("die", None)
@@ -199,6 +202,29 @@ def _stops_calling(rank, world, out):
         return {}
     first, again = _failing_call(fn, x), _failing_call(fn, x)
     return dict(first, again=again)
+
+
+def _stops_calling_under_the_groups_timeout(rank, world, out):
+    import torch.distributed as dist
+    from commfuse.runtime.plan_check import peer_wait_s
+    waits = [peer_wait_s(None, dist.group.WORLD), peer_wait_s(None, dist.new_group([0, 1])), peer_wait_s(7, dist.group.WORLD)]
+    fn = _all_reduce_fn({})
+    x = torch.randn(32)
+    fn(x)
+    if rank == 1:
+        _wait_for(f"{out}/rank0.json")
+        return {}
+    return dict(_failing_call(fn, x), waits=waits)
+
+
+@cpu_pools
+def test_the_programs_group_timeout_bounds_the_waits():
+    """With no comm timeout set, a live peer is waited for as long as the program's own process
+    group timeout says (a rank's long evaluation or checkpoint alone is not an error then), and 60 s
+    where the program kept c10d's default (30 minutes for gloo: a stuck peer unnamed that long)."""
+    r0, _ = _run(_stops_calling_under_the_groups_timeout, env={"COMMFUSE_TEST_PG_TIMEOUT_S": "3"})
+    assert r0["waits"] == [3.0, 60.0, 7], r0["waits"]  # a new group without timeout= has c10d's default
+    _assert_peer_error(r0, "rank 1", "timed out", "comm.barrier_timeout_s=3 s")
 
 
 def _other_shape_on_rank1(rank, world, out):

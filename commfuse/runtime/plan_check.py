@@ -15,6 +15,7 @@ import re
 import time
 import weakref
 
+import torch
 import torch.distributed as dist
 
 from commfuse import config
@@ -233,9 +234,30 @@ def meet(group, what: str, value: str = "", timeout_s: float | None = None, kind
     prefix, ranks = f"commfuse/{kind}/{name}/{seq}", dist.get_process_group_ranks(group)
     announce()  # where the peers find this process, to see it gone
     store.set(f"{prefix}/{dist.get_rank()}", value)
-    _wait(store, prefix, ranks, config.comm.plan_check_timeout_s if timeout_s is None else timeout_s,
+    _wait(store, prefix, ranks, peer_wait_s(config.comm.plan_check_timeout_s if timeout_s is None else timeout_s, group),
           f"{what} (group {name}, {kind} #{seq})")
     return {r: store.get(f"{prefix}/{r}").decode() for r in ranks}
+
+
+# c10d's default timeouts (30 min; NCCL's 10): a program that kept them said nothing of how long its
+# ranks may be apart, and that long a stuck peer would go unnamed
+_C10D_DEFAULTS = (dist.default_pg_timeout, getattr(dist.constants, "default_pg_nccl_timeout", None))
+PEER_WAIT_DEFAULT_S = 60.0
+
+
+def peer_wait_s(seconds: float | None, group, device=None) -> float:
+    """How long a rank waits for a live peer (comm.plan_check_timeout_s, comm.barrier_timeout_s):
+    `seconds`; None: the group's timeout where the program gave one (init_process_group or
+    new_group with timeout=, for a rank's long work alone: evaluation, checkpoints), else 60 s."""
+    if seconds is not None:
+        return seconds
+    for kind in [torch.device(device).type] if device is not None else ["cuda", "cpu"]:
+        try:  # c10d keeps a group's timeout in its backend's options (a backend per device type)
+            timeout = group._get_backend(torch.device(kind)).options._timeout
+        except (AttributeError, RuntimeError):
+            continue
+        return PEER_WAIT_DEFAULT_S if timeout in _C10D_DEFAULTS else timeout.total_seconds()
+    return PEER_WAIT_DEFAULT_S
 
 
 def _wait(store, prefix: str, ranks: list, timeout_s: float, what: str) -> None:

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from . import peers
-from .plan_check import check_plans_agree, meet
+from .plan_check import check_plans_agree, meet, peer_wait_s
 
 ALIGN = 128          # bytes: every buffer starts on a vectorizable boundary
 SIGNAL_PROGRAMS = 1024  # comm-kernel programs that own a barrier slot (the grid of one kernel)
@@ -49,13 +49,6 @@ def align(n: int) -> int:
 def group_of(group_name: str):
     from torch.distributed.distributed_c10d import _resolve_process_group
     return _resolve_process_group(group_name)
-
-
-def group_timeout_s(group, device) -> float:
-    try:  # c10d keeps a group's timeout in its backend's options
-        return group._get_backend(torch.device(device)).options._timeout.total_seconds()
-    except (AttributeError, RuntimeError):
-        return dist.default_pg_timeout.total_seconds()
 
 
 class SymmPool:
@@ -87,9 +80,8 @@ class SymmPool:
                     f"{self.device} ({step})", value, self.meet_timeout_s)
 
     def set_barrier_timeout(self, seconds: float | None) -> None:
-        """Bound the comm kernels' barrier waits: `seconds`, or the group's timeout (a collective
-        that waits longer is an error under c10d too)."""
-        seconds = group_timeout_s(group_of(self.group_name), self.device) if seconds is None else seconds
+        """Bound the comm kernels' barrier waits: `seconds` (None: `peer_wait_s`'s default)."""
+        seconds = peer_wait_s(seconds, group_of(self.group_name), self.device)
         self.signals[self.rank][timeout_word(self.world_size)] = int(min(max(seconds, 1e-3) * 1000, 2**31 - 1))
         self.timeout_s = seconds
 
