@@ -532,9 +532,10 @@ class WrapperCodegen:
         op, names = buf.op, [a.name for a in buf.op._schema.arguments]
         arg = dict(zip(names, buf.args), **buf.kwargs)
         group = str(getattr(arg.get("group_name"), "group_name", arg.get("group_name")))
+        elements = str(buf.layout.numel()) if isinstance(buf, ir.LaidOut) and ir.sizes_agree(op) else None
         record = {"collective": op._opname, "reduce_op": arg.get("reduce_op", ""), "algorithm": "c10d",
                   "group": group, "ranks": group_size_or_0(group), "pool": None, "offset": None,
-                  "elements": str(buf.layout.numel()) if isinstance(buf, ir.LaidOut) else None}  # (a bucket's, a sum's)
+                  "elements": elements}  # (a bucket's, a sum's)
         self.comm_protocol.append({"kernel": f"c10d_{op._opname}_{step}", "reads": "c10d", "programs": 0,
                                    "barriers": 0, "collectives": [record]})
         self.c10d[buf.name] = {"name": buf.name, "collective": op._opname, "group": group, "issued_at": step,

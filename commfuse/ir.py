@@ -429,6 +429,12 @@ def is_collective(op) -> bool:  # a c10d functional collective: asynchronous on 
     return isinstance(op, torch._ops.OpOverload) and op.namespace == "_c10d_functional" and not is_wait(op)
 
 
+def sizes_agree(op) -> bool:
+    """Do a collective's tensors have the same sizes on every rank? Not all_to_all_single's: each
+    rank sends and receives its own split (a mixture of experts' dispatch)."""
+    return op._opname != "all_to_all_single"
+
+
 def meets_ranks(op, effects_only: bool = False) -> bool:
     """May a call of `op` (an FX node's target, an extern's op) meet other ranks, for all we can see? A
     c10d collective, and every op we cannot see into: outside aten / prims / ours (runtime/*.py), such

@@ -483,3 +483,30 @@ def test_a_group_initialized_again_runs_and_checks_its_plans_anew(tmp_path):
         assert err < 1e-5 and not reasons, (err, reasons)
     for err, reasons in run_ranks(_initialized_again, WORLD, args=(str(tmp_path / "other"), ("one_shot", "two_shot"))):
         assert err < 1e-5 and any("compiled different comm kernels" in r and "two_shot" in r for r in reasons), (err, reasons)
+
+
+def _uneven_all_to_all(rank, world, bucketing):
+    """A mixture of experts' dispatch: each rank sends and receives its own numbers of rows
+    (all_to_all_single with splits) beside an all-reduce of ours, or beside all-gathers that
+    bucketing merges. The plan check compared the all-to-all's elements across ranks: 'ranks
+    disagree' where Inductor ran."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    sends, receives = [r + 1 + rank for r in range(world)], [rank + 1 + r for r in range(world)]
+
+    def fn(x, y, w1, w2):
+        h = funcol.all_reduce(x * 2, "sum", dist.group.WORLD)
+        if bucketing:
+            h = h + sum(funcol.all_gather_tensor(w, 0, dist.group.WORLD).sum() for w in (w1, w2))
+        return h + 1, funcol.all_to_all_single(y * 3, receives, sends, dist.group.WORLD) + 1
+    x, w1, w2 = (torch.randn(*s, device=device()) for s in ((4, 5), (3, 5), (2, 5)))
+    y = torch.arange(sum(sends) * 5, dtype=torch.float32, device=device()).reshape(-1, 5) + 100 * rank
+    options = {"comm.enabled": not bucketing}  # (then the group is checked for the bucket alone)
+    for got, want in zip(torch.compile(fn, backend="commfuse", options=options)(x, y, w1, w2), fn(x, y, w1, w2)):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    return True
+
+
+@pytest.mark.parametrize("bucketing", [False, True], ids=["beside_a_comm_kernel", "beside_a_bucket"])
+def test_uneven_all_to_all_is_no_disagreement(bucketing):
+    assert run_ranks(_uneven_all_to_all, 2, args=(bucketing,)) == [True] * 2
