@@ -536,8 +536,9 @@ class WrapperCodegen:
         record = {"collective": op._opname, "reduce_op": arg.get("reduce_op", ""), "algorithm": "c10d",
                   "group": group, "ranks": group_size_or_0(group), "pool": None, "offset": None,
                   "elements": elements}  # (a bucket's, a sum's)
-        self.comm_protocol.append({"kernel": f"c10d_{op._opname}_{step}", "reads": "c10d", "programs": 0,
-                                   "barriers": 0, "collectives": [record]})
+        if not ir.is_p2p(op):
+            self.comm_protocol.append({"kernel": f"c10d_{op._opname}_{step}", "reads": "c10d", "programs": 0,
+                                       "barriers": 0, "collectives": [record]})
         self.c10d[buf.name] = {"name": buf.name, "collective": op._opname, "group": group, "issued_at": step,
                                "waited_at": None, "placed": self.sched.overlap.get(buf.name, "as the program has it")}
 

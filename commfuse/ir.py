@@ -429,6 +429,10 @@ def is_collective(op) -> bool:  # a c10d functional collective: asynchronous on 
     return isinstance(op, torch._ops.OpOverload) and op.namespace == "_c10d_functional" and not is_wait(op)
 
 
+def is_p2p(op) -> bool:  # meets one peer, not the group: out of the group's plan
+    return is_collective(op) and op._opname in ("isend", "irecv", "batch_p2p_ops")
+
+
 def sizes_agree(op) -> bool:
     """Do a collective's tensors have the same sizes on every rank? Not all_to_all_single's: each
     rank sends and receives its own split (a mixture of experts' dispatch)."""

@@ -71,6 +71,13 @@ def _traced_layouts_differ(leaves, traced) -> bool:
 def _mutated_args(op, args, kwargs):
     if not isinstance(op, torch._ops.OpOverload):
         return []
+    tensors = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, (ir.Buffer, ir.ReinterpretView))]
+    if ir.is_p2p(op):  # irecv writes its tensor, isend must send it: their schemas say neither
+        return [x.base.name if isinstance(x, ir.ReinterpretView) else x.name for x in tensors]
+    if ir.is_wait(op) and tensors:  # ... and the data is there at the wait: readers after it
+        src = tensors[0].base if isinstance(tensors[0], ir.ReinterpretView) else tensors[0]
+        src = src.parent if isinstance(src, ir.MultiOutput) else src
+        return list(src.mutates) if isinstance(src, ir.ExternKernel) and ir.is_p2p(src.op) else []
     out = []
     for i, a in enumerate(op._schema.arguments):
         if a.alias_info is not None and a.alias_info.is_write:

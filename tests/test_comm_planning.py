@@ -510,3 +510,28 @@ def _uneven_all_to_all(rank, world, bucketing):
 @pytest.mark.parametrize("bucketing", [False, True], ids=["beside_a_comm_kernel", "beside_a_bucket"])
 def test_uneven_all_to_all_is_no_disagreement(bucketing):
     assert run_ranks(_uneven_all_to_all, 2, args=(bucketing,)) == [True] * 2
+
+
+def _p2p_beside_a_comm_kernel(rank, world):
+    """A send from rank 0 to rank 1 traced into the graph (torch's opt-in) beside an all-reduce of
+    ours: the plan check took the sender's and the receiver's programs for different ones; with
+    them out of the plan, the receive (its schema says no write) was dead code, its buffer read
+    unreceived. The ops write their tensors, their waits too."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    def fn(x):
+        a = funcol.all_reduce(x * 2, "sum", dist.group.WORLD) + 1
+        buf = torch.empty_like(a)
+        (dist.isend(a * 3, 1) if rank == 0 else dist.irecv(buf, 0)).wait()
+        return a, buf * (rank == 1)
+    with torch._dynamo.config.patch(enable_p2p_compilation=True):
+        got = torch.compile(fn, backend="commfuse")(torch.ones(4, device=device()))
+    for g, w in zip(got, fn(torch.ones(4, device=device()))):
+        torch.testing.assert_close(g, w)
+    return True
+
+
+@pytest.mark.skipif(not hasattr(torch.ops._c10d_functional, "isend"), reason="functional send/recv: torch >= 2.12")
+def test_send_and_receive_beside_a_comm_kernel():
+    assert run_ranks(_p2p_beside_a_comm_kernel, 2) == [True] * 2

@@ -29,7 +29,6 @@ aten, c10d = torch.ops.aten, torch.ops._c10d_functional
 _KINDS = {c10d.all_gather_into_tensor.default: ("all_gather", 2, None, 1),
           c10d.reduce_scatter_tensor.default: ("reduce_scatter", 3, 1, 2),
           c10d.all_reduce.default: ("all_reduce", 2, 1, None)}
-_P2P = ("isend", "irecv", "batch_p2p_ops")  # functional, yet only the two peers order them
 
 
 def _barrier(node: torch.fx.Node) -> bool:
@@ -38,7 +37,7 @@ def _barrier(node: torch.fx.Node) -> bool:
     t = node.target
     if node.op != "call_function" or t is operator.getitem:
         return False
-    return ir.meets_ranks(t) and not (ir.is_collective(t) and t._opname not in _P2P) or t._schema.is_mutable
+    return ir.meets_ranks(t) and not (ir.is_collective(t) and not ir.is_p2p(t)) or t._schema.is_mutable  # (p2p: two peers' order)
 
 
 # ops that only lay values out: DTensor adds them around a short shard on some ranks only

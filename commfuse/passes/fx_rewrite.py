@@ -60,7 +60,7 @@ def program_collectives(gm: torch.fx.GraphModule) -> list:
     rank logs keeps its all-reduce apart there (runtime/plan_check.py compares these)."""
     out = []
     for n in gm.graph.nodes:
-        if n.op == "call_function" and ir.is_collective(n.target):
+        if n.op == "call_function" and ir.is_collective(n.target) and not ir.is_p2p(n.target):
             args = dict(zip((a.name for a in n.target._schema.arguments), n.args), **n.kwargs)
             vals = [v for v in torch.utils._pytree.tree_leaves(n.meta.get("val")) if isinstance(v, torch.Tensor)]
             out.append([n.target._opname, str(args.get("reduce_op", "")), str(args.get("group_name", "")),

@@ -325,6 +325,8 @@ def _difference(me: int, a: dict, other: int, b: dict) -> str:
                         f"differs in {diff}")
         if len(a[part]) != len(b[part]):
             return f"rank {me} has {len(a[part])} {label}s, rank {other} has {len(b[part])}"
+    if a.get("program") != b.get("program"):  # (op, reduce op, group, elements, dtype) as the program issues them
+        return f"the program's collectives differ: {a.get('program')} on rank {me}, {b.get('program')} on rank {other}"
     return f"pools differ: rank {me} {a['pools']}, rank {other} {b['pools']}"
 
 
