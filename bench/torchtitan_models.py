@@ -133,7 +133,8 @@ def swap_attention(model_cfg, attn: str) -> str:
     from torchtitan.models.common.attention import ScaledDotProductAttention
     if attn == "auto":  # SDPA where the model passes no out_transform and no window, else math
         import inspect
-        src = inspect.getsource(type(model_cfg.layers[0].attention)._owner)
+        first = next(layer.attention for layer in model_cfg.layers if getattr(layer, "attention", None) is not None)
+        src = inspect.getsource(type(first)._owner)  # (qwen3_5's first layers are linear attention: None)
         windowed = any(getattr(layer.attention, "sliding_window_size", None) for layer in model_cfg.layers
                        if getattr(layer, "attention", None) is not None)
         attn = "math" if "out_transform" in src or windowed else "sdpa"
