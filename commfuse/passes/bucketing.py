@@ -33,11 +33,11 @@ _KINDS = {c10d.all_gather_into_tensor.default: ("all_gather", 2, None, 1),
 
 def _barrier(node: torch.fx.Node) -> bool:
     """An op that may meet other ranks (`ir.meets_ranks`) in an order of their own, or that mutates.
-    A collective that every rank runs is none: this pass moves it the same way on all ranks."""
+    A collective that every rank runs is none (a send or receive is one): this pass moves it the same way on all ranks."""
     t = node.target
     if node.op != "call_function" or t is operator.getitem:
         return False
-    return ir.meets_ranks(t) and not (ir.is_collective(t) and not ir.is_p2p(t)) or t._schema.is_mutable  # (p2p: two peers' order)
+    return ir.meets_ranks(t) and not (ir.is_collective(t) and not ir.is_p2p(t)) or t._schema.is_mutable
 
 
 # ops that only lay values out: DTensor adds them around a short shard on some ranks only

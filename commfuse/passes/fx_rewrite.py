@@ -64,7 +64,7 @@ def program_collectives(gm: torch.fx.GraphModule) -> list:
             args = dict(zip((a.name for a in n.target._schema.arguments), n.args), **n.kwargs)
             vals = [v for v in torch.utils._pytree.tree_leaves(n.meta.get("val")) if isinstance(v, torch.Tensor)]
             out.append([n.target._opname, str(args.get("reduce_op", "")), str(args.get("group_name", "")),
-                        [str(v.numel()) for v in vals] if ir.sizes_agree(n.target) else [], str(vals[0].dtype) if vals else ""])
+                        [str(v.numel()) for v in vals if ir.sizes_agree(n.target)], str(vals[0].dtype) if vals else ""])
     return out
 
 

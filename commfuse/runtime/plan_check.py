@@ -241,7 +241,7 @@ def meet(group, what: str, value: str = "", timeout_s: float | None = None, kind
 
 # c10d's default timeouts (30 min; NCCL's 10): a program that kept them said nothing of how long its
 # ranks may be apart, and that long a stuck peer would go unnamed
-_C10D_DEFAULTS = (dist.default_pg_timeout, getattr(dist.constants, "default_pg_nccl_timeout", None))
+_C10D_DEFAULTS = (dist.default_pg_timeout, getattr(getattr(dist, "constants", None), "default_pg_nccl_timeout", None))
 PEER_WAIT_DEFAULT_S = 60.0
 
 
