@@ -569,8 +569,9 @@ class WrapperCodegen:
             timeouts = [f"float({str(t)!r})" if isinstance(t, float) else repr(t)  # (inf: no name for it)
                         for t in (config.comm.plan_check_timeout_s, config.comm.barrier_timeout_s)]
             program = self.graph.module.meta.get("commfuse_program", [])  # the program's own collectives
+            at_break = self.graph.module.meta.get("commfuse_break")  # (Dynamo ended the graph at a graph break)
             code.writeline(f"], {self.comm_protocol!r}, {program!r}, {self.checked_groups()!r}, timeout_s={timeouts[0]}, "
-                           f"barrier_timeout_s={timeouts[1]})")
+                           f"barrier_timeout_s={timeouts[1]}, at_break={at_break!r})")
         return code
 
     def comm_kernel(self, buf: ir.CommKernel, step: int, pool):

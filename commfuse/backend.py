@@ -66,11 +66,13 @@ def commfuse_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | N
     with config.patch(settings):
         use_decode_attention(gm)
     inputs, shards = local_shard_inputs(gm, example_inputs)
+    at_break = _ends_at_graph_break()  # (a backward compiles later, outside Dynamo's trace)
     with config.patch(settings), aot_caching(gm, example_inputs) as cached:
         precompile.warm()  # the workers start while AOTAutograd traces the graph
 
         def compiler(kind):
             def compile_fn(graph_module, inputs):
+                graph_module.meta["commfuse_break"] = at_break
                 with config.patch(settings):
                     return compile_graph(graph_module, inputs, kind)
             return serializable(compile_fn) if cached else compile_fn
@@ -85,6 +87,17 @@ def commfuse_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | N
             partition_fn=_partition,
             keep_inference_input_mutations=True,
         )(gm, inputs), shards)
+
+
+def _ends_at_graph_break() -> bool | None:
+    """Did Dynamo end the graph it is compiling at a graph break (the frame goes on in another
+    graph)? The plan check tells a cut on one rank from extra collectives by it. None outside a
+    Dynamo trace."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+        return bool(InstructionTranslator.current_tx().output.compile_subgraph_reason.graph_break)
+    except Exception:  # no trace running, or another torch's internals: unknown
+        return None
 
 
 def graph_id_for(gm: torch.fx.GraphModule, kind: str) -> str:

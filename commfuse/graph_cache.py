@@ -85,7 +85,7 @@ def describe(gm: torch.fx.GraphModule, example_inputs, kind: str, donated, saved
                              if m is not gm and isinstance(m, torch.fx.GraphModule)],
         "nodes": [[n.name, n.op, plain_value(n.meta.get("val"), storages)] for n in gm.graph.nodes],
         "attributes": _attributes(gm),
-        "program": [gm.meta.get(k) for k in ("commfuse_program", "commfuse_checked")],  # (the plan check's)
+        "program": [gm.meta.get(k) for k in ("commfuse_program", "commfuse_checked", "commfuse_break")],  # (the plan check's)
         "inputs": [plain_value(x, inputs, strict=True) for x in example_inputs],
         "shape_env": _shape_env(example_inputs),
         **context([n.meta.get("val") for n in gm.graph.nodes]),

@@ -173,6 +173,10 @@ def _divergent(rank, world, mode, g):
             if rank == 0:
                 torch._dynamo.graph_break()
             return funcol.all_reduce(y + 1, "sum", g) * 3
+    elif mode == "extra":  # one more all-reduce on rank 0, no graph break: its collectives begin with the others'
+        def fn(x):
+            y = funcol.all_reduce(x * 2, "sum", g)
+            return funcol.all_reduce(y + 1, "sum", g) * 3 if rank == 0 else y * 3
     elif mode == "late_cut":  # the same, from the second call on (a log every N steps): peers run the agreed graph
         def fn(x):
             y = funcol.all_reduce(x * 2, "sum", g)
@@ -221,7 +225,7 @@ SPLIT_OR_FUSED = ("fusion", "graph_break", "algorithm", "apart", "sum_logged", "
 
 
 # "late_cut" and "missing" last: their ranks leave at different times
-MODES = ("branch", "constant", "producer", "algorithm", "reduce_op", "fusion", "apart", "graph_break", "sum_logged",
+MODES = ("branch", "constant", "producer", "algorithm", "reduce_op", "fusion", "apart", "graph_break", "extra", "sum_logged",
          "consumer", "bucketed", "sum_logged_c10d", "bucketed_c10d", "late_cut", "missing")
 
 
@@ -304,6 +308,15 @@ def test_a_graph_break_on_one_rank_runs_through_c10d(divergent):
     program where Inductor ran it; the collectives of that group now run through c10d."""
     for status, message, _ in divergent["graph_break"]:
         assert status == "ok" and message["err"] < 1e-5, (status, message)
+
+
+def test_extra_collectives_on_one_rank_are_no_graph_break(divergent):
+    """Rank 0 all-reduces once more in the same graph, with no graph break: its collectives begin
+    with the others', as a cut's would. Taken for a cut, the group ran through c10d and rank 0
+    waited in its second all-reduce until the group's timeout (as under Inductor). Dynamo says
+    where a graph ended: every rank now fails at the plan check."""
+    for status, message, seconds in divergent["extra"]:
+        assert status == "error" and "ranks disagree on the comm-buffer plan" in message and seconds < 30, message
 
 
 @pytest.mark.parametrize("mode", ["sum_logged", "consumer", "bucketed", "sum_logged_c10d", "bucketed_c10d"])

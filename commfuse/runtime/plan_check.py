@@ -147,14 +147,14 @@ def _options_differ(store, ranks: list) -> str:
 
 
 def check_plans_agree(graph_id: str, pools: dict, buffers: list, groups: dict, protocol: list = (),
-                      program: list = (), timeout_s: float | None = None) -> None:
+                      program: list = (), timeout_s: float | None = None, at_break: bool | None = None) -> None:
     """`groups`: the process group of each group checked (its pools', or its c10d collectives'). `protocol`: each comm
     kernel's and c10d collective's record in the wrapper's order (its collectives, algorithm, grid,
     barriers); ranks that differ there (another reduce op, algorithm, grid or prologue, another
     order of collectives) would combine different things, or wait at barriers and collectives the
     others never reach. `program`: the collectives the program itself issues (fx_rewrite.
-    program_collectives). Where the ranks' programs issue the same ones (or cut apart: a graph
-    break on some ranks), the plans may still differ by what each rank compiled alone (a consumer
+    program_collectives). `at_break`: whether Dynamo ended this graph at a graph break (None: not
+    known). Where the ranks' programs issue the same ones (or cut apart: a graph break on some ranks), the plans may still differ by what each rank compiled alone (a consumer
     fused into a comm kernel on one rank only, a sum or bucket of collectives, an option set on one
     rank): the group's collectives then run through c10d, as the programs issue them (PlansSplit).
     Programs that differ are an error."""
@@ -169,7 +169,7 @@ def check_plans_agree(graph_id: str, pools: dict, buffers: list, groups: dict, p
         kernels = [p for p in protocol if any(c["group"] == group_name for c in p["collectives"])]
         mine = json.dumps({"graph": graph_id.split("_", 1)[1], "pools": own,
                            "protocol": _protocol(kernels, group_name), "buffers": _describe(bufs),
-                           "program": [c for c in program if c[2] == group_name],
+                           "program": [c for c in program if c[2] == group_name], "break": at_break,
                            "names": {"buffers": [b["name"] for b in bufs], "protocol": [p["kernel"] for p in kernels]}})
         if group_name in split_groups():  # found at an earlier check on every rank: no meeting
             raise PlansSplit(f"commfuse: graph {graph_id}: the ranks of group {group_name} cut their graphs apart",
@@ -194,7 +194,7 @@ def check_plans_agree(graph_id: str, pools: dict, buffers: list, groups: dict, p
             agreed.add(wire)
             continue
         programs = [json.loads(p)["program"] for p in plans.values()]
-        if _cut_apart(programs):
+        if _cut_apart([json.loads(p) for p in plans.values()]):
             split_groups()[group_name] = f"the ranks of group {group_name} cut their graphs in different places"
             counts = ", ".join(f"{len(p)} on rank {r}" for r, p in zip(plans, programs))
             raise PlansSplit(
@@ -292,10 +292,14 @@ def _sequence(plan: str) -> list:
     return [[c["collective"], c["reduce_op"], c["group"]] for p in json.loads(plan)["protocol"] for c in p["collectives"]]
 
 
-def _cut_apart(programs) -> bool:
-    """Whether the ranks' programs issue different numbers of collectives, each the start of the longest."""
-    seqs = sorted(programs, key=len)
-    return len(seqs[0]) != len(seqs[-1]) and all(s == seqs[-1][:len(s)] for s in seqs)
+def _cut_apart(plans: list) -> bool:
+    """Whether the ranks' programs issue different numbers of collectives, each the start of the
+    longest, and each shorter one's graph ended at a graph break (or may have). A rank whose graph
+    ended where its frame returns issued fewer collectives: a program of its own."""
+    longest = max((p["program"] for p in plans), key=len)
+    return any(len(p["program"]) < len(longest) for p in plans) and all(
+        p["program"] == longest[:len(p["program"])] and (len(p["program"]) == len(longest) or p.get("break") is not False)
+        for p in plans)
 
 
 def _part_of(part: list, whole: list) -> bool:
@@ -305,7 +309,7 @@ def _part_of(part: list, whole: list) -> bool:
 
 def _collectives(plan: str) -> str:
     """What the ranks must agree on in a plan (not the graph's name or its buffers' names), canonical."""
-    return json.dumps({k: v for k, v in json.loads(plan).items() if k not in ("graph", "names")}, sort_keys=True)
+    return json.dumps({k: v for k, v in json.loads(plan).items() if k not in ("graph", "names", "break")}, sort_keys=True)
 
 
 def _first_difference(me: int, mine: str, other: int, theirs: str) -> str:

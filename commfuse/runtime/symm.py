@@ -279,12 +279,12 @@ class CommState:
     the same tensors (same pool, same offsets) on every call."""
 
     def __init__(self, graph_id: str, pools: dict, buffers: list, protocol: list = (), program: list = (),
-                 checked: list = (), timeout_s=None, barrier_timeout_s=None):
+                 checked: list = (), timeout_s=None, barrier_timeout_s=None, at_break=None):
         self.graph_id, self.pools_needed, self.buffers = graph_id, pools, buffers
         self.barrier_timeout_s = barrier_timeout_s  # the compile's comm.barrier_timeout_s
         self.timeout_s = timeout_s  # and its comm.plan_check_timeout_s, for the pools' rendezvous
         groups = {g: group_of(g) for g in [*(g for g, _, _ in pools.values()), *checked]}  # (`checked`: no pool)
-        check_plans_agree(graph_id, pools, buffers, groups, list(protocol), list(program), timeout_s)
+        check_plans_agree(graph_id, pools, buffers, groups, list(protocol), list(program), timeout_s, at_break)
         self.collectives = {p["kernel"]: p["collectives"] for p in protocol}  # for the errors
         self.refresh()
 
