@@ -169,7 +169,7 @@ _RULES = (
     ("0 or more", lambda v: v >= 0, ("realize_users_threshold", "realize_reads_threshold", "realize_opcount_threshold",
                                      "realize_acc_reads_threshold", "realize_acc_reads_size_threshold",
                                      "mm_template_max_rows", "pad_rows_min_bytes", "mix_order_min_elements",
-                                     "compile_workers", "comm.one_shot_max_bytes", "comm.two_shot_max_bytes",
+                                     "compile_workers", "overlap_peak_share", "comm.one_shot_max_bytes", "comm.two_shot_max_bytes",
                                      "comm.gather_scatter_max_bytes", "comm.double_buffer_max_bytes")),
     ("a power of 2", lambda v: v > 0 and v & (v - 1) == 0, ("max_block", "comm.block", "comm.bulk_block",
                                                              "comm.num_warps")),  # tl.arange sizes, warps

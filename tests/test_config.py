@@ -83,6 +83,8 @@ def test_every_commfuse_variable_the_project_names_is_an_option_or_spared():
     ("comm.num_warps", 6, "must be a power of 2"),
     ("comm.barrier_timeout_s", 0, "must be above 0"),
     ("comm.one_shot_max_bytes", {2: -1}, "must be 0 or more"),
+    ("overlap_peak_share", -0.5, "must be 0 or more"),
+    ("overlap_peak_share", float("nan"), "must be 0 or more"),
     ("comm.barrier_timeout_s", "soon", "expected float or None"),
     ("comm.groups", [0], "expected group names"),  # an int never matches a group's name
     ("comm.table", "/no/such/table.json", "[Errno 2] No such file"),  # refused when set, not at a compile
