@@ -556,6 +556,11 @@ class TensorBox(IRNode):
 
 
 
+def stored(x):
+    """The buffer that holds `x`: a ReinterpretView's base, else `x` itself."""
+    return x.base if isinstance(x, ReinterpretView) else x
+
+
 def view_root(box: TensorBox) -> TensorBox:
     """The box a chain of views reads from."""
     while isinstance(box.data, View):

@@ -167,7 +167,7 @@ def _whole(name):
 def _extern_reads(buf) -> list[str]:
     if isinstance(buf, ir.MultiOutput):
         return [buf.parent.name]
-    return [x.base.name if isinstance(x, ir.ReinterpretView) else x.name for x in buf.inputs()]
+    return [ir.stored(x).name for x in buf.inputs()]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -762,5 +762,5 @@ def _output_names(graph) -> set:
             out.add(o.base.name)
         elif isinstance(o, ir.TensorBox):
             d = o.data
-            out.add(d.base.name if isinstance(d, ir.ReinterpretView) else d.name)
+            out.add(ir.stored(d).name)
     return out

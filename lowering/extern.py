@@ -71,20 +71,17 @@ def _traced_layouts_differ(leaves, traced) -> bool:
 def _mutated_args(op, args, kwargs):
     if not isinstance(op, torch._ops.OpOverload):
         return []
-    tensors = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, (ir.Buffer, ir.ReinterpretView))]
+    tensors = [ir.stored(x) for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, (ir.Buffer, ir.ReinterpretView))]
     if ir.is_p2p(op):  # irecv writes its tensor, isend must send it: their schemas say neither
-        return [x.base.name if isinstance(x, ir.ReinterpretView) else x.name for x in tensors]
+        return [x.name for x in tensors]
     if ir.is_wait(op) and tensors:  # ... and the data is there at the wait: readers after it
-        src = tensors[0].base if isinstance(tensors[0], ir.ReinterpretView) else tensors[0]
-        src = src.parent if isinstance(src, ir.MultiOutput) else src
+        src = tensors[0].parent if isinstance(tensors[0], ir.MultiOutput) else tensors[0]
         return list(src.mutates) if isinstance(src, ir.ExternKernel) and ir.is_p2p(src.op) else []
     out = []
     for i, a in enumerate(op._schema.arguments):
         if a.alias_info is not None and a.alias_info.is_write:
             v = args[i] if i < len(args) else kwargs.get(a.name)
-            for leaf in pytree.tree_leaves(v):
-                if isinstance(leaf, (ir.Buffer, ir.ReinterpretView)):
-                    out.append(leaf.base.name if isinstance(leaf, ir.ReinterpretView) else leaf.name)
+            out += [ir.stored(leaf).name for leaf in pytree.tree_leaves(v) if isinstance(leaf, (ir.Buffer, ir.ReinterpretView))]
     return out
 
 
@@ -106,7 +103,7 @@ def may_alias(op) -> bool:
 # channels_last value we stored contiguous was read at channels_last strides).
 def _in_meta_order(x: TensorBox):
     root = ir.view_root(x).data
-    root = root.base if isinstance(root, ir.ReinterpretView) else root
+    root = ir.stored(root)
     if isinstance(root, (ir.InputBuffer, ir.ConstantBuffer, ir.ExternKernel, ir.MultiOutput)):
         return x  # eager's own storage (an input, aten's result): a copy would change what a view of it reads
     arg = V.graph.current_node.args[0] if V.graph.current_node is not None and V.graph.current_node.args else None

@@ -270,7 +270,7 @@ def as_strided(x, size, stride, storage_offset=None):
     would misread our storage as well)."""
     eager = V.graph.current_node.args[0].meta.get("val")
     base = x.realize()
-    base_buf = base.base if isinstance(base, ir.ReinterpretView) else base
+    base_buf = ir.stored(base)
     ours = not isinstance(base_buf, (ir.InputBuffer, ir.ConstantBuffer))
     if ours and isinstance(eager, torch.Tensor) and not _laid_out_as(base, base_buf, eager):
         if not _whole_storage(eager):
