@@ -67,7 +67,7 @@ def commfuse_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | N
         use_decode_attention(gm)
     inputs, shards = local_shard_inputs(gm, example_inputs)
     at_break = _ends_at_graph_break()  # (a backward compiles later, outside Dynamo's trace)
-    with config.patch(settings), aot_caching(gm, example_inputs) as cached:
+    with config.patch(settings), aot_caching(gm, example_inputs, at_break) as cached:
         precompile.warm()  # the workers start while AOTAutograd traces the graph
 
         def compiler(kind):

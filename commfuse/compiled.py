@@ -269,11 +269,11 @@ def serializable(compile_fn):
 
 
 @contextlib.contextmanager
-def aot_caching(gm: torch.fx.GraphModule, example_inputs):
+def aot_caching(gm: torch.fx.GraphModule, example_inputs, at_break: bool | None):
     """Within: AOTAutograd's cache keeps and finds the compile of Dynamo's graph `gm`, under our
-    own key besides its own. Yields whether it does: not where our graph cache is off, not with
-    dumps (they need the aten graphs), not where either key cannot describe the graph or its
-    context. The backward is then compiled with its forward: AOTAutograd saves the pair at the
+    own key besides its own (with `at_break`, baked into the code). Yields whether it does: not
+    where our graph cache is off, not with dumps (they need the aten graphs), not where either key
+    cannot describe the graph or its context. The backward is then compiled with its forward: AOTAutograd saves the pair at the
     backward's compile, which would otherwise come later, outside this context."""
     on = config.graph_cache and not config.dump_dir and should_use_local_autograd_cache()
     try:
@@ -285,7 +285,7 @@ def aot_caching(gm: torch.fx.GraphModule, example_inputs):
         # the cache folder too: a new one starts afresh
         tag = on and graph_cache.digest(json.dumps([graph_cache.cache_dir(), graph_cache.context(example_inputs),
                                                     closures, _meshes(example_inputs), _shared_storages(example_inputs),
-                                                    [_subclasses(x) for x in example_inputs]], sort_keys=True))
+                                                    [_subclasses(x) for x in example_inputs], at_break], sort_keys=True))
     except Exception as e:  # a graph or context either key cannot describe
         log.debug("commfuse: not in AOTAutograd's cache: %s: %s", type(e).__name__, e)
         tag = None

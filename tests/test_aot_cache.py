@@ -103,6 +103,22 @@ def test_what_our_key_covers_is_a_new_entry(tmp_path, change):
     torch.testing.assert_close(out, model(x))
 
 
+def test_a_graph_ending_at_a_graph_break_is_another_entry(tmp_path):
+    """The plan check reads a graph that ends where Dynamo broke the frame as a cut, one that ends
+    where the frame returns as the whole program; the compiled code carries which. The same graph
+    (same code, same lines) found in the cache from the other end was read the other way."""
+    def fn(x, cut):
+        y = x * 2 + 1
+        if cut:
+            torch._dynamo.graph_break()
+        return y
+    x = torch.randn(8, device=DEVICE)
+    for cut, source in ((True, None), (False, None), (False, "AOTAutograd"), (True, "AOTAutograd")):
+        out, summaries = _compiled(torch.compile(fn, backend="commfuse"), x, cut, cache_dir=tmp_path)
+        assert _sources(summaries) == [source], cut
+        torch.testing.assert_close(out, fn(x, cut))
+
+
 def test_inputs_viewing_one_storage_otherwise_are_a_new_entry(tmp_path):
     """AOTAutograd compiles inputs that view one storage (both written) over a base of that
     storage's size, which its key leaves out: the entry of `b, b[:, :]` found for `b[:4], b[2:6]`
