@@ -304,6 +304,47 @@ def test_a_training_loop_replays_with_lent_activations_like_eager(loop):
 
 
 @pytest.mark.gpu
+def test_a_step_the_caller_captures_whole_replays_like_eager():
+    """torchtitan's trainer (its default on NVIDIA) runs one step, then captures the whole forward
+    and backward of the compiled model in its own CUDA graph, on its own stream and pool, and
+    replays it with each batch copied into the captured input; gradients accumulate in place."""
+    torch.manual_seed(0)
+    make = lambda: torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64),  # noqa: E731
+                                       torch.nn.LayerNorm(64)).cuda()
+    model, ref = make(), make()
+    ref.load_state_dict(model.state_dict())
+    compiled = torch.compile(model, backend="commfuse")
+
+    def step(x):
+        loss = compiled(x).square().mean()
+        loss.backward()
+        return loss.detach()
+    static, stream, graph = torch.randn(16, 64, device="cuda"), torch.cuda.Stream(), torch.cuda.CUDAGraph()
+    for i in range(5):
+        x = torch.randn(16, 64, device="cuda")
+        model.zero_grad(set_to_none=False)  # (the captured step accumulates into these tensors)
+        ref.zero_grad()
+        if i == 0:  # the warm step, on the capture's stream
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                loss = step(x)
+            torch.cuda.current_stream().wait_stream(stream)
+        else:
+            if i == 1:
+                static.copy_(x)
+                with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+                    captured = step(static)
+            static.copy_(x)
+            graph.replay()
+            loss = captured
+        want = ref(x).square().mean()
+        want.backward()
+        torch.testing.assert_close(loss, want.detach(), atol=1e-5, rtol=1e-4)
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, atol=5e-5, rtol=1e-3)
+
+
+@pytest.mark.gpu
 def test_replays_update_module_buffers_and_keep_outputs():
     torch.manual_seed(0)
     model, ref = Counter().cuda(), Counter().cuda()
