@@ -36,16 +36,16 @@ from .runtime.loader import _interpret_triton_library  # noqa: E402
 
 
 def _select_triton_mode() -> None:
-    """Choose Triton's interpreter on machines without CUDA. It is read when triton's own @jit
-    functions are decorated, so if triton is already imported, re-wrap those too."""
-    if "TRITON_INTERPRET" in _os.environ or config.triton_interpret is False:
+    """Interpret Triton without CUDA, unless TRITON_INTERPRET says. Triton reads it as it decorates
+    @jit functions: re-wrap its own if imported (also if the program set it after that import)."""
+    if config.triton_interpret is False:
         return
-    if not config.triton_interpret:
+    if "TRITON_INTERPRET" not in _os.environ:
         import torch
-        if torch.cuda.is_available():
+        if not config.triton_interpret and torch.cuda.is_available():
             return
-    _os.environ["TRITON_INTERPRET"] = "1"
-    if "triton" in _sys.modules:
+        _os.environ["TRITON_INTERPRET"] = "1"
+    if "triton" in _sys.modules and _sys.modules["triton"].knobs.runtime.interpret:
         _interpret_triton_library()
 
 

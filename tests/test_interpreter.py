@@ -41,6 +41,7 @@ assert abs(kept.float().mean() - 0.5) < 5 * (0.25 / x.numel()) ** 0.5, kept.floa
 torch.testing.assert_close(dropped, torch.where(kept, x * 2, 0.0))
 assert 0 <= u.min() and u.max() < 1 and abs(u.mean() - 0.5) < 0.01 and abs(n.mean()) < 0.03 and abs(n.std() - 1) < 0.03
 assert "commfuse" in sys.modules
+torch.testing.assert_close(torch.compile(lambda x: x.sum(1), backend="commfuse")(x), x.sum(1))
 print("ok")
 """
 
@@ -81,9 +82,12 @@ def _fresh_python(script: str):
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-4000:]
 
 
-def test_random_draws_after_triton_was_imported():
-    """tl.rand calls Philox helpers that triton decorated for the GPU when it was imported."""
-    _fresh_python(RANDOM_AFTER_TRITON)
+@pytest.mark.parametrize("set_by", ["commfuse", "program"])
+def test_random_draws_after_triton_was_imported(set_by):
+    """tl.rand calls Philox helpers that triton decorated for the GPU when it was imported; so
+    does tl.sum its combine function, also where the program sets TRITON_INTERPRET after that."""
+    switch = 'import os; os.environ["TRITON_INTERPRET"] = "1"\n' if set_by == "program" else ""
+    _fresh_python(RANDOM_AFTER_TRITON.replace("import torch\n", f"import torch\n{switch}", 1))
 
 
 def test_hf_model_with_dropout_trains_after_transformers_was_imported():
