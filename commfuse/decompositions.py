@@ -81,6 +81,18 @@ def _conv_backward_bias_apart(grad, x, weight, bias_sizes, stride, padding, dila
     return grad_x, grad_w, aten.sum.dim_IntList(grad, [0, *range(2, grad.dim())])
 
 
+def _index_add_in_fp32(x, dim, index, source, *, alpha=1):
+    """A half-precision index_add (the gradient of index_select and repeat_interleave: an MoE's
+    expert biases) sums in fp32 and rounds once. As the accumulating index_put it decomposes to,
+    each add rounded: three times eager's error."""
+    if x.dtype not in (torch.float16, torch.bfloat16):
+        return _core_index_add(x, dim, index, source, alpha=alpha)
+    return _core_index_add(x.float(), dim, index, source.float(), alpha=alpha).to(x.dtype)
+
+
+_core_index_add = core_aten_decompositions()[aten.index_add.default]
+
+
 def _max_pool_via_offsets(x, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
     """max-pool's indices as each output's int8 offset within its window, made into indices by a
     prim that AOTAutograd's partitioner recomputes in the backward: the forward saves 1 byte per
@@ -129,6 +141,7 @@ _OURS = {aten._softmax.default: _softmax_from_stats(log=False),
          aten.max_pool2d_with_indices.default: _max_pool_via_offsets,
          aten._log_softmax.default: _softmax_from_stats(log=True),
          aten.convolution_backward.default: _conv_backward_bias_apart,
+         aten.index_add.default: _index_add_in_fp32,
          **{ov: _foreach(name) for name in _FOREACH for p in [getattr(aten, f"_foreach_{name}")]
             for ov in (getattr(p, o) for o in p.overloads()) if not ov._schema.is_mutable}}
 

@@ -109,6 +109,30 @@ def test_embedding_gradient_with_one_id_everywhere(tmp_path):
     assert len(calls) == 2 and ROWS in calls[1], calls
 
 
+def test_half_precision_index_add_sums_in_fp32(tmp_path):
+    """The gradient of index_select in bf16 (an MoE's expert biases, a row per token: gpt-oss's
+    repeat_interleave) is an index_add, summed in fp32 and rounded once. As the accumulating
+    index_put it decomposes to, each of a row's 32 adds rounded: three times eager's error."""
+    torch.manual_seed(0)
+    w, b = torch.randn(256, 64, device=DEVICE), torch.randn(8, 64, device=DEVICE, dtype=torch.float64)
+    rows = torch.arange(256, device=DEVICE) // 32
+
+    def grad(fn, dtype):
+        x = b.detach().to(dtype).requires_grad_()
+        (fn(x).float() * w).sum().backward()
+        return x.grad.double()
+    spread = lambda x: x.index_select(0, rows)  # noqa: E731
+    want = grad(spread, torch.float64)
+    torch._dynamo.reset()
+    with config.patch(dump_dir=str(tmp_path)):
+        got = grad(torch.compile(spread, backend="commfuse"), torch.bfloat16)
+    error = lambda g: ((g - want).norm() / want.norm()).item()  # noqa: E731
+    eager = error(grad(spread, torch.bfloat16))
+    assert error(got) <= 1.1 * eager, (error(got), eager)
+    dumps = Dumps(tmp_path)
+    assert ROWS in dumps.summary(dumps.graphs()[-1])["extern_calls"]  # (atomic adds, in fp32)
+
+
 @pytest.mark.parametrize("case", ["deterministic", "float64"])
 def test_aten_keeps_what_atomic_adds_cannot_do_exactly(tmp_path, case):
     dtype = torch.float64 if case == "float64" else torch.float32
