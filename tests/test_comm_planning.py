@@ -438,6 +438,31 @@ def test_peer_that_stops_calling_is_reported_not_hung():
     assert str(list(range(1, WORLD))) in message and "comm.barrier_timeout_s=2 s" in message, message
 
 
+def _eager_after_the_recompile_limit(rank, world):
+    """Rank 1 alone sees a new size each call (an MoE's rank-local token count), recompiles until
+    Dynamo's recompile limit, and then runs the frame eagerly: its c10d all-reduce cannot meet rank
+    0's comm kernel. Rank 0's wait gives up after its timeout, and says why."""
+    import time
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    fn = torch.compile(lambda x, z: funcol.all_reduce(x + z.sum(), "sum", dist.group.WORLD) * 2, backend="commfuse",
+                       dynamic=False, options={"comm.barrier_timeout_s": 3})
+    x, start = torch.ones(64, device=device()), time.time()
+    try:
+        with torch._dynamo.config.patch(recompile_limit=2):
+            for i in range(4):
+                fn(x, torch.ones(4 + (i if rank == 1 else 0), device=device())).sum().item()
+    except Exception as e:
+        return str(e), time.time() - start
+    return "", time.time() - start
+
+
+def test_a_peer_that_runs_a_frame_eagerly_after_dynamos_recompile_limit_is_named():
+    (message, seconds), _ = run_ranks(_eager_after_the_recompile_limit, 2, timeout=120)
+    assert "gave up waiting for rank(s) [1]" in message and seconds < 60, (message, seconds)
+    assert "rank 1 runs '<lambda>'" in message and "torch._dynamo.config.recompile_limit (2)" in message, message
+
+
 def _two_levels(rank, world):
     """All-reduces over a sub-group ({0, 1} / {2, 3}, a 2-D mesh's inner dim) and over WORLD in one
     graph. The WORLD check compared every rank's pools, sub-group names included, which differ

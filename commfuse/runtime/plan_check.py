@@ -11,6 +11,7 @@ collectives. A rank that never arrives (it took a branch with no collective) is 
 from __future__ import annotations
 
 import json
+import logging
 import re
 import time
 import weakref
@@ -129,9 +130,40 @@ def announce() -> None:
             options = {k: re.sub(r" at 0x[0-9a-f]+", "", repr(v)) for k, v in config.snapshot().items() if k not in config.WITHOUT_EFFECT_ON_CODE}
             store.set(f"commfuse/options/{dist.get_rank()}", json.dumps(options))
             _state(store)["options"] = options
+            _note_eager_frames(store)
     except (RuntimeError, ValueError):  # no default store (a group made without one): the checks set it
         return
     _state(store)["announced"] = True
+
+
+def _note_eager_frames(store) -> None:
+    """Dynamo's warning that this rank hit its recompile limit on a frame (an MoE's rank-local token
+    counts), which it then runs eagerly: its c10d collectives cannot meet the comm kernels its peers
+    still run there. Kept in the store for a peer's wait that gives up (`eager_frames`)."""
+    def note(record) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        if str(record.msg).startswith("torch._dynamo hit config.") and len(args) >= 3:  # (limit, value, frame)
+            try:
+                store.set(f"commfuse/eager/{dist.get_rank()}",
+                          f"runs {args[2]} eagerly since it hit torch._dynamo.config.{args[0]} ({args[1]}) there")
+            except Exception:  # a store of a group since destroyed
+                pass
+        return True
+    logging.getLogger("torch._dynamo.convert_frame").addFilter(note)
+
+
+def eager_frames(ranks: list) -> str:
+    """What a wait that gave up adds for the peers among `ranks` (global) that run a frame eagerly."""
+    from torch.distributed.distributed_c10d import _get_default_store
+    try:
+        store = _get_default_store()
+        notes = [f"rank {r} {store.get(f'commfuse/eager/{r}').decode()}" for r in ranks
+                 if store.check([f"commfuse/eager/{r}"])]
+    except Exception:  # no store, or it is gone
+        return ""
+    return "".join(f". {n}" for n in notes) + (
+        ": collectives in it go through c10d, which cannot meet this rank's comm kernels. Raise that limit, "
+        "mark the sizes that vary dynamic (torch._dynamo.mark_dynamic), or set comm.enabled=False" if notes else "")
 
 
 def _options_differ(store, ranks: list) -> str:
@@ -282,7 +314,7 @@ def _wait(store, prefix: str, ranks: list, timeout_s: float, what: str) -> None:
                 "the ranks are running different programs (e.g. a rank-dependent branch), a rank runs these "
                 "collectives through c10d (its graph has dynamic sizes there: mark_dynamic, or automatic dynamic "
                 "shapes after other sizes on that rank only; Dynamo skipped the frame there; another backend), "
-                f"or a rank hangs{_options_differ(store, missing)}", missing, late=True)
+                f"or a rank hangs{_options_differ(store, missing)}{eager_frames(missing)}", missing, late=True)
         time.sleep(pause)
         pause = min(pause * 2, 0.05)
 

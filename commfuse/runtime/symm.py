@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from . import peers
-from .plan_check import check_plans_agree, meet, peer_wait_s
+from .plan_check import check_plans_agree, eager_frames, meet, peer_wait_s
 
 ALIGN = 128          # bytes: every buffer starts on a vectorizable boundary
 SIGNAL_PROGRAMS = 1024  # comm-kernel programs that own a barrier slot (the grid of one kernel)
@@ -133,7 +133,8 @@ class SymmPool:
             ranks = gone
             what = f"rank {me} cannot run {where[1]}: "
         self.failed = peers.PeerError(
-            f"commfuse: {what}{peers.describe(self.rank, ranks, heads, self.group_name, global_rank)}. "
+            f"commfuse: {what}{peers.describe(self.rank, ranks, heads, self.group_name, global_rank)}"
+            f"{eager_frames([global_rank(r) for r in ranks])}. "
             f"Process group {self.group_name}; comm.barrier_timeout_s={self.timeout_s:g} s bounds the wait for a "
             "live peer, a peer's exit ends it at once. The pool's ranks can no longer meet: end the job",
             [global_rank(r) for r in ranks])
