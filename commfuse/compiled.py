@@ -273,8 +273,8 @@ def aot_caching(gm: torch.fx.GraphModule, example_inputs, at_break: bool | None)
     """Within: AOTAutograd's cache keeps and finds the compile of Dynamo's graph `gm`, under our
     own key besides its own (with `at_break`, baked into the code). Yields whether it does: not
     where our graph cache is off, not with dumps (they need the aten graphs), not where either key
-    cannot describe the graph or its context. The backward is then compiled with its forward: AOTAutograd saves the pair at the
-    backward's compile, which would otherwise come later, outside this context."""
+    cannot describe the graph or its context. The backward then compiles with its forward:
+    AOTAutograd saves the pair at the backward's compile, otherwise later, outside this context."""
     on = config.graph_cache and not config.dump_dir and should_use_local_autograd_cache()
     try:
         closures = _dtensor_closures(gm) if on else {}

@@ -81,6 +81,9 @@ def _conv_backward_bias_apart(grad, x, weight, bias_sizes, stride, padding, dila
     return grad_x, grad_w, aten.sum.dim_IntList(grad, [0, *range(2, grad.dim())])
 
 
+_core_index_add = core_aten_decompositions()[aten.index_add.default]
+
+
 def _index_add_in_fp32(x, dim, index, source, *, alpha=1):
     """A half-precision index_add (the gradient of index_select and repeat_interleave: an MoE's
     expert biases) sums in fp32 and rounds once. As the accumulating index_put it decomposes to,
@@ -88,9 +91,6 @@ def _index_add_in_fp32(x, dim, index, source, *, alpha=1):
     if x.dtype not in (torch.float16, torch.bfloat16):
         return _core_index_add(x, dim, index, source, alpha=alpha)
     return _core_index_add(x.float(), dim, index, source.float(), alpha=alpha).to(x.dtype)
-
-
-_core_index_add = core_aten_decompositions()[aten.index_add.default]
 
 
 def _max_pool_via_offsets(x, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
