@@ -11,7 +11,8 @@ difference from eager, and the compile time (first step minus eager's).
 
 On 2 CPU cores, Triton's interpreter (torch 2.13, gloo): qwen3, qwen3_moe and deepseek_v3 at the
 defaults (seq 64, batch 2) take 3-5 min a run; gpt_oss (expert hidden size 2880) needs --seq 16
---batch 1 (about 2-5 min; at seq 64 over 13 min). gpt_oss under TP differs from eager under
+--batch 1 (about 2-5 min; at seq 64 over 13 min), and --balanced-routing in bf16: a top-k flip on
+near-tied scores moves eager's own loss by about 1e-2. gpt_oss under TP differs from eager under
 aot_eager too (6% in step 0's grad norm): compare it with --backend aot_eager, not eager.
 qwen3_5 needs fla (flash-linear-attention), not installed here.
 
@@ -82,6 +83,17 @@ def stub_trainer_imports():
         stub("datasets", Dataset=_Absent, IterableDataset=_Absent, load_dataset=_Absent,
              interleave_datasets=_Absent)
         stub("datasets.distributed", split_dataset_by_node=_Absent)
+
+
+def balanced_routing():
+    """Every MoE router built from now on assigns tokens to experts evenly, whatever its scores."""
+    from torchtitan.models.common.moe import TokenChoiceTopKRouter
+    init = TokenChoiceTopKRouter.__init__
+
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self._debug_force_load_balance = True
+    TokenChoiceTopKRouter.__init__ = __init__
 
 
 def math_attention_class():
@@ -237,6 +249,9 @@ def main():
     p.add_argument("--async-tp", action="store_true")
     p.add_argument("--ac", choices=["default", "selective", "full", "none"], default="default",
                    help="default: the model's Trainer.Config's")
+    p.add_argument("--balanced-routing", action="store_true",
+                   help="MoE routers send tokens to experts evenly (torchtitan's _debug_force_load_balance): in "
+                        "bf16 a top-k flip on near-tied scores moves eager's own loss by ~1e-2 (gpt_oss)")
     p.add_argument("--json", help="write the results here (rank 0)")
     args = p.parse_args()
     if args.backend == "commfuse":
@@ -244,6 +259,8 @@ def main():
     stub_trainer_imports()
     dist.init_process_group("gloo")
     cpu_torchtitan()
+    if args.balanced_routing:
+        balanced_routing()
     device = torch.device("cpu")
     world, rank = dist.get_world_size(), dist.get_rank()
     want, want_n, eager_s, _ = train(args, "eager", world, device)
