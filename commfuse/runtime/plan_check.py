@@ -10,6 +10,7 @@ collectives. A rank that never arrives (it took a branch with no collective) is 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import re
@@ -130,26 +131,27 @@ def announce() -> None:
             options = {k: re.sub(r" at 0x[0-9a-f]+", "", repr(v)) for k, v in config.snapshot().items() if k not in config.WITHOUT_EFFECT_ON_CODE}
             store.set(f"commfuse/options/{dist.get_rank()}", json.dumps(options))
             _state(store)["options"] = options
-            _note_eager_frames(store)
     except (RuntimeError, ValueError):  # no default store (a group made without one): the checks set it
         return
     _state(store)["announced"] = True
 
 
-def _note_eager_frames(store) -> None:
+def _note_eager_frames() -> None:
     """Dynamo's warning that this rank hit its recompile limit on a frame (an MoE's rank-local token
     counts), which it then runs eagerly: its c10d collectives cannot meet the comm kernels its peers
     still run there. Kept in the store for a peer's wait that gives up (`eager_frames`)."""
     def note(record) -> bool:
         args = record.args if isinstance(record.args, tuple) else ()
         if str(record.msg).startswith("torch._dynamo hit config.") and len(args) >= 3:  # (limit, value, frame)
-            try:
-                store.set(f"commfuse/eager/{dist.get_rank()}",
-                          f"runs {args[2]} eagerly since it hit torch._dynamo.config.{args[0]} ({args[1]}) there")
-            except Exception:  # a store of a group since destroyed
-                pass
+            with contextlib.suppress(Exception):  # (no process group now)
+                from torch.distributed.distributed_c10d import _get_default_store
+                what = f"runs {args[2]} eagerly since it hit torch._dynamo.config.{args[0]} ({args[1]}) there"
+                _get_default_store().set(f"commfuse/eager/{dist.get_rank()}", what)
         return True
     logging.getLogger("torch._dynamo.convert_frame").addFilter(note)
+
+
+_note_eager_frames()
 
 
 def eager_frames(ranks: list) -> str:
