@@ -12,8 +12,8 @@ range the mask still drops keys from the scores. With one split the program divi
 the output; with several each stores its unnormalized partial sums and (max, sum), and a second
 kernel combines the splits: out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s.
 
-A query whose keys are all masked gets zeros, as SDPA gives (its math kernel's safe softmax, and
-its fused kernels), not the 0/0 of the sums.
+A query whose keys are all masked gets zeros, as SDPA gives, not 0/0; a row of a float mask's
+lowest finite value (Hugging Face's) is a softmax of equal scores, the mean of V, as in eager.
 """
 from __future__ import annotations
 
@@ -75,8 +75,8 @@ def {name}(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, part_acc, part_ml, S, scale,
             bias = tl.zeros([GBLOCK, BLOCK_N], tl.float32)
         elif MASK == 2:  # float: added to the scores; -inf drops the key
             bias = tl.load(mask_ptr + b * smb + h * smh + n[None, :] * sms, live, other=float("-inf")).to(tl.float32)
-            keep = bias > float("-inf")
-            bias = bias * 1.4426950408889634
+            keep = bias > float("-inf")  # (a dtype's lowest value, a mask's "never", times log2(e) stays finite)
+            bias = tl.maximum(bias, -2.35e38) * 1.4426950408889634
         else:
             keep = live
             bias = tl.zeros([GBLOCK, BLOCK_N], tl.float32)

@@ -28,6 +28,8 @@ CASES = [  # B, query heads, K/V heads, cache length, head dim, dtype, mask, spl
     (1, 8, 2, 50, 16, torch.bfloat16, "float", True),
     (2, 4, 4, 19, 32, torch.float32, None, True),
     (2, 4, 2, 45, 16, torch.float32, "heads", True),
+    (3, 4, 2, 33, 16, torch.float32, "lowest", True),
+    (2, 2, 1, 21, 16, torch.bfloat16, "lowest", False),
 ]
 
 
@@ -45,6 +47,10 @@ def test_decode_attention_matches_sdpa(tmp_path, b, hq, hkv, s, d, dtype, mask, 
         m = torch.rand(b, hq, 1, s, device=DEVICE) < 0.5
         m[..., 0] = True
         m[:, 1::2, :, s // 3:] = False
+    elif mask == "lowest":  # Hugging Face's: the dtype's lowest value, not -inf; a row keeping no key (a padding
+        # slot) is a softmax of equal scores there, the mean of V (the kernel scaled it to -inf: zeros)
+        m = torch.zeros(b, 1, 1, s, dtype=dtype, device=DEVICE).masked_fill(keys > 11, torch.finfo(dtype).min)
+        m[-1] = torch.finfo(dtype).min
     elif mask == "float":
         m = torch.randn(1, s, dtype=dtype, device=DEVICE).masked_fill(keys > s - 9, float("-inf"))
     else:
