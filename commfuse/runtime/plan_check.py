@@ -188,9 +188,9 @@ def check_plans_agree(graph_id: str, pools: dict, buffers: list, groups: dict, p
     order of collectives) would combine different things, or wait at barriers and collectives the
     others never reach. `program`: the collectives the program itself issues (fx_rewrite.
     program_collectives). `at_break`: whether Dynamo ended this graph at a graph break (None: not
-    known). Where the ranks' programs issue the same ones (or cut apart: a graph break on some ranks), the plans may still differ by what each rank compiled alone (a consumer
-    fused into a comm kernel on one rank only, a sum or bucket of collectives, an option set on one
-    rank): the group's collectives then run through c10d, as the programs issue them (PlansSplit).
+    known). Where the programs issue the same collectives (or cut apart), the plans may still differ
+    by what each rank compiled alone (a consumer fused on one rank only, a sum or bucket of
+    collectives, an option set on one rank): the group then runs c10d's, as issued (PlansSplit).
     Programs that differ are an error."""
     from torch.distributed.distributed_c10d import _get_default_store  # c10d internals: only when checking
     for group_name in sorted(groups):  # (a group without a pool: its c10d collectives, which a rewrite changed)
@@ -227,8 +227,9 @@ def check_plans_agree(graph_id: str, pools: dict, buffers: list, groups: dict, p
         if other is None:
             agreed.add(wire)
             continue
-        programs = [json.loads(p)["program"] for p in plans.values()]
-        if _cut_apart([json.loads(p) for p in plans.values()]):
+        parsed = [json.loads(p) for p in plans.values()]
+        programs = [p["program"] for p in parsed]
+        if _cut_apart(parsed):
             split_groups()[group_name] = f"the ranks of group {group_name} cut their graphs in different places"
             counts = ", ".join(f"{len(p)} on rank {r}" for r, p in zip(plans, programs))
             raise PlansSplit(
