@@ -227,9 +227,8 @@ def check_plans_agree(graph_id: str, pools: dict, buffers: list, groups: dict, p
         if other is None:
             agreed.add(wire)
             continue
-        parsed = [json.loads(p) for p in plans.values()]
-        programs = [p["program"] for p in parsed]
-        if _cut_apart(parsed):
+        programs = [json.loads(p)["program"] for p in plans.values()]
+        if _cut_apart([json.loads(p) for p in plans.values()]):
             split_groups()[group_name] = f"the ranks of group {group_name} cut their graphs in different places"
             counts = ", ".join(f"{len(p)} on rank {r}" for r, p in zip(plans, programs))
             raise PlansSplit(
